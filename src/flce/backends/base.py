@@ -1,0 +1,106 @@
+"""The contract between the shared chunked driver and a backend's cross-entropy kernel.
+
+A backend supplies one function, a *chunk CE kernel*, that takes a block of rows of
+logits and computes, per row and in fp32 whatever the logits dtype, every quantity
+the loss needs, and (optionally) overwrites the logits in place with the gradient.
+The driver (``flce.driver``) owns everything else: GEMMs, chunking, reductions,
+dW/db accumulation, autograd. Backends differ in their kernels, not in their control flow.
+
+Per-row math (``z`` a row of logits, ``y`` its target, ``c`` the softcap, ``w`` the
+class weights, ``W = sum(w)`` (``V`` without weights), ``ls`` the label smoothing,
+``eps = ls / V``, ``s`` the z-loss scale)::
+
+    z'    = c * tanh(z / c)            (z' = z without softcap)
+    lse   = logsumexp(z'),  p = softmax(z')
+    ce    = (1 - ls) * w_y * (lse - z'_y) + eps * (W * lse - sum_i w_i z'_i)
+    zl    = s * lse**2
+    st    = p_y  (detached)  if use_token_scaling else 1
+    loss_out = st * ce,  z_loss_out = st * zl
+
+    dce_i = ((1 - ls) * w_y + eps * W) * p_i - eps * w_i - (1 - ls) * w_y * [i == y]
+    dzl_i = 2 * s * lse * p_i
+    grad_i = st * row_grad_scale * (ce_grad_scale * dce_i + z_grad_scale * dzl_i) * dz'_i/dz_i
+    dz'_i/dz_i = 1 - (z'_i / c)**2      (1 without softcap)
+
+Rows whose target equals ``ignore_index`` get loss 0, z-loss 0, correct 0,
+predicted -1 and an all-zero gradient row. ``ignore_index`` may be a real class id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkScalars:
+    """Scalars that are the same for every chunk of one call.
+
+    ``ce_grad_scale`` and ``z_grad_scale`` fold the reduction into the gradient:
+    for ``reduction="mean"`` they are ``1 / sum(w_y)`` (``1 / n_valid`` without
+    weights) and ``1 / n_valid``; for ``"sum"`` and ``"none"`` both are 1. They are 0
+    when every row is ignored, so nothing divides by zero.
+    """
+
+    ignore_index: int
+    label_smoothing: float
+    lse_square_scale: float
+    softcap: Optional[float]
+    use_token_scaling: bool
+    ce_grad_scale: float
+    z_grad_scale: float
+    weight_sum: float  # sum of ce_weight over the vocabulary (V when there are no weights)
+
+
+class ChunkCEKernel(Protocol):
+    """Signature every backend's chunk CE kernel implements.
+
+    Arguments (M rows of one chunk, V the vocabulary):
+      logits          (M, V) fp16/bf16/fp32, last dim contiguous; overwritten with
+                      dL/dlogits (same dtype) when ``compute_grad`` is True, untouched otherwise.
+      target          (M,) int64 or int32; values in [0, V) or ``ignore_index``.
+      ce_weight       (V,) fp32 contiguous, or None.
+      scalars         the per-call ``ChunkScalars``.
+      loss_out        (M,) fp32, written: ``st * ce`` per row.
+      z_loss_out      (M,) fp32 or None: ``st * zl`` per row when given.
+      correct_out     (M,) fp32 or None: 1.0 where argmax(z') == y (first index wins ties).
+      predicted_out   (M,) int64 or None: argmax(z') (first index wins), -1 on ignored rows.
+      row_grad_scale  (M,) fp32 or None: per-row upstream gradient (reduction="none" backward).
+      compute_grad    whether to write the gradient into ``logits``.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        ce_weight: Optional[torch.Tensor],
+        scalars: ChunkScalars,
+        *,
+        loss_out: torch.Tensor,
+        z_loss_out: Optional[torch.Tensor],
+        correct_out: Optional[torch.Tensor],
+        predicted_out: Optional[torch.Tensor],
+        row_grad_scale: Optional[torch.Tensor],
+        compute_grad: bool,
+    ) -> None: ...
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a backend registers with ``flce.dispatch``.
+
+    ``availability(device)`` returns ``(True, "")`` or ``(False, reason)``; the reason
+    is shown to users (``flce info``, errors on explicit request). It must be cheap and
+    must not raise. ``extra_bytes_per_logit`` is the kernel's fp32 workspace per logit
+    beyond the chunk itself (0 for in-place kernels); the driver's chunk sizing uses it.
+    ``auto_priority``: higher wins in auto dispatch among available backends.
+    """
+
+    name: str
+    cross_entropy_chunk: ChunkCEKernel
+    availability: "callable"
+    extra_bytes_per_logit: int
+    auto_priority: int
+    description: str

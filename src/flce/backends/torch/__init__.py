@@ -1,0 +1,22 @@
+"""The ``torch`` backend: chunk CE in plain PyTorch, fp32 math, any device."""
+
+from __future__ import annotations
+
+import torch
+
+from flce.backends.base import BackendSpec
+from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT, cross_entropy_chunk
+
+
+def availability(device: torch.device) -> tuple[bool, str]:
+    return True, ""
+
+
+BACKEND = BackendSpec(
+    name="torch",
+    cross_entropy_chunk=cross_entropy_chunk,
+    availability=availability,
+    extra_bytes_per_logit=EXTRA_BYTES_PER_LOGIT,
+    auto_priority=0,
+    description="PyTorch ops, fp32 math; runs everywhere; the default on CPU",
+)

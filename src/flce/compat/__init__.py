@@ -1,0 +1,1 @@
+"""Drop-in shims with other libraries' names and signatures (``flce.compat.liger``)."""

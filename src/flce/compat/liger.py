@@ -1,0 +1,252 @@
+"""Liger-Kernel 0.8.5 names, parameter order, defaults and return types, on flce.
+
+Swap ``from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy``
+for ``from flce.compat.liger import liger_fused_linear_cross_entropy``. Behaviour matches
+Liger's except for its known defects, which flce does not have: only-weight-requires-grad
+returns the weight gradient, repeated backward does not compound the upstream scaling,
+out-of-range targets raise, and the caller's logits are never overwritten by the
+standalone cross-entropy. ``ce_mode`` is accepted and ignored; ``ce_impl`` selects an
+flce backend ("torch", "triton", "cutedsl"; Liger's "nvidia-cutedsl" means "cutedsl").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
+from flce.options import LossOptions
+from flce.output import CrossEntropyOutput
+
+__all__ = [
+    "CrossEntropyOutput",
+    "LigerCrossEntropyFunction",
+    "LigerFusedLinearCrossEntropyFunction",
+    "LigerFusedLinearCrossEntropyLoss",
+    "liger_cross_entropy",
+    "liger_fused_linear_cross_entropy",
+]
+
+_LIGER_IMPL_ALIASES = {"nvidia-cutedsl": "cutedsl", "cutedsl": "cutedsl", "triton": "triton", "torch": "torch"}
+
+
+def _backend_from_ce_impl(ce_impl) -> Optional[str]:
+    if ce_impl is None:
+        return None
+    if ce_impl not in _LIGER_IMPL_ALIASES:
+        raise ValueError(f"ce_impl must be None or one of {sorted(_LIGER_IMPL_ALIASES)}, got {ce_impl!r}")
+    return _LIGER_IMPL_ALIASES[ce_impl]
+
+
+def _liger_chunk_size(n_rows: int, vocab: int, hidden: int, chunk_mem_const) -> Optional[int]:
+    """Liger's chunk rule for a non-default ``chunk_mem_const``: logits per chunk bounded
+    by ``chunk_mem_const * N * H`` elements, rounded to a power of two; the default (1)
+    keeps flce's memory-budget sizing."""
+    if isinstance(chunk_mem_const, bool) or not isinstance(chunk_mem_const, int) or chunk_mem_const < 1:
+        raise ValueError(f"chunk_mem_const must be a positive int, got {chunk_mem_const!r}")
+    if chunk_mem_const == 1 or n_rows == 0:
+        return None
+    inc_factor = math.ceil(vocab / (chunk_mem_const * hidden))
+    rows = math.ceil(n_rows / inc_factor)
+    return min(1 << (rows - 1).bit_length(), n_rows)
+
+
+def _fused(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
+           softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
+           ce_impl, chunk_mem_const):
+    options = LossOptions(
+        ignore_index=ignore_index,
+        lse_square_scale=lse_square_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        accum_dtype=accum_dtype,
+        use_token_scaling=use_token_scaling,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        backend=_backend_from_ce_impl(ce_impl),
+        chunk_size=_liger_chunk_size(input.shape[0], weight.shape[0], input.shape[-1], chunk_mem_const)
+        if isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor) and input.dim() >= 1
+        else None,
+    )
+    return fused_linear_cross_entropy_with_options(input, weight, target, bias, ce_weight, options)
+
+
+def _as_tuple(result) -> tuple:
+    if isinstance(result, CrossEntropyOutput):
+        return result.loss, result.z_loss, result.token_accuracy, result.predicted_tokens
+    return result, None, None, None
+
+
+class LigerFusedLinearCrossEntropyFunction:
+    """``LigerFusedLinearCrossEntropyFunction.apply(...)`` -> ``(loss, z_loss, token_accuracy,
+    predicted_tokens)``, unused entries None, as Liger's autograd function."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        _input,
+        weight,
+        target,
+        bias=None,
+        ce_weight=None,
+        ignore_index=-100,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="mean",
+        softcap=None,
+        return_z_loss: bool = False,
+        accum_dtype=None,
+        use_token_scaling: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+        ce_impl=None,
+        ce_mode=None,
+        chunk_mem_const: int = 1,
+    ):
+        return _as_tuple(
+            _fused(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
+                   reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
+                   return_predicted_tokens, ce_impl, chunk_mem_const)
+        )
+
+    @staticmethod
+    def apply(*args, **kwargs):
+        return LigerFusedLinearCrossEntropyFunction.forward(None, *args, **kwargs)
+
+
+def liger_fused_linear_cross_entropy(
+    input,
+    weight,
+    target,
+    bias=None,
+    ce_weight=None,
+    ignore_index: int = -100,
+    lse_square_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: Optional[float] = None,
+    return_z_loss: bool = False,
+    accum_dtype=None,
+    use_token_scaling: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    chunk_mem_const: int = 1,
+):
+    """Liger's functional FLCE: the bare loss, or ``CrossEntropyOutput`` when a ``return_*`` flag is set."""
+    return _fused(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
+                  reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
+                  return_predicted_tokens, None, chunk_mem_const)
+
+
+class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
+    """Liger's module: ``forward(lin_weight, _input, target, bias=None)`` (weight first)."""
+
+    def __init__(
+        self,
+        ce_weight: Optional[torch.FloatTensor] = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: Optional[float] = None,
+        return_z_loss: bool = False,
+        accum_dtype: Optional[torch.dtype] = None,
+        use_token_scaling: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+    ):
+        super().__init__()
+        # Validate now, as Liger does at construction (with clear exceptions, not asserts).
+        LossOptions(
+            ignore_index=ignore_index, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing,
+            reduction=reduction, softcap=softcap, return_z_loss=return_z_loss, accum_dtype=accum_dtype,
+            use_token_scaling=use_token_scaling, return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+        )
+        self.ce_weight = ce_weight
+        self.ignore_index = ignore_index
+        self.lse_square_scale = lse_square_scale
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.softcap = softcap
+        self.return_z_loss = return_z_loss
+        self.accum_dtype = accum_dtype
+        self.use_token_scaling = use_token_scaling
+        self.return_token_accuracy = return_token_accuracy
+        self.return_predicted_tokens = return_predicted_tokens
+
+    def forward(self, lin_weight, _input, target, bias=None):
+        return _fused(_input, lin_weight, target, bias, self.ce_weight, self.ignore_index, self.lse_square_scale,
+                      self.label_smoothing, self.reduction, self.softcap, self.return_z_loss, self.accum_dtype,
+                      self.use_token_scaling, self.return_token_accuracy, self.return_predicted_tokens, None, 1)
+
+
+def _ce(input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+        return_z_loss, return_token_accuracy, return_predicted_tokens):
+    options = LossOptions(
+        ignore_index=ignore_index,
+        lse_square_scale=lse_square_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+    )
+    return cross_entropy_with_options(input, target, weight, options)
+
+
+class LigerCrossEntropyFunction:
+    """``LigerCrossEntropyFunction.apply(...)`` -> ``(loss, z_loss, token_accuracy, predicted_tokens)``."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        _input: torch.Tensor,
+        target: torch.Tensor,
+        weight: Optional[torch.FloatTensor],
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: Optional[float] = None,
+        return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+    ):
+        return _as_tuple(
+            _ce(_input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+                return_z_loss, return_token_accuracy, return_predicted_tokens)
+        )
+
+    @staticmethod
+    def apply(*args, **kwargs):
+        return LigerCrossEntropyFunction.forward(None, *args, **kwargs)
+
+
+def liger_cross_entropy(
+    input,
+    target,
+    weight=None,
+    size_average=None,
+    ignore_index: int = -100,
+    reduce=None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: Optional[float] = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+):
+    """Liger's functional CE. ``size_average``/``reduce`` are PyTorch's deprecated
+    placeholders: Liger ignores them, flce refuses any value but None rather than ignore it."""
+    for name, value in (("size_average", size_average), ("reduce", reduce)):
+        if value is not None:
+            raise ValueError(f"{name} is a deprecated placeholder and must be None; use reduction=")
+    return _ce(input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+               return_z_loss, return_token_accuracy, return_predicted_tokens)

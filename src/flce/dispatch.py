@@ -1,0 +1,76 @@
+"""Backend registry and selection: argument > ``FLCE_BACKEND`` > auto.
+
+Each backend lives in ``flce.backends.<name>`` and exposes ``BACKEND`` (a
+``BackendSpec``). Importing a backend package never fails for a missing optional
+dependency: its ``availability`` says why it cannot run instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from flce.backends.base import BackendSpec
+
+BACKEND_NAMES = ("torch", "triton", "cutedsl")
+ENV_VAR = "FLCE_BACKEND"
+
+
+class BackendUnavailableError(RuntimeError):
+    """An explicitly requested backend cannot run on this device or installation."""
+
+
+@lru_cache(maxsize=None)
+def get_backend(name: str) -> BackendSpec:
+    """The registered spec of backend ``name`` (validated against ``BACKEND_NAMES``)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {name!r}")
+    return importlib.import_module(f"flce.backends.{name}").BACKEND
+
+
+def availability(name: str, device: torch.device) -> tuple[bool, str]:
+    """``(usable, reason)`` of backend ``name`` on ``device``."""
+    return get_backend(name).availability(device)
+
+
+def requested_backend(backend: Optional[str]) -> Optional[str]:
+    """The explicit request: the argument, else ``FLCE_BACKEND``, else None (auto)."""
+    if backend is None:
+        backend = os.environ.get(ENV_VAR) or None
+        if backend is not None and backend.strip().lower() == "auto":
+            return None
+        if backend is not None:
+            backend = backend.strip().lower()
+            if backend not in BACKEND_NAMES:
+                raise ValueError(f"{ENV_VAR} must be one of {BACKEND_NAMES} or 'auto', got {backend!r}")
+    elif backend not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {backend!r}")
+    return backend
+
+
+def resolve_backend(backend: Optional[str], device: torch.device) -> BackendSpec:
+    """The backend to run: an explicit request must be usable (else a clear error);
+    auto picks the usable backend with the highest ``auto_priority`` (torch always is)."""
+    name = requested_backend(backend)
+    if name is not None:
+        spec = get_backend(name)
+        ok, why = spec.availability(device)
+        if not ok:
+            raise BackendUnavailableError(f"backend {name!r} cannot run on {device}: {why}")
+        return spec
+    return _auto_backend(device.type, device.index)
+
+
+@lru_cache(maxsize=None)
+def _auto_backend(device_type: str, device_index: Optional[int]) -> BackendSpec:
+    if device_type != "cuda":
+        # Off the GPU the torch backend is the default: Triton there is only its
+        # interpreter (for tests), far slower than PyTorch's CPU kernels.
+        return get_backend("torch")
+    device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
+    usable = [get_backend(n) for n in BACKEND_NAMES if get_backend(n).availability(device)[0]]
+    return max(usable, key=lambda spec: spec.auto_priority)

@@ -1,0 +1,303 @@
+"""The shared chunked driver: one control flow for every backend.
+
+For a block of ``C`` token rows at a time it runs the logits GEMM into a reused
+``(C, V)`` buffer, calls the backend's chunk CE kernel (loss statistics, and the
+gradient written in place over the logits), then the dX GEMM and the dW/db
+accumulation. The full ``(N, V)`` logits never exist.
+
+Chunk size (``default_chunk_size``): the rows whose logits fit the memory budget,
+
+    C = budget_bytes // (V * (itemsize(compute dtype) + backend.extra_bytes_per_logit))
+
+clamped to [1, N] and then balanced so every chunk has about the same size. The
+budget is ``DEFAULT_CHUNK_BUDGET_BYTES`` (512 MiB; ``FLCE_CHUNK_BUDGET_MIB`` overrides
+it, ``chunk_size=`` overrides C). Peak extra memory of a forward+backward call is then
+
+    C*V*(itemsize + extra)                 chunk logits + kernel workspace
+  + V*H*4   (dW accumulated in fp32 when the weight is bf16/fp16 and accum_dtype != its dtype)
+  + V*H*itemsize(weight) + N*H*itemsize(input) + V*itemsize(bias)   the gradients returned
+
+dW and db are accumulated in fp32 unless ``accum_dtype`` equals a low-precision
+weight dtype (then in that dtype: less memory, rounding per chunk, the user's choice).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flce.backends.base import BackendSpec, ChunkScalars
+from flce.options import LossOptions
+
+DEFAULT_CHUNK_BUDGET_BYTES = 512 * 2**20
+CHUNK_BUDGET_ENV_VAR = "FLCE_CHUNK_BUDGET_MIB"
+
+
+def chunk_budget_bytes() -> int:
+    """The transient-logits budget: ``FLCE_CHUNK_BUDGET_MIB`` if set, else 512 MiB."""
+    value = os.environ.get(CHUNK_BUDGET_ENV_VAR)
+    if not value:
+        return DEFAULT_CHUNK_BUDGET_BYTES
+    try:
+        mib = float(value)
+    except ValueError:
+        raise ValueError(f"{CHUNK_BUDGET_ENV_VAR} must be a positive number of MiB, got {value!r}") from None
+    if not mib > 0:
+        raise ValueError(f"{CHUNK_BUDGET_ENV_VAR} must be a positive number of MiB, got {value!r}")
+    return int(mib * 2**20)
+
+
+def default_chunk_size(
+    n_rows: int,
+    vocab: int,
+    logits_dtype: torch.dtype,
+    extra_bytes_per_logit: int = 0,
+    budget_bytes: Optional[int] = None,
+) -> int:
+    """Rows per chunk so that a chunk's logits (plus the kernel's workspace) fit the budget."""
+    if n_rows <= 0:
+        return 1
+    budget = chunk_budget_bytes() if budget_bytes is None else budget_bytes
+    bytes_per_row = vocab * (torch.empty((), dtype=logits_dtype).element_size() + extra_bytes_per_logit)
+    rows = max(1, min(n_rows, budget // max(bytes_per_row, 1)))
+    # Balance the chunks: with k chunks needed, make them all ceil(N / k) rows, so the
+    # last one is not a tiny, inefficient GEMM (never larger than the budget allows).
+    num_chunks = math.ceil(n_rows / rows)
+    return math.ceil(n_rows / num_chunks)
+
+
+@dataclass(frozen=True)
+class BatchStatistics:
+    """Per-call counts read back from the device in one transfer."""
+
+    n_valid: int  # rows whose target is not ignore_index
+    ce_denominator: float  # mean reduction's divisor of the CE part: sum of w_y, or n_valid
+    weight_sum: float  # sum of ce_weight over the vocabulary (V without weights)
+
+
+def batch_statistics(
+    target: torch.Tensor, ce_weight: Optional[torch.Tensor], vocab: int, ignore_index: int
+) -> BatchStatistics:
+    """Validates the target range (and class weights) and counts the valid rows with a
+    single device-to-host read, the only host sync of a call. Raises ``ValueError``
+    naming the first offending value before any kernel reads out of bounds."""
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= vocab))
+    parts = [valid.sum(), out_of_range.sum()]
+    if ce_weight is not None:
+        w = ce_weight.float()
+        safe_target = torch.where(valid & ~out_of_range, target, torch.zeros_like(target)).long()
+        parts += [(w[safe_target] * valid).sum(), w.sum(), ((w < 0) | ~torch.isfinite(w)).sum()]
+    values = torch.stack([p.double() for p in parts]).tolist()  # the one host sync
+    n_valid, n_bad = int(values[0]), int(values[1])
+    if n_bad:
+        bad = target[out_of_range][:3].tolist()
+        raise ValueError(
+            f"target values must be in [0, {vocab}) or equal ignore_index={ignore_index}; "
+            f"found {n_bad} out of range (e.g. {bad})"
+        )
+    if ce_weight is None:
+        return BatchStatistics(n_valid, float(n_valid), float(vocab))
+    if values[4]:
+        raise ValueError("ce_weight must be finite and non-negative; it has negative, NaN or Inf entries")
+    return BatchStatistics(n_valid, values[2], values[3])
+
+
+def chunk_scalars(options: LossOptions, stats: BatchStatistics) -> ChunkScalars:
+    """Kernel scalars; the mean reduction is folded into the gradient scales."""
+    if options.reduction == "mean":
+        ce_scale = 1.0 / stats.ce_denominator if stats.ce_denominator > 0 else 0.0
+        z_scale = 1.0 / stats.n_valid if stats.n_valid > 0 else 0.0
+    else:
+        ce_scale = z_scale = 1.0
+    return ChunkScalars(
+        ignore_index=options.ignore_index,
+        label_smoothing=float(options.label_smoothing),
+        lse_square_scale=float(options.lse_square_scale),
+        softcap=None if options.softcap is None else float(options.softcap),
+        use_token_scaling=options.use_token_scaling,
+        ce_grad_scale=ce_scale,
+        z_grad_scale=z_scale,
+        weight_sum=stats.weight_sum,
+    )
+
+
+@dataclass
+class RowOutputs:
+    """Per-row results of one call, before reduction."""
+
+    loss: torch.Tensor  # (N,) fp32, CE part
+    z_loss: Optional[torch.Tensor]  # (N,) fp32
+    correct: Optional[torch.Tensor]  # (N,) fp32
+    predicted: Optional[torch.Tensor]  # (N,) int64
+
+    @staticmethod
+    def allocate(n_rows: int, options: LossOptions, device: torch.device) -> "RowOutputs":
+        def rows(dtype):
+            return torch.empty(n_rows, dtype=dtype, device=device)
+
+        return RowOutputs(
+            loss=rows(torch.float32),
+            z_loss=rows(torch.float32) if options.needs_z_loss_rows else None,
+            correct=rows(torch.float32) if options.return_token_accuracy else None,
+            predicted=rows(torch.int64) if options.return_predicted_tokens else None,
+        )
+
+    def chunk_kwargs(self, start: int, end: int) -> dict:
+        def part(t):
+            return None if t is None else t[start:end]
+
+        return dict(
+            loss_out=self.loss[start:end],
+            z_loss_out=part(self.z_loss),
+            correct_out=part(self.correct),
+            predicted_out=part(self.predicted),
+        )
+
+
+@dataclass
+class Gradients:
+    input: Optional[torch.Tensor]  # (N, H) input dtype
+    weight: Optional[torch.Tensor]  # (V, H) weight dtype
+    bias: Optional[torch.Tensor]  # (V,) bias dtype
+
+
+def _weight_accumulator_dtype(options: LossOptions, param_dtype: torch.dtype) -> torch.dtype:
+    """fp32 unless the caller asked to accumulate in the (low-precision) parameter dtype."""
+    if options.accum_dtype is not None and options.accum_dtype == param_dtype:
+        return param_dtype
+    return torch.float32
+
+
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _addmm_out_dtype_supported(device: torch.device) -> bool:
+    # addmm(out_dtype=float32) with bf16/fp16 operands: a cuBLAS GEMM whose C/D are fp32,
+    # added in torch 2.8 and implemented for CUDA only.
+    return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
+
+
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, accumulating in acc's dtype without a parameter-sized temporary."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.dtype == torch.float32 and _addmm_out_dtype_supported(acc.device):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        # CPU (or an old torch): upcast the chunk operands, which is exact and small.
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+def run_chunks(
+    input: torch.Tensor,  # (N, H) any float dtype (cast to compute_dtype per chunk)
+    weight: torch.Tensor,  # (V, H)
+    target: torch.Tensor,  # (N,)
+    bias: Optional[torch.Tensor],  # (V,)
+    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    options: LossOptions,
+    backend: BackendSpec,
+    compute_dtype: torch.dtype,
+    scalars: ChunkScalars,
+    *,
+    grad_input: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32 per-row upstream gradient
+    rows: Optional[RowOutputs] = None,
+) -> tuple[RowOutputs, Gradients]:
+    """Runs every chunk; returns per-row outputs and the requested gradients."""
+    n_rows, hidden = input.shape
+    vocab = weight.shape[0]
+    device = input.device
+    rows = RowOutputs.allocate(n_rows, options, device) if rows is None else rows
+    compute_grad = grad_input or grad_weight or grad_bias
+
+    w = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+    b = None if bias is None else (bias if bias.dtype == compute_dtype else bias.to(compute_dtype))
+    w_t = w.t()  # (H, V) view: logits = x @ W^T
+
+    dx = torch.empty_like(input) if grad_input else None
+    dw_acc = (
+        torch.zeros(vocab, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
+        if grad_weight
+        else None
+    )
+    db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
+
+    chunk = options.chunk_size or default_chunk_size(n_rows, vocab, compute_dtype, backend.extra_bytes_per_logit)
+    chunk = max(1, min(chunk, n_rows))
+    logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if n_rows else None
+
+    for start in range(0, n_rows, chunk):
+        end = min(start + chunk, n_rows)
+        x = input[start:end]
+        if x.dtype != compute_dtype:
+            x = x.to(compute_dtype)
+        logits = logits_buffer[: end - start]  # (C, V)
+        if b is None:
+            torch.mm(x, w_t, out=logits)
+        else:
+            torch.addmm(b, x, w_t, out=logits)
+        backend.cross_entropy_chunk(
+            logits,
+            target[start:end],
+            ce_weight,
+            scalars,
+            **rows.chunk_kwargs(start, end),
+            row_grad_scale=None if row_grad_scale is None else row_grad_scale[start:end],
+            compute_grad=compute_grad,
+        )
+        if not compute_grad:
+            continue
+        grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
+        if dx is not None:
+            if dx.dtype == compute_dtype:
+                torch.mm(grad_logits, w, out=dx[start:end])
+            else:
+                dx[start:end] = grad_logits @ w
+        if dw_acc is not None:
+            _accumulate_product(dw_acc, grad_logits.t(), x)
+        if db_acc is not None:
+            db_acc += grad_logits.sum(dim=0, dtype=torch.float32)
+
+    del logits_buffer
+    dw = None
+    if dw_acc is not None:
+        dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
+        del dw_acc
+    db = None if db_acc is None else db_acc.to(bias.dtype)
+    return rows, Gradients(dx, dw, db)
+
+
+@dataclass
+class Reduced:
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor]
+    token_accuracy: Optional[torch.Tensor]
+    predicted_tokens: Optional[torch.Tensor]
+
+
+def reduce_rows(rows: RowOutputs, options: LossOptions, scalars: ChunkScalars, stats: BatchStatistics) -> Reduced:
+    """Applies the reduction; the mean uses the same scales as the gradient."""
+    z_rows = rows.z_loss
+    adds_z = options.lse_square_scale > 0 and z_rows is not None
+    if options.reduction == "none":
+        loss = rows.loss + z_rows if adds_z else rows.loss
+        z_loss = z_rows if options.return_z_loss else None
+        accuracy = rows.correct
+    else:
+        ce_total = rows.loss.sum()
+        z_total = z_rows.sum() if z_rows is not None else None
+        loss = ce_total * scalars.ce_grad_scale
+        if adds_z:
+            loss = loss + z_total * scalars.z_grad_scale
+        z_loss = z_total * scalars.z_grad_scale if options.return_z_loss else None
+        accuracy = None
+        if rows.correct is not None:
+            accuracy = rows.correct.sum() * (1.0 / stats.n_valid if stats.n_valid else 0.0)
+    return Reduced(loss, z_loss, accuracy, rows.predicted)

@@ -1,0 +1,335 @@
+"""Public functions and their autograd: ``fused_linear_cross_entropy`` and ``cross_entropy``.
+
+Both validate at the boundary (``flce.options``), pick a backend (``flce.dispatch``),
+read the batch statistics with one host sync (``flce.driver.batch_statistics``) and run
+the shared chunked driver. With nothing requiring grad they run the loss-only path and
+no gradient work at all.
+
+Backward for ``mean``/``sum``: the gradients are computed during the forward (the
+logits exist only there) and scaled by the upstream gradient in backward. The first
+backward takes ownership of them and scales them in place; a repeated backward
+(``retain_graph=True``) recomputes them, so scaling never compounds. For
+``reduction="none"`` the fused loss recomputes the chunks in backward with the
+per-token upstream gradient folded into each row before the dW/db sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from flce.backends.base import BackendSpec, ChunkScalars
+from flce.dispatch import resolve_backend
+from flce.driver import (
+    BatchStatistics,
+    RowOutputs,
+    batch_statistics,
+    chunk_scalars,
+    default_chunk_size,
+    reduce_rows,
+    run_chunks,
+)
+from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
+from flce.output import CrossEntropyOutput
+
+LossResult = Union[torch.Tensor, CrossEntropyOutput]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything one call decided before its first kernel."""
+
+    options: LossOptions
+    backend: BackendSpec
+    compute_dtype: torch.dtype
+    stats: BatchStatistics
+    scalars: ChunkScalars
+
+
+def _no_autocast(device: torch.device):
+    # The driver picks its dtypes itself; autocast must not re-cast the kernel's fp32 math.
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _mark_outputs(ctx, reduced) -> tuple:
+    extras = [t for t in (reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens) if t is not None]
+    if extras:
+        ctx.mark_non_differentiable(*extras)
+    return reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd of the fused loss; inputs already validated and flattened."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, target, ce_weight, plan: _Plan):
+        # input (N, H), weight (V, H), bias (V,) or None, target (N,), ce_weight (V,) fp32 or None
+        grad_input, grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_bias = bias is not None and ctx.needs_input_grad[2]
+        ctx.plan = plan
+        ctx.grad_flags = (grad_input, grad_weight, grad_bias)
+        ctx.save_for_backward(input, weight, bias, target, ce_weight)
+        defer = plan.options.reduction == "none"
+        with _no_autocast(input.device):
+            rows, grads = run_chunks(
+                input, weight, target, bias, ce_weight, plan.options, plan.backend, plan.compute_dtype,
+                plan.scalars,
+                grad_input=grad_input and not defer,
+                grad_weight=grad_weight and not defer,
+                grad_bias=grad_bias and not defer,
+            )
+        ctx.grads = None if defer else grads
+        return _mark_outputs(ctx, reduce_rows(rows, plan.options, plan.scalars, plan.stats))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
+        if grad_loss is None:
+            return None, None, None, None, None, None
+        grads, ctx.grads = ctx.grads, None
+        if grads is not None:
+            # First backward of a mean/sum loss: we own these tensors now; scale in place.
+            for g in (grads.input, grads.weight, grads.bias):
+                if g is not None:
+                    g.mul_(grad_loss.to(g.dtype))
+        else:
+            # reduction="none", or a repeated backward: recompute with the upstream
+            # gradient folded into each row before the dW/db sums.
+            input, weight, bias, target, ce_weight = ctx.saved_tensors
+            plan = ctx.plan
+            row_scale = grad_loss.float().expand(input.shape[0]).contiguous()
+            grad_input, grad_weight, grad_bias = ctx.grad_flags
+            with _no_autocast(input.device):
+                _, grads = run_chunks(
+                    input, weight, target, bias, ce_weight, plan.options, plan.backend, plan.compute_dtype,
+                    plan.scalars,
+                    grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias,
+                    row_grad_scale=row_scale,
+                )
+        return grads.input, grads.weight, grads.bias, None, None, None
+
+
+def _package(options: LossOptions, target_shape, loss, z_loss, accuracy, predicted) -> LossResult:
+    if options.reduction == "none" and len(target_shape) > 1:
+        loss = loss.view(target_shape)
+        z_loss = None if z_loss is None else z_loss.view(target_shape)
+        accuracy = None if accuracy is None else accuracy.view(target_shape)
+    if predicted is not None and len(target_shape) > 1:
+        predicted = predicted.view(target_shape)
+    if not options.returns_structured:
+        return loss
+    return CrossEntropyOutput(
+        loss=loss,
+        z_loss=z_loss if options.return_z_loss else None,
+        token_accuracy=accuracy if options.return_token_accuracy else None,
+        predicted_tokens=predicted if options.return_predicted_tokens else None,
+    )
+
+
+def _prepare_ce_weight(ce_weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if ce_weight is None else ce_weight.detach().float().contiguous()
+
+
+def fused_linear_cross_entropy_with_options(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ce_weight: Optional[torch.Tensor],
+    options: LossOptions,
+) -> LossResult:
+    """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
+    compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
+    backend = resolve_backend(options.backend, input.device)
+    hidden, vocab = input.shape[-1], weight.shape[0]
+    input_2d = input.reshape(-1, hidden)
+    target_1d = target.reshape(-1)
+    ce_weight = _prepare_ce_weight(ce_weight)
+    stats = batch_statistics(target_1d, ce_weight, vocab, options.ignore_index)
+    plan = _Plan(options, backend, compute_dtype, stats, chunk_scalars(options, stats))
+
+    tensors = (input, weight) if bias is None else (input, weight, bias)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        outputs = FusedLinearCrossEntropyFunction.apply(input_2d, weight, bias, target_1d, ce_weight, plan)
+    else:
+        with _no_autocast(input.device):
+            rows, _ = run_chunks(
+                input_2d, weight, target_1d, bias, ce_weight, options, backend, compute_dtype, plan.scalars,
+                grad_input=False, grad_weight=False, grad_bias=False,
+            )
+        reduced = reduce_rows(rows, options, plan.scalars, stats)
+        outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
+    return _package(options, tuple(target.shape), *outputs)
+
+
+def fused_linear_cross_entropy(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ce_weight: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    lse_square_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: Optional[float] = None,
+    return_z_loss: bool = False,
+    accum_dtype: Optional[torch.dtype] = None,
+    use_token_scaling: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    backend: Optional[str] = None,
+    chunk_size: Optional[int] = None,
+) -> LossResult:
+    """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materializing the logits.
+
+    Args:
+        input: ``(N, H)`` or ``(B, T, H)`` hidden states (fp16/bf16/fp32).
+        weight: ``(V, H)`` LM-head weight, same dtype as ``input`` outside ``torch.autocast``.
+        target: ``(N,)`` or ``(B, T)`` integer class indices in ``[0, V)`` or ``ignore_index``.
+        bias: optional ``(V,)``.
+        ce_weight: optional ``(V,)`` float class weights (finite, non-negative).
+        ignore_index: target value whose rows contribute nothing (may be a real class id).
+        lse_square_scale: z-loss scale ``s``; adds ``s * logsumexp(z)**2`` per row.
+        label_smoothing: in ``[0, 1]``.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (per token, shaped like ``target``;
+            backward supported by recomputation).
+        softcap: logits become ``softcap * tanh(z / softcap)``; ``None`` disables.
+        return_z_loss / return_token_accuracy / return_predicted_tokens: also return these
+            (then the result is a ``CrossEntropyOutput``).
+        accum_dtype: dW/db accumulation dtype; ``None`` (default) and ``torch.float32``
+            accumulate in fp32; the weight's own dtype accumulates in it (less memory).
+        use_token_scaling: scale each row's loss and gradient by its detached ``p(target)``.
+        backend: ``"torch"``, ``"triton"``, ``"cutedsl"`` or ``None`` (``FLCE_BACKEND``, then auto).
+        chunk_size: rows per chunk; ``None`` sizes chunks from the memory budget
+            (``flce.driver.default_chunk_size``).
+
+    Returns:
+        The fp32 loss (scalar for mean/sum, per token for none), or a ``CrossEntropyOutput``
+        when a ``return_*`` flag is set.
+    """
+    options = LossOptions(
+        ignore_index=ignore_index,
+        lse_square_scale=lse_square_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        accum_dtype=accum_dtype,
+        use_token_scaling=use_token_scaling,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        backend=backend,
+        chunk_size=chunk_size,
+    )
+    return fused_linear_cross_entropy_with_options(input, weight, target, bias, ce_weight, options)
+
+
+def _cross_entropy_rows(
+    logits: torch.Tensor, target: torch.Tensor, ce_weight, plan: _Plan, grad_buffer: Optional[torch.Tensor]
+) -> RowOutputs:
+    """Runs the kernel over row chunks of given logits (the torch backend's workspace
+    stays bounded); the gradient, if asked for, goes to ``grad_buffer``."""
+    n_rows, vocab = logits.shape
+    rows = RowOutputs.allocate(n_rows, plan.options, logits.device)
+    source = logits.contiguous() if grad_buffer is None else grad_buffer
+    chunk = plan.options.chunk_size or default_chunk_size(
+        n_rows, vocab, logits.dtype, plan.backend.extra_bytes_per_logit
+    )
+    for start in range(0, n_rows, chunk):
+        end = min(start + chunk, n_rows)
+        plan.backend.cross_entropy_chunk(
+            source[start:end], target[start:end], ce_weight, plan.scalars,
+            **rows.chunk_kwargs(start, end), row_grad_scale=None, compute_grad=grad_buffer is not None,
+        )
+    return rows
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    """Autograd of the loss on given logits: the gradient (per row, reduction scale
+    folded in) is computed in the forward into a copy of the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, target, ce_weight, plan: _Plan):
+        # logits (N, V), target (N,), ce_weight (V,) fp32 or None
+        grad_buffer = logits.detach().clone(memory_format=torch.contiguous_format)
+        with _no_autocast(logits.device):
+            rows = _cross_entropy_rows(logits, target, ce_weight, plan, grad_buffer)
+        ctx.plan = plan
+        ctx.grad_buffer = grad_buffer
+        ctx.save_for_backward(logits, target, ce_weight)
+        return _mark_outputs(ctx, reduce_rows(rows, plan.options, plan.scalars, plan.stats))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
+        if grad_loss is None:
+            return None, None, None, None
+        grad, ctx.grad_buffer = ctx.grad_buffer, None
+        if grad is None:  # repeated backward: recompute
+            logits, target, ce_weight = ctx.saved_tensors
+            grad = logits.detach().clone(memory_format=torch.contiguous_format)
+            with _no_autocast(logits.device):
+                _cross_entropy_rows(logits, target, ce_weight, ctx.plan, grad)
+        scale = grad_loss.float()[:, None] if grad_loss.dim() == 1 else grad_loss.float()
+        grad.mul_(scale.to(grad.dtype) if grad.dtype != torch.float32 else scale)
+        return grad, None, None, None
+
+
+def cross_entropy_with_options(
+    logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], options: LossOptions
+) -> LossResult:
+    validate_logits_inputs(logits, target, weight, options)
+    backend = resolve_backend(options.backend, logits.device)
+    vocab = logits.shape[-1]
+    logits_2d = logits.reshape(-1, vocab)
+    target_1d = target.reshape(-1)
+    weight = _prepare_ce_weight(weight)
+    stats = batch_statistics(target_1d, weight, vocab, options.ignore_index)
+    plan = _Plan(options, backend, logits.dtype, stats, chunk_scalars(options, stats))
+    if torch.is_grad_enabled() and logits.requires_grad:
+        outputs = CrossEntropyFunction.apply(logits_2d, target_1d, weight, plan)
+    else:
+        with _no_autocast(logits.device):
+            rows = _cross_entropy_rows(logits_2d, target_1d, weight, plan, None)
+        reduced = reduce_rows(rows, options, plan.scalars, stats)
+        outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
+    return _package(options, tuple(target.shape), *outputs)
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    lse_square_scale: float = 0.0,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+    softcap: Optional[float] = None,
+    return_z_loss: bool = False,
+    use_token_scaling: bool = False,
+    return_token_accuracy: bool = False,
+    return_predicted_tokens: bool = False,
+    backend: Optional[str] = None,
+) -> LossResult:
+    """Cross-entropy on logits the caller already has (``(N, V)`` or ``(B, T, V)``),
+    with the same options and math as ``fused_linear_cross_entropy``; ``weight`` is the
+    ``(V,)`` class weight. The caller's logits are never modified."""
+    options = LossOptions(
+        ignore_index=ignore_index,
+        lse_square_scale=lse_square_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        use_token_scaling=use_token_scaling,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        backend=backend,
+    )
+    return cross_entropy_with_options(logits, target, weight, options)

@@ -1,0 +1,49 @@
+"""``nn.Module`` front-ends: options fixed at construction, validated once there."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from flce.functional import LossResult, cross_entropy_with_options, fused_linear_cross_entropy_with_options
+from flce.options import LossOptions
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """``forward(input, weight, target, bias=None)``: the loss of ``input @ weight.T + bias``.
+
+    Takes the keyword options of ``flce.fused_linear_cross_entropy``; ``ce_weight`` is
+    registered as a buffer so it follows ``.to()``.
+    """
+
+    def __init__(self, ce_weight: Optional[torch.Tensor] = None, **options) -> None:
+        super().__init__()
+        self.options = LossOptions(**options)
+        self.register_buffer("ce_weight", ce_weight, persistent=False)
+
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> LossResult:
+        return fused_linear_cross_entropy_with_options(input, weight, target, bias, self.ce_weight, self.options)
+
+    def extra_repr(self) -> str:
+        return repr(self.options)
+
+
+class CrossEntropyLoss(nn.Module):
+    """``forward(logits, target)`` with the options of ``flce.cross_entropy``."""
+
+    def __init__(self, weight: Optional[torch.Tensor] = None, **options) -> None:
+        super().__init__()
+        self.options = LossOptions(**options)
+        if self.options.accum_dtype is not None:
+            raise ValueError("accum_dtype applies to FusedLinearCrossEntropyLoss only")
+        self.register_buffer("weight", weight, persistent=False)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> LossResult:
+        return cross_entropy_with_options(logits, target, self.weight, self.options)
+
+    def extra_repr(self) -> str:
+        return repr(self.options)

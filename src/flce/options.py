@@ -1,0 +1,205 @@
+"""Loss options: one frozen dataclass, built and validated once at the API boundary.
+
+Every check here runs before any kernel, names the offending argument and says what
+was expected. Tensor checks that need the data (target range) run in the driver as
+one batched device-to-host read (``flce.driver.batch_statistics``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+REDUCTIONS = ("mean", "sum", "none")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Options of one loss call (everything but the tensors)."""
+
+    ignore_index: int = -100
+    lse_square_scale: float = 0.0
+    label_smoothing: float = 0.0
+    reduction: str = "mean"
+    softcap: Optional[float] = None
+    return_z_loss: bool = False
+    accum_dtype: Optional[torch.dtype] = None
+    use_token_scaling: bool = False
+    return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
+    backend: Optional[str] = None
+    chunk_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_bool_int("ignore_index", self.ignore_index)
+        _check_number("lse_square_scale", self.lse_square_scale)
+        if self.lse_square_scale < 0:
+            raise ValueError(f"lse_square_scale must be >= 0, got {self.lse_square_scale}")
+        _check_number("label_smoothing", self.label_smoothing)
+        if not 0.0 <= self.label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.softcap is not None:
+            _check_number("softcap", self.softcap)
+            if not self.softcap > 0:
+                raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+        for flag in ("return_z_loss", "use_token_scaling", "return_token_accuracy", "return_predicted_tokens"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"accum_dtype must be None, torch.float32 or the weight's dtype, got {self.accum_dtype!r}"
+            )
+        if self.chunk_size is not None:
+            _check_bool_int("chunk_size", self.chunk_size)
+            if self.chunk_size <= 0:
+                raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise TypeError(f"backend must be a str or None, got {self.backend!r}")
+
+    @property
+    def needs_z_loss_rows(self) -> bool:
+        """Whether the kernel must produce per-row z-loss (it enters the loss or is returned)."""
+        return self.lse_square_scale > 0 or self.return_z_loss
+
+    @property
+    def returns_structured(self) -> bool:
+        return self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite float, got {value!r}")
+
+
+def _check_bool_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def check_compute_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
+
+
+def validate_target(target: torch.Tensor, expected_rows: int, rows_name: str) -> None:
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"target must be an integer tensor (int64 or int32), got {target.dtype}")
+    if target.numel() != expected_rows:
+        raise ValueError(
+            f"target must have one class index per row of {rows_name} ({expected_rows} values), "
+            f"got shape {tuple(target.shape)}"
+        )
+
+
+def validate_ce_weight(ce_weight: Optional[torch.Tensor], vocab: int, device: torch.device, name: str) -> None:
+    if ce_weight is None:
+        return
+    if not isinstance(ce_weight, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor of shape ({vocab},) or None, got {type(ce_weight).__name__}")
+    if not ce_weight.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {ce_weight.dtype}")
+    if ce_weight.shape != (vocab,):
+        raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(ce_weight.shape)}")
+    if ce_weight.device != device:
+        raise ValueError(f"{name} is on {ce_weight.device} but the logits are on {device}; put them on one device")
+
+
+def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def resolve_compute_dtype(device: torch.device, *tensors: Optional[torch.Tensor], names: tuple[str, ...]) -> torch.dtype:
+    """dtype the GEMMs and the kernel run in: the autocast dtype inside autocast,
+    else the common dtype of the floating inputs (which must then agree)."""
+    present = [(n, t) for n, t in zip(names, tensors) if t is not None]
+    for name, tensor in present:
+        check_compute_dtype(name, tensor)
+    cast = _autocast_dtype(device)
+    if cast is not None:
+        return cast
+    first_name, first = present[0]
+    for name, tensor in present[1:]:
+        if tensor.dtype != first.dtype:
+            raise TypeError(
+                f"{name} has dtype {tensor.dtype} but {first_name} has {first.dtype}; outside torch.autocast "
+                f"they must match (cast one, or run under torch.autocast)"
+            )
+    return first.dtype
+
+
+def validate_fused_inputs(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    ce_weight: Optional[torch.Tensor],
+    options: LossOptions,
+) -> torch.dtype:
+    """Shape/dtype/device checks for the fused linear + CE; returns the compute dtype."""
+    for name, t in (("input", input), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if input.dim() not in (2, 3):
+        raise ValueError(f"input must be (N, H) or (B, T, H), got shape {tuple(input.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
+    hidden = input.shape[-1]
+    if weight.shape[1] != hidden:
+        raise ValueError(
+            f"weight must be (V, H) with H = input.shape[-1] = {hidden}, got shape {tuple(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    if vocab == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if input.dim() == 3 and target.dim() == 2 and tuple(target.shape) != tuple(input.shape[:2]):
+        raise ValueError(f"target must be (B, T) = {tuple(input.shape[:2])}, got {tuple(target.shape)}")
+    if target.dim() not in (1, 2):
+        raise ValueError(f"target must be (N,) or (B, T), got shape {tuple(target.shape)}")
+    validate_target(target, input.shape[:-1].numel(), "input")
+    device = input.device
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but input is on {device}; all tensors must share a device")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a tensor of shape ({vocab},) or None, got {type(bias).__name__}")
+        if bias.shape != (vocab,):
+            raise ValueError(f"bias must have shape ({vocab},) = (V,), got {tuple(bias.shape)}")
+    validate_ce_weight(ce_weight, vocab, device, "ce_weight")
+    dtype = resolve_compute_dtype(device, input, weight, bias, names=("input", "weight", "bias"))
+    _check_accum_dtype(options, weight.dtype)
+    return dtype
+
+
+def validate_logits_inputs(
+    logits: torch.Tensor, target: torch.Tensor, ce_weight: Optional[torch.Tensor], options: LossOptions
+) -> None:
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("logits and target must be torch.Tensors")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be (N, V) or (B, T, V), got shape {tuple(logits.shape)}")
+    check_compute_dtype("logits", logits)
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError("logits must have at least one class (V >= 1)")
+    validate_target(target, logits.shape[:-1].numel(), "logits")
+    if target.device != logits.device:
+        raise ValueError(f"target is on {target.device} but logits are on {logits.device}; put them on one device")
+    validate_ce_weight(ce_weight, vocab, logits.device, "weight")
+    if options.accum_dtype is not None:
+        raise ValueError("accum_dtype applies to the fused linear loss only; pass None for cross_entropy")
+
+
+def _check_accum_dtype(options: LossOptions, param_dtype: torch.dtype) -> None:
+    if options.accum_dtype not in (None, torch.float32, param_dtype):
+        raise ValueError(
+            f"accum_dtype must be None, torch.float32 or the weight's dtype ({param_dtype}), got {options.accum_dtype}"
+        )

@@ -1,0 +1,241 @@
+"""Parity harness shared by the test suite and ``flce check``.
+
+A case runs one flce call (forward, and backward with an upstream gradient) and the
+same loss twice through the dense reference: in float64 (the truth) and in the
+inputs' own dtype the way eager PyTorch code computes it (logits in the dtype, softmax
+math in fp32). Each output passes when
+
+    err(flce) <= k * err(eager torch, same dtype) + eps        (k = 3)
+
+with ``err`` the relative norm error against float64: a tolerance tied to what
+PyTorch itself achieves in that dtype, so it can fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from flce.functional import fused_linear_cross_entropy
+from flce.output import CrossEntropyOutput
+from flce.reference import fused_linear_cross_entropy_reference
+
+TOLERANCE_FACTOR = 3.0
+# Floors for quantities PyTorch computes (nearly) exactly in the dtype, where a
+# relative error of ~0 would otherwise demand bit-exactness.
+EPS = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.float16: 5e-4}
+
+FEATURES = {
+    "plain": {},
+    "label_smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"lse_square_scale": 1e-3, "return_z_loss": True},
+    "softcap": {"softcap": 4.0},
+    "ce_weight": {"ce_weight": True},
+    "token_scaling": {"use_token_scaling": True},
+    "accuracy": {"return_token_accuracy": True, "return_predicted_tokens": True},
+    "all": {
+        "label_smoothing": 0.2,
+        "lse_square_scale": 1e-3,
+        "return_z_loss": True,
+        "softcap": 4.0,
+        "ce_weight": True,
+        "use_token_scaling": True,
+        "return_token_accuracy": True,
+        "return_predicted_tokens": True,
+    },
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    n_rows: int = 47
+    hidden: int = 33
+    vocab: int = 123
+    dtype: torch.dtype = torch.float32
+    reduction: str = "mean"
+    feature: str = "plain"
+    bias: bool = False
+    grads: tuple[str, ...] = ("input", "weight", "bias")
+    ignore_index: int = -100
+    ignored_fraction: float = 0.2
+    chunk_size: Optional[int] = None
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{self.feature}-{self.reduction}-{dt}-N{self.n_rows}H{self.hidden}V{self.vocab}" + (
+            "-bias" if self.bias else ""
+        )
+
+
+@dataclass
+class Tensors:
+    input: torch.Tensor  # (N, H)
+    weight: torch.Tensor  # (V, H)
+    target: torch.Tensor  # (N,)
+    bias: Optional[torch.Tensor]  # (V,)
+    ce_weight: Optional[torch.Tensor]  # (V,)
+    upstream: torch.Tensor  # () or (N,) upstream gradient
+
+
+def make_tensors(case: Case, device: torch.device) -> Tensors:
+    """Inputs whose softmax is peaked (logits of O(5)), never zeros; about
+    ``ignored_fraction`` of the rows ignored; upstream gradient != 1."""
+    gen = torch.Generator().manual_seed(case.seed)
+    x = torch.randn(case.n_rows, case.hidden, generator=gen)
+    w = torch.randn(case.vocab, case.hidden, generator=gen) * (5.0 / max(case.hidden, 1) ** 0.5)
+    target = torch.randint(0, case.vocab, (case.n_rows,), generator=gen)
+    ignored = torch.rand(case.n_rows, generator=gen) < case.ignored_fraction
+    target[ignored] = case.ignore_index
+    bias = torch.randn(case.vocab, generator=gen) if case.bias else None
+    ce_weight = torch.rand(case.vocab, generator=gen) + 0.5 if FEATURES[case.feature].get("ce_weight") else None
+    if case.reduction == "none":
+        upstream = torch.randn(case.n_rows, generator=gen)
+    else:
+        upstream = torch.tensor(1.5)
+
+    def put(t, dtype):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    return Tensors(
+        put(x, case.dtype), put(w, case.dtype), target.to(device), put(bias, case.dtype), put(ce_weight, torch.float32),
+        upstream.to(device),
+    )
+
+
+def _options(case: Case) -> dict:
+    opts = {k: v for k, v in FEATURES[case.feature].items() if k != "ce_weight"}
+    return dict(opts, reduction=case.reduction, ignore_index=case.ignore_index)
+
+
+def _rel_err(value: Optional[torch.Tensor], truth: Optional[torch.Tensor]) -> float:
+    if value is None or truth is None:
+        return 0.0
+    value, truth = value.double().cpu(), truth.double().cpu()
+    if not torch.isfinite(value).all():
+        return float("inf")
+    scale = truth.norm().item()
+    diff = (value - truth).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+@dataclass
+class Outcome:
+    case: Case
+    backend: str
+    errors: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (ours, torch same dtype)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def _run_reference(t: Tensors, case: Case, logits_dtype, math_dtype, grad_names):
+    leaves = {
+        "input": t.input.detach().to(logits_dtype).requires_grad_("input" in grad_names),
+        "weight": t.weight.detach().to(logits_dtype).requires_grad_("weight" in grad_names),
+        "bias": None if t.bias is None else t.bias.detach().to(logits_dtype).requires_grad_("bias" in grad_names),
+    }
+    opts = _options(case)
+    opts.pop("return_z_loss", None), opts.pop("return_token_accuracy", None), opts.pop("return_predicted_tokens", None)
+    result = fused_linear_cross_entropy_reference(
+        leaves["input"], leaves["weight"], t.target, leaves["bias"], logits_dtype=logits_dtype,
+        ce_weight=t.ce_weight, math_dtype=math_dtype, **opts,
+    )
+    (result.loss * t.upstream.to(result.loss.dtype)).sum().backward()
+    grads = {name: leaves[name].grad for name in grad_names if leaves[name] is not None}
+    return result, grads
+
+
+def run_case(case: Case, backend: Optional[str], device: torch.device) -> Outcome:
+    """Runs ``case`` through flce and judges every output against float64."""
+    t = make_tensors(case, device)
+    grad_names = tuple(g for g in case.grads if g != "bias" or case.bias)
+    leaves = {
+        "input": t.input.detach().clone().requires_grad_("input" in grad_names),
+        "weight": t.weight.detach().clone().requires_grad_("weight" in grad_names),
+        "bias": None if t.bias is None else t.bias.detach().clone().requires_grad_("bias" in grad_names),
+    }
+    out = fused_linear_cross_entropy(
+        leaves["input"], leaves["weight"], t.target, bias=leaves["bias"], ce_weight=t.ce_weight,
+        backend=backend, chunk_size=case.chunk_size, **_options(case),
+    )
+    result = out if isinstance(out, CrossEntropyOutput) else CrossEntropyOutput(out)
+    if grad_names:
+        (result.loss * t.upstream).sum().backward()
+    truth, truth_grads = _run_reference(t, case, torch.float64, torch.float64, grad_names)
+    eager, eager_grads = _run_reference(t, case, case.dtype, torch.float32, grad_names)
+
+    outcome = Outcome(case, backend or "auto")
+    eps = EPS[case.dtype]
+
+    def judge(name, ours, ref, torch_same_dtype):
+        err_ours, err_torch = _rel_err(ours, ref), _rel_err(torch_same_dtype, ref)
+        outcome.errors[name] = (err_ours, err_torch)
+        if not err_ours <= TOLERANCE_FACTOR * err_torch + eps:
+            outcome.failures.append(f"{name}: err {err_ours:.3g} > {TOLERANCE_FACTOR:g} x torch {err_torch:.3g} + {eps:g}")
+
+    judge("loss", result.loss, truth.loss, eager.loss)
+    if result.loss.dtype != torch.float32:
+        outcome.failures.append(f"loss dtype {result.loss.dtype}, expected float32")
+    if case.feature in ("z_loss", "all"):
+        judge("z_loss", result.z_loss, truth.z_loss, eager.z_loss)
+    for name in grad_names:
+        got = leaves[name].grad
+        if got is None:
+            outcome.failures.append(f"{name}.grad is None")
+            continue
+        if got.dtype != leaves[name].dtype:
+            outcome.failures.append(f"{name}.grad dtype {got.dtype}, expected {leaves[name].dtype}")
+        judge(f"grad_{name}", got, truth_grads[name], eager_grads[name])
+    if result.predicted_tokens is not None:
+        _judge_predictions(outcome, case, t, result)
+    return outcome
+
+
+def _judge_predictions(outcome: Outcome, case: Case, t: Tensors, result: CrossEntropyOutput) -> None:
+    """Predicted tokens must be the float64 argmax, except where a rival class is within
+    the dtype's rounding of the logits (a near-tie any low-precision GEMM may flip);
+    token accuracy must agree exactly with the predicted tokens."""
+    z = t.input.double().cpu() @ t.weight.double().cpu().T
+    if t.bias is not None:
+        z = z + t.bias.double().cpu()
+    softcap = FEATURES[case.feature].get("softcap")
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    target = t.target.cpu()
+    valid = target != case.ignore_index
+    predicted = result.predicted_tokens.cpu()
+    if (predicted[~valid] != -1).any():
+        outcome.failures.append("predicted_tokens: ignored rows must be -1")
+    rows = valid.nonzero().squeeze(1)
+    chosen = z[rows, predicted[rows].clamp(min=0)]
+    best = z[rows].max(dim=1).values
+    rounding = 4 * torch.finfo(case.dtype).eps * z[rows].abs().max(dim=1).values
+    wrong = (predicted[rows] < 0) | (chosen < best - rounding)
+    if wrong.any():
+        outcome.failures.append(f"predicted_tokens: {int(wrong.sum())} rows are not (near-)argmax")
+    correct = (predicted == target) & valid
+    if case.reduction == "none":
+        expected = correct.double()
+    else:
+        expected = correct.sum().double() / max(int(valid.sum()), 1)
+    if not torch.allclose(result.token_accuracy.double().cpu(), expected, rtol=1e-6, atol=0):
+        outcome.failures.append("token_accuracy disagrees with predicted_tokens")
+
+
+def check_cases(device: torch.device) -> list[Case]:
+    """The matrix ``flce check`` runs: every feature x reduction x dtype on an odd shape,
+    with a ragged last chunk."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    cases = []
+    for feature in FEATURES:
+        for reduction in ("mean", "sum", "none"):
+            for dtype in dtypes:
+                cases.append(Case(feature=feature, reduction=reduction, dtype=dtype, bias=feature == "all",
+                                  chunk_size=16, seed=len(cases)))
+    return cases

@@ -1,0 +1,81 @@
+"""Parity of the fused loss (torch backend, shared driver) against the float64
+reference, with tolerances tied to eager PyTorch's own error in the same dtype
+(``flce.testing``: err <= 3 x err_torch + eps)."""
+
+import pytest
+import torch
+
+from flce.testing import FEATURES, Case, run_case
+
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+REDUCTIONS = ["mean", "sum", "none"]
+# Which leaves require grad: all, and each alone (Liger returned no weight gradient
+# when only the weight required grad).
+GRADS = [("input", "weight", "bias"), ("input",), ("weight",), ("bias",)]
+
+
+def _assert_passes(case: Case, backend: str = "torch") -> None:
+    outcome = run_case(case, backend, CPU)
+    assert outcome.passed, f"{case.name}: {outcome.failures} errors={outcome.errors}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_feature_matrix(feature, reduction, dtype, bias):
+    # Odd shape, several chunks with a ragged last one (47 = 2 x 16 + 15).
+    _assert_passes(Case(feature=feature, reduction=reduction, dtype=dtype, bias=bias, chunk_size=16))
+
+
+@pytest.mark.parametrize("grads", GRADS, ids="+".join)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_which_tensors_require_grad(grads, reduction, feature):
+    _assert_passes(Case(feature=feature, reduction=reduction, bias=True, grads=grads, chunk_size=10))
+
+
+@pytest.mark.parametrize(
+    "n_rows,hidden,vocab,chunk_size",
+    [
+        (1, 8, 7, None),  # a single row
+        (3, 5, 7, 1),  # one row per chunk
+        (47 * 31, 123, 1031, None),  # the odd (B*T, H, V) of the contract tests, default chunking
+        (47 * 31, 123, 1031, 500),  # several chunks, ragged last (1457 = 2 x 500 + 457)
+        (64, 16, 123, 64),  # exactly one chunk
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_shapes(n_rows, hidden, vocab, chunk_size, dtype):
+    _assert_passes(Case(n_rows=n_rows, hidden=hidden, vocab=vocab, chunk_size=chunk_size, dtype=dtype,
+                        feature="all", reduction="mean", bias=True))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_ignore_index_equal_to_a_real_class(reduction):
+    # Class 3 is both a vocabulary entry and the ignore index: its rows must vanish.
+    _assert_passes(Case(feature="all", reduction=reduction, ignore_index=3, vocab=7, ignored_fraction=0.3))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_all_rows_ignored(reduction, feature):
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(11, 8, requires_grad=True)
+    b = torch.randn(11, requires_grad=True)
+    target = torch.full((6,), -100)
+    kwargs = dict(FEATURES[feature])
+    if kwargs.pop("ce_weight", None):
+        kwargs["ce_weight"] = torch.rand(11) + 0.5
+    import flce
+
+    out = flce.fused_linear_cross_entropy(x, w, target, bias=b, reduction=reduction, **kwargs)
+    loss = out.loss if isinstance(out, flce.CrossEntropyOutput) else out
+    assert torch.all(loss == 0)
+    loss.sum().backward()
+    for t in (x, w, b):
+        assert torch.isfinite(t.grad).all() and torch.all(t.grad == 0)
+    if isinstance(out, flce.CrossEntropyOutput) and out.predicted_tokens is not None:
+        assert torch.all(out.predicted_tokens == -1)
+        assert torch.all(out.token_accuracy == 0)
