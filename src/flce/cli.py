@@ -27,6 +27,7 @@ def default_device() -> torch.device:
 def _print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         print(title)
@@ -38,7 +39,7 @@ def _print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str
     for column in columns:
         table.add_column(column)
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(escape(cell) for cell in row))
     Console().print(table)
 
 

@@ -22,6 +22,10 @@ class weights, ``W = sum(w)`` (``V`` without weights), ``ls`` the label smoothin
     grad_i = st * row_grad_scale * (ce_grad_scale * dce_i + z_grad_scale * dzl_i) * dz'_i/dz_i
     dz'_i/dz_i = 1 - (z'_i / c)**2      (1 without softcap)
 
+Numerics: evaluate ``ce_grad_scale * dce_i`` (one-hot subtracted) before adding the
+z-loss term; for a confident row ``p_y ~ 1`` the CE gradient cancels to ~0, and
+folding ``2 s lse`` into the coefficient of ``p_i`` first loses that cancellation.
+
 Rows whose target equals ``ignore_index`` get loss 0, z-loss 0, correct 0,
 predicted -1 and an all-zero gradient row. ``ignore_index`` may be a real class id.
 """

@@ -75,10 +75,12 @@ def cross_entropy_chunk(
     if not compute_grad:
         return
 
-    # Per-row coefficients of p_i, of the constant term and of the one-hot term.
-    p_coef = scalars.ce_grad_scale * ((1.0 - ls) * w_y + eps * scalars.weight_sum)
-    p_coef = p_coef + scalars.z_grad_scale * 2.0 * s * lse
-    onehot_coef = scalars.ce_grad_scale * (1.0 - ls) * w_y
+    # Per-row coefficients. The CE part is kept apart from the z-loss part until the
+    # one-hot is subtracted: for a confident row p_y ~ 1 and the CE gradient cancels
+    # to ~0, which folding the z term into the p coefficient first would swamp.
+    ce_coef = scalars.ce_grad_scale * ((1.0 - ls) * w_y + eps * scalars.weight_sum)  # (M,)
+    onehot_coef = scalars.ce_grad_scale * (1.0 - ls) * w_y  # (M,)
+    z_coef = scalars.z_grad_scale * 2.0 * s * lse if s > 0 else None  # (M,)
     row_scale = valid.float()
     if token_scale is not None:
         row_scale = row_scale * token_scale
@@ -88,13 +90,16 @@ def cross_entropy_chunk(
     softcap_derivative = None
     if c is not None:
         softcap_derivative = 1.0 - (z / c) ** 2  # (M, V) from z' before z is reused for p
-    grad = torch.exp(z.sub_(lse[:, None])).mul_(p_coef[:, None])  # (M, V): p_i * coefficient
+    p = torch.exp(z.sub_(lse[:, None]))  # (M, V) softmax, in z's storage
+    grad = p * ce_coef[:, None]
     if eps > 0:
         if ce_weight is not None:
             grad.sub_((scalars.ce_grad_scale * eps) * ce_weight[None, :])
         else:
             grad.sub_(scalars.ce_grad_scale * eps)
     grad.scatter_add_(1, safe_target[:, None], -onehot_coef[:, None])
+    if z_coef is not None:
+        grad.addcmul_(p, z_coef[:, None])
     if softcap_derivative is not None:
         grad.mul_(softcap_derivative)
     grad.mul_(row_scale[:, None])

@@ -1,0 +1,1 @@
+"""Backends: each subpackage supplies a chunk CE kernel (``flce.backends.base``)."""

@@ -1,0 +1,166 @@
+"""The shared driver's behaviours: chunk sizing, the loss-only path, backward scaling
+that does not compound, autocast, (B, T, H) and non-contiguous inputs, one host sync."""
+
+import pytest
+import torch
+
+import flce
+from flce import driver
+from flce.reference import fused_linear_cross_entropy_reference
+
+
+def _inputs(n=21, h=12, v=17, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    w = (torch.randn(v, h, generator=gen) * 0.7).to(dtype)
+    b = torch.randn(v, generator=gen).to(dtype)
+    t = torch.randint(0, v, (n,), generator=gen)
+    t[::4] = -100
+    return x, w, b, t
+
+
+def test_chunk_size_follows_the_budget_formula():
+    # 512 MiB / (128256 * 2 bytes) = 2093 rows -> 4 balanced chunks of 2048 for N = 8192.
+    assert driver.default_chunk_size(8192, 128256, torch.bfloat16, 0, 512 * 2**20) == 2048
+    # The torch backend's fp32 workspace (12 B/logit) shrinks the chunk: 512 MiB / (V * 14)
+    # = 299 rows -> 28 chunks -> balanced to 293 rows.
+    assert driver.default_chunk_size(8192, 128256, torch.bfloat16, 12, 512 * 2**20) == 293
+    # Balanced: 1000 rows with room for 300 -> 4 chunks of 250, not 300+300+300+100.
+    assert driver.default_chunk_size(1000, 1000, torch.float32, 0, 300 * 1000 * 4) == 250
+    assert driver.default_chunk_size(5, 10, torch.float32, 0, 10**9) == 5  # never above N
+    assert driver.default_chunk_size(5, 10**6, torch.float32, 0, 1) == 1  # at least one row
+
+
+def test_chunk_budget_env_var(monkeypatch):
+    monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "1")
+    assert driver.chunk_budget_bytes() == 2**20
+    monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "-3")
+    with pytest.raises(ValueError, match="FLCE_CHUNK_BUDGET_MIB"):
+        driver.chunk_budget_bytes()
+
+
+def _record_run_chunks(monkeypatch):
+    calls = []
+    original = driver.run_chunks
+
+    def spy(*args, **kwargs):
+        calls.append({k: kwargs[k] for k in ("grad_input", "grad_weight", "grad_bias")})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("flce.functional.run_chunks", spy)
+    return calls
+
+
+def test_no_gradient_work_when_nothing_requires_grad(monkeypatch):
+    calls = _record_run_chunks(monkeypatch)
+    x, w, b, t = _inputs()
+    flce.fused_linear_cross_entropy(x, w, t, bias=b)
+    x.requires_grad_()
+    with torch.no_grad():
+        flce.fused_linear_cross_entropy(x, w, t, bias=b)
+    assert calls == [dict(grad_input=False, grad_weight=False, grad_bias=False)] * 2
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_repeated_backward_does_not_compound(reduction):
+    x, w, b, t = _inputs()
+    for p in (x, w, b):
+        p.requires_grad_()
+    loss = flce.fused_linear_cross_entropy(x, w, t, bias=b, reduction=reduction, label_smoothing=0.1)
+    upstream = torch.full_like(loss, 3.0)
+    loss.backward(upstream, retain_graph=True)
+    first = [p.grad.clone() for p in (x, w, b)]
+    loss.backward(upstream, retain_graph=True)
+    loss.backward(upstream)
+    for p, g in zip((x, w, b), first):
+        torch.testing.assert_close(p.grad, 3 * g, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_statistics_is_the_only_sync_and_runs_once(monkeypatch):
+    calls = []
+    original = driver.batch_statistics
+    monkeypatch.setattr("flce.functional.batch_statistics", lambda *a: calls.append(1) or original(*a))
+    x, w, b, t = _inputs()
+    x.requires_grad_()
+    flce.fused_linear_cross_entropy(x, w, t, bias=b, reduction="none").sum().backward()
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_batched_time_input_equals_flat(reduction):
+    x, w, b, t = _inputs(n=24)
+    flat = flce.fused_linear_cross_entropy(x, w, t, bias=b, reduction=reduction, return_predicted_tokens=True)
+    batched = flce.fused_linear_cross_entropy(x.view(4, 6, -1), w, t.view(4, 6), bias=b, reduction=reduction,
+                                              return_predicted_tokens=True)
+    assert batched.predicted_tokens.shape == (4, 6)
+    if reduction == "none":
+        assert batched.loss.shape == (4, 6)
+    torch.testing.assert_close(batched.loss.reshape(-1) if reduction == "none" else batched.loss, flat.loss)
+
+
+def test_non_contiguous_inputs():
+    x, w, b, t = _inputs()
+    x_nc = x.t().contiguous().t()  # same values, column-major
+    w_nc = torch.stack([w, w], dim=2)[..., 0]  # same values, element stride 2
+    assert not x_nc.is_contiguous() and not w_nc.is_contiguous()
+    torch.testing.assert_close(flce.fused_linear_cross_entropy(x_nc, w_nc, t, bias=b),
+                               flce.fused_linear_cross_entropy(x, w, t, bias=b))
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_autocast_with_fp32_parameters(autocast_dtype):
+    x, w, b, t = _inputs()
+    for p in (x, w, b):
+        p.requires_grad_()
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        loss = flce.fused_linear_cross_entropy(x, w, t, bias=b, lse_square_scale=1e-3, ce_weight=torch.rand(17) + 0.5)
+    loss.backward()
+    assert loss.dtype == torch.float32
+    assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
+    # The math must be the autocast dtype's: identical to running on inputs cast to it.
+    plain = flce.fused_linear_cross_entropy(*[p.detach().to(autocast_dtype) for p in (x, w)], t,
+                                            bias=b.detach().to(autocast_dtype), lse_square_scale=1e-3)
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        auto = flce.fused_linear_cross_entropy(x.detach(), w.detach(), t, bias=b.detach(), lse_square_scale=1e-3)
+    torch.testing.assert_close(auto, plain, rtol=0, atol=0)
+
+
+def test_accumulation_dtype_choices():
+    x, w, b, t = _inputs(dtype=torch.bfloat16)
+    grads = {}
+    for accum in (None, torch.float32, torch.bfloat16):
+        wl = w.clone().requires_grad_()
+        flce.fused_linear_cross_entropy(x, wl, t, accum_dtype=accum, chunk_size=3).backward()
+        assert wl.grad.dtype == torch.bfloat16
+        grads[accum] = wl.grad.double()
+    torch.testing.assert_close(grads[None], grads[torch.float32], rtol=0, atol=0)  # None means fp32
+    leaves = [x.double(), w.double().requires_grad_()]
+    fused_linear_cross_entropy_reference(*leaves, t).loss.backward()
+    exact = leaves[1].grad
+    err = {k: ((g - exact).norm() / exact.norm()).item() for k, g in grads.items()}
+    assert err[None] <= err[torch.bfloat16] + 1e-4  # fp32 accumulation is never worse
+
+
+def test_empty_batch():
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(5, 8, requires_grad=True)
+    t = torch.empty(0, dtype=torch.long)
+    loss = flce.fused_linear_cross_entropy(x, w, t)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert x.grad.shape == (0, 8) and torch.all(w.grad == 0)
+    assert flce.fused_linear_cross_entropy(x, w, t, reduction="none").shape == (0,)
+
+
+def test_int32_target_accepted():
+    x, w, b, t = _inputs()
+    torch.testing.assert_close(flce.fused_linear_cross_entropy(x, w, t.int()), flce.fused_linear_cross_entropy(x, w, t))
+
+
+def test_module_matches_function_and_moves_ce_weight():
+    x, w, b, t = _inputs()
+    cw = torch.rand(17) + 0.5
+    module = flce.FusedLinearCrossEntropyLoss(ce_weight=cw, label_smoothing=0.1)
+    assert "ce_weight" in dict(module.named_buffers())
+    torch.testing.assert_close(module(x, w, t, b),
+                               flce.fused_linear_cross_entropy(x, w, t, bias=b, ce_weight=cw, label_smoothing=0.1))

@@ -1,0 +1,94 @@
+"""Every bad input is refused at the boundary with the argument's name and what was
+expected, before any kernel runs (one test per class of mistake)."""
+
+import pytest
+import torch
+
+import flce
+from flce.dispatch import BackendUnavailableError
+
+
+def _ok():
+    x = torch.randn(6, 8)
+    w = torch.randn(11, 8)
+    t = torch.randint(0, 11, (6,))
+    return x, w, t
+
+
+CASES = [
+    # (description, call, exception type, message fragment)
+    ("input rank", lambda x, w, t: flce.fused_linear_cross_entropy(x[0], w, t), ValueError, "input must be (N, H)"),
+    ("weight rank", lambda x, w, t: flce.fused_linear_cross_entropy(x, w[0], t), ValueError, "weight must be (V, H)"),
+    ("H mismatch", lambda x, w, t: flce.fused_linear_cross_entropy(x, w[:, :5], t), ValueError, "H = input.shape[-1] = 8"),
+    ("target length", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t[:4]), ValueError, "one class index per row"),
+    ("target rank", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t.view(2, 3, 1)), ValueError, "target must be (N,)"),
+    ("float target", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t.float()), TypeError, "integer tensor"),
+    ("target above V", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t.clone().fill_(11)), ValueError, "[0, 11)"),
+    ("negative target", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t.clone().fill_(-1)), ValueError, "out of range"),
+    ("dtype mismatch", lambda x, w, t: flce.fused_linear_cross_entropy(x, w.double(), t), TypeError, "float16, bfloat16 or float32"),
+    ("dtype mismatch low", lambda x, w, t: flce.fused_linear_cross_entropy(x, w.bfloat16(), t), TypeError, "must match"),
+    ("integer input", lambda x, w, t: flce.fused_linear_cross_entropy(x.long(), w, t), TypeError, "input must be float16"),
+    ("bias shape", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, bias=torch.randn(10)), ValueError, "bias must have shape (11,)"),
+    ("label_smoothing > 1", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, label_smoothing=1.5), ValueError, "label_smoothing must be in [0, 1]"),
+    ("label_smoothing < 0", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, label_smoothing=-0.1), ValueError, "label_smoothing"),
+    ("softcap 0", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=0.0), ValueError, "softcap must be > 0"),
+    ("softcap negative", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=-2.0), ValueError, "softcap must be > 0"),
+    ("softcap nan", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=float("nan")), TypeError, "softcap must be a finite float"),
+    ("negative z-loss scale", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, lse_square_scale=-1.0), ValueError, "lse_square_scale must be >= 0"),
+    ("unknown reduction", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, reduction="avg"), ValueError, "reduction must be one of"),
+    ("unknown backend", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, backend="cuda"), ValueError, "backend must be one of"),
+    ("ce_weight shape", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, ce_weight=torch.ones(5)), ValueError, "ce_weight must have shape (11,)"),
+    ("ce_weight integer", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, ce_weight=torch.ones(11, dtype=torch.long)), TypeError, "ce_weight must be a floating-point"),
+    ("ce_weight negative", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, ce_weight=-torch.ones(11)), ValueError, "non-negative"),
+    ("ce_weight nan", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, ce_weight=torch.full((11,), float("nan"))), ValueError, "finite"),
+    ("accum_dtype", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, accum_dtype=torch.float16), ValueError, "accum_dtype must be None, torch.float32 or the weight's dtype"),
+    ("accum_dtype int", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, accum_dtype=torch.int32), ValueError, "accum_dtype"),
+    ("chunk_size 0", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    ("chunk_size float", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, chunk_size=2.5), TypeError, "chunk_size must be an int"),
+    ("flag not bool", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, return_z_loss=1), TypeError, "return_z_loss must be a bool"),
+    ("ignore_index float", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, ignore_index=-100.0), TypeError, "ignore_index must be an int"),
+    ("B,T target mismatch", lambda x, w, t: flce.fused_linear_cross_entropy(x.view(2, 3, 8), w, t.view(3, 2)), ValueError, "target must be (B, T) = (2, 3)"),
+    ("weight on meta device", lambda x, w, t: flce.fused_linear_cross_entropy(x, w.to("meta"), t), ValueError, "all tensors must share a device"),
+    ("ce logits rank", lambda x, w, t: flce.cross_entropy(x[0], t), ValueError, "logits must be (N, V)"),
+    ("ce target range", lambda x, w, t: flce.cross_entropy(x, t.clone().fill_(8)), ValueError, "[0, 8)"),
+    ("ce weight shape", lambda x, w, t: flce.cross_entropy(x, t % 8, weight=torch.ones(3)), ValueError, "weight must have shape (8,)"),
+    ("module options", lambda x, w, t: flce.FusedLinearCrossEntropyLoss(reduction="mean!"), ValueError, "reduction must be one of"),
+]
+
+
+@pytest.mark.parametrize("call,exc,fragment", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_with_a_clear_message(call, exc, fragment):
+    x, w, t = _ok()
+    with pytest.raises(exc) as info:
+        call(x, w, t)
+    assert fragment in str(info.value)
+
+
+def test_env_var_backend_is_validated(monkeypatch):
+    monkeypatch.setenv("FLCE_BACKEND", "nope")
+    with pytest.raises(ValueError, match="FLCE_BACKEND must be one of"):
+        flce.fused_linear_cross_entropy(*_ok())
+
+
+def test_explicit_unusable_backend_raises_with_reason(monkeypatch):
+    from flce import dispatch
+    from flce.backends.base import BackendSpec
+
+    torch_spec = dispatch.get_backend("torch")
+    broken = BackendSpec("triton", torch_spec.cross_entropy_chunk, lambda device: (False, "not on this test device"),
+                         0, 10, "stand-in")
+    monkeypatch.setattr(dispatch, "get_backend", lambda name: broken if name == "triton" else torch_spec)
+    with pytest.raises(BackendUnavailableError, match="not on this test device"):
+        flce.fused_linear_cross_entropy(*_ok(), backend="triton")
+
+
+def test_validation_runs_before_any_kernel(monkeypatch):
+    from flce import driver
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a kernel ran before validation finished")
+
+    monkeypatch.setattr(driver, "run_chunks", fail)
+    x, w, t = _ok()
+    with pytest.raises(ValueError):
+        flce.fused_linear_cross_entropy(x, w, t.clone().fill_(99))
