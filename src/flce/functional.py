@@ -143,11 +143,13 @@ def fused_linear_cross_entropy_with_options(
 ) -> LossResult:
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
     compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
-    backend = resolve_backend(options.backend, input.device)
     hidden, vocab = input.shape[-1], weight.shape[0]
     input_2d = input.reshape(-1, hidden)
     target_1d = target.reshape(-1)
     ce_weight = _prepare_ce_weight(ce_weight)
+    if torch.compiler.is_compiling():
+        return _compiled_fused(input_2d, weight, target, target_1d, bias, ce_weight, options, compute_dtype)
+    backend = resolve_backend(options.backend, input.device)
     stats = batch_statistics(target_1d, ce_weight, vocab, options.ignore_index)
     plan = _Plan(options, backend, compute_dtype, stats, chunk_scalars(options, stats))
 
@@ -163,6 +165,29 @@ def fused_linear_cross_entropy_with_options(
         reduced = reduce_rows(rows, options, plan.scalars, stats)
         outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
     return _package(options, tuple(target.shape), *outputs)
+
+
+def _compiled_fused(input_2d, weight, target, target_1d, bias, ce_weight, options, compute_dtype) -> LossResult:
+    """Under torch.compile: the same computation through the opaque custom op (``flce.ops``)."""
+    from flce import ops  # registers the ops on first use
+
+    grad_enabled = torch.is_grad_enabled()
+    outputs = ops.fused_linear_cross_entropy_fwd(
+        input_2d, weight, target_1d, bias, ce_weight, options.ignore_index, float(options.lse_square_scale),
+        float(options.label_smoothing), options.reduction, options.softcap, options.use_token_scaling,
+        options.accum_dtype, options.return_z_loss, options.return_token_accuracy, options.return_predicted_tokens,
+        options.backend, options.chunk_size, compute_dtype,
+        grad_enabled and input_2d.requires_grad,
+        grad_enabled and weight.requires_grad,
+        grad_enabled and bias is not None and bias.requires_grad,
+    )
+    loss, z_loss, accuracy, predicted = outputs[:4]
+    return _package(
+        options, tuple(target.shape), loss,
+        z_loss if options.return_z_loss else None,
+        accuracy if options.return_token_accuracy else None,
+        predicted if options.return_predicted_tokens else None,
+    )
 
 
 def fused_linear_cross_entropy(
