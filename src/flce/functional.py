@@ -144,7 +144,7 @@ def fused_linear_cross_entropy_with_options(
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
     compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
     hidden, vocab = input.shape[-1], weight.shape[0]
-    input_2d = input.reshape(-1, hidden)
+    input_2d = input.reshape(input.shape[:-1].numel(), hidden)  # explicit N: H may be 0
     target_1d = target.reshape(-1)
     ce_weight = _prepare_ce_weight(ce_weight)
     if torch.compiler.is_compiling():
