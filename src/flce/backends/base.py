@@ -22,9 +22,15 @@ class weights, ``W = sum(w)`` (``V`` without weights), ``ls`` the label smoothin
     grad_i = st * row_grad_scale * (ce_grad_scale * dce_i + z_grad_scale * dzl_i) * dz'_i/dz_i
     dz'_i/dz_i = 1 - (z'_i / c)**2      (1 without softcap)
 
-Numerics: evaluate ``ce_grad_scale * dce_i`` (one-hot subtracted) before adding the
-z-loss term; for a confident row ``p_y ~ 1`` the CE gradient cancels to ~0, and
-folding ``2 s lse`` into the coefficient of ``p_i`` first loses that cancellation.
+Numerics: evaluate the gradient in the grouped form
+
+    grad_i = ce_grad_scale * ((1 - ls) * w_y * (p_i - [i == y]) + eps * (W * p_i - w_i))
+           + z_grad_scale * 2 * s * lse * p_i
+
+(then ``* st * row_grad_scale * dz'_i/dz_i``), with ``p_i = exp((z'_i - m) - log(sum))``
+from the row max ``m``. Each group cancels exactly where the true value is ~0 (a
+confident row, ``p_y ~ 1``; ``V = 1``), where the expanded coefficient form
+``a * p_i - b_i - c * [i == y]`` leaves rounding residue larger than the true gradient.
 
 Rows whose target equals ``ignore_index`` get loss 0, z-loss 0, correct 0,
 predicted -1 and an all-zero gradient row. ``ignore_index`` may be a real class id.

@@ -9,8 +9,9 @@ import torch
 
 from flce.backends.base import ChunkScalars
 
-# fp32 temporaries this kernel holds per logit beyond the chunk itself: z' (and the
-# softcap tanh), p, and the gradient before it is cast back: three fp32 (M, V) tensors.
+# fp32 temporaries this kernel holds per logit beyond the chunk itself, at most three
+# (M, V) fp32 tensors at once: the softcap derivative, p, and the gradient before it is
+# cast back (z' is freed once p exists).
 EXTRA_BYTES_PER_LOGIT = 12
 
 
@@ -41,65 +42,72 @@ def cross_entropy_chunk(
     z = logits.float()  # (M, V) fp32 copy; never aliases logits (the gradient is written there)
     if z.data_ptr() == logits.data_ptr():
         z = z.clone()
+    softcap_derivative = None
     if c is not None:
-        z = torch.tanh(z.div_(c)).mul_(c)  # z' = c * tanh(z / c)
+        z.div_(c)  # z / c
+        if compute_grad:
+            # dz'/dz = 1 - tanh^2 = 4u / (1 + u)^2 with u = exp(-2|z/c|): no cancellation
+            # where tanh saturates (1 - t*t from a rounded t loses digits there).
+            u = torch.exp(z.abs().mul_(-2.0))
+            softcap_derivative = u.mul(4.0).div_((1.0 + u).square_())  # (M, V)
+            del u
+        z = torch.tanh_(z).mul_(c)  # z' = c * tanh(z / c)
 
-    lse = torch.logsumexp(z, dim=-1)  # (M,)
-    z_target = z.gather(1, safe_target[:, None]).squeeze(1)  # (M,)
-    if ce_weight is not None:
-        w_y = ce_weight[safe_target]  # (M,)
-        smooth_sum = z @ ce_weight if ls > 0 else None  # (M,) sum_i w_i z'_i
-    else:
-        w_y = torch.ones_like(lse)
-        smooth_sum = z.sum(dim=-1) if ls > 0 else None
-    ce = (1.0 - ls) * w_y * (lse - z_target)
-    if smooth_sum is not None:
-        ce = ce + eps * (scalars.weight_sum * lse - smooth_sum)
+    # Work with z' - max: differences to the row max are exact where it matters, so
+    # log p = (z' - m) - log(s) keeps the precision that m + log(s) would round away.
+    row_max = z.max(dim=-1).values  # (M,)
+    z.sub_(row_max[:, None])  # (M, V) shifted logits
+    argmax = z.argmax(dim=-1) if (correct_out is not None or predicted_out is not None) else None  # first index
+    shifted_target = z.gather(1, safe_target[:, None]).squeeze(1)  # (M,)
+    if ls > 0:
+        # sum_i w_i (lse - z'_i) = W * log(s) - sum_i w_i (z'_i - m)
+        shifted_smooth_sum = z @ ce_weight if ce_weight is not None else z.sum(dim=-1)  # (M,)
+    p = torch.exp(z)  # (M, V) unnormalised, in [0, 1]
+    del z
+    s_sum = p.sum(dim=-1)  # (M,)
+    log_s = torch.log(s_sum)
+    lse = row_max + log_s
+    w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
+    ce = (1.0 - ls) * w_y * (log_s - shifted_target)
+    if ls > 0:
+        ce = ce + eps * (scalars.weight_sum * log_s - shifted_smooth_sum)
     zl = s * lse * lse
 
     zero = torch.zeros_like(lse)
-    token_scale = torch.exp(z_target - lse) if scalars.use_token_scaling else None  # p_y, detached
+    token_scale = torch.exp(shifted_target - log_s) if scalars.use_token_scaling else None  # p_y, detached
     if token_scale is not None:
         ce = ce * token_scale
         zl = zl * token_scale
     loss_out.copy_(torch.where(valid, ce, zero))
     if z_loss_out is not None:
         z_loss_out.copy_(torch.where(valid, zl, zero))
-    if correct_out is not None or predicted_out is not None:
-        argmax = z.argmax(dim=-1)  # first index among ties
-        if correct_out is not None:
-            correct_out.copy_(((argmax == target) & valid).float())
-        if predicted_out is not None:
-            predicted_out.copy_(torch.where(valid, argmax, torch.full_like(argmax, -1)))
+    if correct_out is not None:
+        correct_out.copy_(((argmax == target) & valid).float())
+    if predicted_out is not None:
+        predicted_out.copy_(torch.where(valid, argmax, torch.full_like(argmax, -1)))
 
     if not compute_grad:
         return
 
-    # Per-row coefficients. The CE part is kept apart from the z-loss part until the
-    # one-hot is subtracted: for a confident row p_y ~ 1 and the CE gradient cancels
-    # to ~0, which folding the z term into the p coefficient first would swamp.
-    ce_coef = scalars.ce_grad_scale * ((1.0 - ls) * w_y + eps * scalars.weight_sum)  # (M,)
+    # The grouped form of flce.backends.base: each group cancels exactly where the true
+    # gradient is ~0 (p_y ~ 1, V = 1), which an expanded coefficient form would not.
     onehot_coef = scalars.ce_grad_scale * (1.0 - ls) * w_y  # (M,)
-    z_coef = scalars.z_grad_scale * 2.0 * s * lse if s > 0 else None  # (M,)
     row_scale = valid.float()
     if token_scale is not None:
         row_scale = row_scale * token_scale
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale.float()
 
-    softcap_derivative = None
-    if c is not None:
-        softcap_derivative = 1.0 - (z / c) ** 2  # (M, V) from z' before z is reused for p
-    p = torch.exp(z.sub_(lse[:, None]))  # (M, V) softmax, in z's storage
-    grad = p * ce_coef[:, None]
+    p.div_(s_sum[:, None])  # (M, V) softmax
+    grad = p.clone()
+    grad.scatter_add_(1, safe_target[:, None], -torch.ones_like(p[:, :1]))  # p_i - [i == y]
+    grad.mul_(onehot_coef[:, None])
+    if s > 0:
+        grad.addcmul_(p, (scalars.z_grad_scale * 2.0 * s * lse)[:, None])
     if eps > 0:
-        if ce_weight is not None:
-            grad.sub_((scalars.ce_grad_scale * eps) * ce_weight[None, :])
-        else:
-            grad.sub_(scalars.ce_grad_scale * eps)
-    grad.scatter_add_(1, safe_target[:, None], -onehot_coef[:, None])
-    if z_coef is not None:
-        grad.addcmul_(p, z_coef[:, None])
+        # + eps * (W p_i - w_i), the group formed before scaling (p is not needed after).
+        p.mul_(scalars.weight_sum).sub_(ce_weight[None, :] if ce_weight is not None else 1.0)
+        grad.add_(p, alpha=scalars.ce_grad_scale * eps)
     if softcap_derivative is not None:
         grad.mul_(softcap_derivative)
     grad.mul_(row_scale[:, None])

@@ -1,0 +1,99 @@
+"""The ``triton`` backend: a fused two-pass chunk CE kernel written in Triton.
+
+Importing this package never imports Triton: the kernel module (``.ce``) is loaded on
+the first call, so a missing or broken Triton shows up in ``availability`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from flce.backends.base import BackendSpec, ChunkScalars
+
+_INSTALL_HINT = "pip install 'flce[triton]'"
+
+
+@lru_cache(maxsize=None)
+def _triton_import_error() -> Optional[str]:
+    """None when Triton imports, else why not (checked once; importing is not free)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return f"triton is not installed ({_INSTALL_HINT})"
+    except Exception as exc:  # a broken install must not break availability
+        return f"triton failed to import: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def availability(device: torch.device) -> tuple[bool, str]:
+    try:
+        device = torch.device(device)
+    except Exception as exc:
+        return False, f"not a device: {device!r} ({exc})"
+    if device.type not in ("cuda", "cpu"):
+        return False, f"the triton backend runs on CUDA devices (or on CPU through Triton's interpreter), not {device.type}"
+    error = _triton_import_error()
+    if error is not None:
+        return False, error
+    if device.type == "cpu":
+        if not _interpreter_enabled():
+            return False, (
+                "triton kernels run on CPU tensors only through Triton's interpreter; "
+                "set TRITON_INTERPRET=1 before importing triton (slow, meant for tests)"
+            )
+        return True, ""
+    try:
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available in this PyTorch build or on this machine"
+    except Exception as exc:
+        return False, f"CUDA query failed: {exc}"
+    return True, ""
+
+
+def cross_entropy_chunk(
+    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad
+    target: torch.Tensor,  # (M,) int32/int64
+    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    scalars: ChunkScalars,
+    *,
+    loss_out: torch.Tensor,  # (M,) fp32
+    z_loss_out: Optional[torch.Tensor],  # (M,) fp32
+    correct_out: Optional[torch.Tensor],  # (M,) fp32
+    predicted_out: Optional[torch.Tensor],  # (M,) int64
+    row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
+    compute_grad: bool,
+) -> None:
+    """``flce.backends.triton.ce.cross_entropy_chunk``, imported on first use."""
+    from flce.backends.triton.ce import cross_entropy_chunk as kernel
+
+    kernel(
+        logits,
+        target,
+        ce_weight,
+        scalars,
+        loss_out=loss_out,
+        z_loss_out=z_loss_out,
+        correct_out=correct_out,
+        predicted_out=predicted_out,
+        row_grad_scale=row_grad_scale,
+        compute_grad=compute_grad,
+    )
+
+
+BACKEND = BackendSpec(
+    name="triton",
+    cross_entropy_chunk=cross_entropy_chunk,
+    availability=availability,
+    extra_bytes_per_logit=0,
+    auto_priority=10,
+    description="fused two-pass Triton CE kernel, in place (no fp32 workspace); CUDA GPUs",
+)

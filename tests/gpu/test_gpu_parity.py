@@ -1,0 +1,129 @@
+"""GPU parity of every GPU backend against float64, at small and real vocabularies,
+64-bit indexing, memory stability and the chunk budget. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from flce.dispatch import availability
+from flce.testing import Case, run_case
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU parity suite: needs a CUDA GPU", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+GPU_BACKENDS = ["torch", "triton", "cutedsl"]
+
+
+def _require(backend):
+    ok, why = availability(backend, CUDA)
+    if not ok:
+        pytest.skip(f"{backend}: {why}")
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(
+    "feature",
+    ["plain", "label_smoothing", "z_loss", "softcap", "ce_weight", "token_scaling", "accuracy", "all"],
+)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_feature_matrix(backend, dtype, reduction, feature, bias):
+    _require(backend)
+    case = Case(n_rows=93, hidden=64, vocab=1031, dtype=dtype, reduction=reduction, feature=feature, bias=bias,
+                chunk_size=40)
+    outcome = run_case(case, backend, CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("grads", [("input",), ("weight",), ("bias",)], ids="+".join)
+def test_which_tensors_require_grad(backend, grads):
+    _require(backend)
+    case = Case(n_rows=50, hidden=32, vocab=257, feature="all", bias=True, grads=grads, dtype=torch.bfloat16)
+    outcome = run_case(case, backend, CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 262144])
+@pytest.mark.parametrize("feature", ["plain", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_real_vocabularies(backend, vocab, feature, dtype):
+    _require(backend)
+    case = Case(n_rows=64, hidden=128, vocab=vocab, dtype=dtype, feature=feature, bias=feature == "all")
+    outcome = run_case(case, backend, CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutedsl"])
+def test_64bit_offsets_inside_one_chunk(backend):
+    """N x V >= 2^31 logits in a single chunk: rows past the 2^31-th element must be right."""
+    _require(backend)
+    import flce
+    from flce.reference import fused_linear_cross_entropy_reference
+
+    n, h, v = 16384, 64, 131104  # n * v = 2^31 + 2^19
+    assert n * v >= 2**31
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=gen) * 0.5).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    loss = flce.fused_linear_cross_entropy(x, w, t, reduction="none", chunk_size=n, backend=backend)
+    loss.backward(torch.ones_like(loss))
+    rows = torch.arange(n - 8, n, device="cuda")  # their logits start past element 2^31
+    xr = x.detach()[rows].double().requires_grad_()
+    ref = fused_linear_cross_entropy_reference(xr, w.double(), t[rows], reduction="none")
+    ref.loss.sum().backward()
+    torch.testing.assert_close(loss.detach()[rows].double(), ref.loss, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x.grad[rows].double(), xr.grad, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_no_memory_growth_over_200_steps(backend):
+    _require(backend)
+    import flce
+
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(8192, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 8192, (512,), device="cuda")
+
+    def step():
+        flce.fused_linear_cross_entropy(x, w, t, backend=backend, label_smoothing=0.1).backward()
+        x.grad = w.grad = None
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(200):
+        step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutedsl", "torch"])
+@pytest.mark.parametrize("n,v", [(8192, 32000), (8192, 128256), (4096, 151936)])
+def test_peak_memory_follows_the_documented_formula(backend, n, v):
+    """Peak extra memory within 10% of the formula in flce/driver.py's docstring."""
+    _require(backend)
+    import flce
+    from flce.dispatch import get_backend
+    from flce.driver import default_chunk_size
+
+    h = 4096
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, v, (n,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    flce.fused_linear_cross_entropy(x, w, t, backend=backend).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    extra = get_backend(backend).extra_bytes_per_logit
+    chunk = default_chunk_size(n, v, torch.bfloat16, extra)
+    formula = chunk * v * (2 + extra) + v * h * 4 + v * h * 2 + n * h * 2
+    assert abs(peak - formula) <= 0.1 * formula, f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
