@@ -1,0 +1,10 @@
+"""Integrations of the fused linear + cross-entropy loss with model libraries.
+
+Each integration is its own submodule and imports its library lazily, so importing
+``flce.integrations`` never requires any of them:
+
+- ``flce.integrations.transformers``: Hugging Face ``transformers`` causal LMs
+  (``apply_flce`` for one model instance, ``patch_model_type`` for a whole class).
+"""
+
+__all__ = ["transformers"]
