@@ -182,15 +182,18 @@ def _addmm_out_dtype_supported(device: torch.device) -> bool:
     return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
 
 
-def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, accumulating in acc's dtype without a parameter-sized temporary."""
+def _accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc += a @ b (acc = a @ b when ``first``: the accumulator starts uninitialised, so
+    neither a memset nor a read of it is paid), in acc's dtype, with no parameter-sized
+    temporary."""
+    beta = 0.0 if first else 1.0  # beta = 0: the GEMM ignores acc's contents (even NaN)
     if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
+        torch.addmm(acc, a, b, beta=beta, out=acc)
     elif acc.dtype == torch.float32 and _addmm_out_dtype_supported(acc.device):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
         # CPU (or an old torch): upcast the chunk operands, which is exact and small.
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
 
 
 def run_chunks(
@@ -222,8 +225,9 @@ def run_chunks(
     w_t = w.t()  # (H, V) view: logits = x @ W^T
 
     dx = torch.empty_like(input) if grad_input else None
+    # Uninitialised: the first chunk's GEMM overwrites it (zeroed below if there is none).
     dw_acc = (
-        torch.zeros(vocab, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
+        torch.empty(vocab, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
         if grad_weight
         else None
     )
@@ -261,13 +265,15 @@ def run_chunks(
             else:
                 dx[start:end] = grad_logits @ w
         if dw_acc is not None:
-            _accumulate_product(dw_acc, grad_logits.t(), x)
+            _accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0)
         if db_acc is not None:
             db_acc += grad_logits.sum(dim=0, dtype=torch.float32)
 
     del logits_buffer
     dw = None
     if dw_acc is not None:
+        if n_rows == 0:  # no chunk ran: the gradient is zero
+            dw_acc.zero_()
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
         del dw_acc
     db = None if db_acc is None else db_acc.to(bias.dtype)

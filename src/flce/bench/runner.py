@@ -1,0 +1,242 @@
+"""The sweep: for each shape, every method warmed up, measured for memory, then
+timed round-robin (each round runs each method once, the order rotated).
+
+A method that cannot run a case, or fails while running it (an error, out of
+memory), becomes a skipped result with the reason; the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from flce.bench.methods import Case, Inputs, LossOptions, Method, Shape, make_inputs
+from flce.bench.timing import (
+    Heater,
+    TimingStats,
+    Workload,
+    call_once,
+    free_memory,
+    peak_extra_bytes,
+    rotated,
+    time_once,
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a sweep needs, resolved from the command line."""
+
+    mode: str
+    dtype: torch.dtype
+    shapes: tuple[Shape, ...]
+    loss: LossOptions
+    rounds: int
+    warmup: int
+    device: torch.device
+    seed: int = 0
+    ignore_fraction: float = 0.0
+    heat_ms: float = 0.0
+
+    def case(self, shape: Shape) -> Case:
+        return Case(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
+
+    def steps_per_shape(self, n_methods: int) -> int:
+        """Calls per shape: one probe, the warm-up, one memory run and the rounds."""
+        return n_methods * (2 + self.warmup + self.rounds)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One method at one shape: measured, or skipped with the reason."""
+
+    method: str
+    label: str
+    shape: Shape
+    chunk_size: int | None = None
+    is_floor: bool = False
+    reason: str | None = None
+    timing: TimingStats | None = None
+    peak_extra_bytes: int | None = None
+    tflops: float | None = None
+    ratio_to_floor: float | None = None
+    loss: float | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None and self.timing is not None
+
+
+@dataclass
+class _Running:
+    """A method being measured at the current shape (mutable bookkeeping)."""
+
+    method: Method
+    workload: Workload
+    times_ms: list[float] = field(default_factory=list)
+    peak: int | None = None
+    loss: float | None = None
+    notes: list[str] = field(default_factory=list)
+    failure: str | None = None
+
+
+Progress = Callable[[int, str], None]
+
+
+def _reason(exc: BaseException) -> str:
+    """A one-line skip reason for an exception raised by a method."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return "out of memory"
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    kind = "unsupported" if isinstance(exc, (NotImplementedError, ValueError, TypeError)) else "error"
+    return f"{kind}: {type(exc).__name__}: {first}"[:300]
+
+
+def _scalar(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().float().item())
+    return None
+
+
+# Warnings worth keeping with a result (a peer falling back to another path, say);
+# deprecation and compiler-hint subclasses are noise for a benchmark.
+NOTED_WARNINGS = (UserWarning, RuntimeWarning)
+
+
+def _probe(run: _Running) -> None:
+    """The first call: catches errors and warnings (kept as notes) and the loss value."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.loss = _scalar(call_once(run.workload))
+    for w in caught:
+        if w.category not in NOTED_WARNINGS:
+            continue
+        note = f"{w.category.__name__}: {str(w.message).splitlines()[0]}"[:300]
+        if note not in run.notes:
+            run.notes.append(note)
+
+
+def _guarded(run: _Running, step: Callable[[], None], device: torch.device) -> None:
+    """Run one step of a method unless it already failed; a failure is recorded."""
+    if run.failure is not None:
+        return
+    try:
+        step()
+    except Exception as exc:  # noqa: BLE001 - any failure of a peer is a skip, never a crash
+        run.failure = _reason(exc)
+        free_memory(device)
+
+
+def _measure_shape(
+    config: BenchConfig,
+    case: Case,
+    runs: list[_Running],
+    progress: Progress,
+) -> None:
+    """Probe, warm up, measure memory, then time ``runs`` round-robin."""
+    device = config.device
+    label = case.shape.label()
+    for run in runs:
+        _guarded(run, lambda run=run: _probe(run), device)
+        progress(1, f"{label} probe {run.method.name}")
+    for i in range(config.warmup):
+        for run in rotated(runs, i):
+            _guarded(run, lambda run=run: call_once(run.workload), device)
+            progress(1, f"{label} warm-up")
+    for run in runs:
+
+        def measure(run: _Running = run) -> None:
+            run.peak = peak_extra_bytes(run.workload, device)
+
+        _guarded(run, measure, device)
+        progress(1, f"{label} memory")
+    heater = Heater(device, config.heat_ms) if config.heat_ms > 0 and device.type == "cuda" else None
+    for r in range(config.rounds):
+        for run in rotated(runs, r):
+
+            def timed(run: _Running = run) -> None:
+                run.times_ms.append(time_once(run.workload, device, heater))
+
+            _guarded(run, timed, device)
+            progress(1, f"{label} round {r + 1}/{config.rounds}")
+
+
+def _finish(config: BenchConfig, shape: Shape, runs: Sequence[_Running]) -> list[Result]:
+    """Results of one shape, with TFLOP/s and the time ratio to the floor."""
+    results = []
+    for run in runs:
+        m = run.method
+        base = {"method": m.name, "label": m.label, "shape": shape, "chunk_size": m.chunk_size, "is_floor": m.is_floor}
+        if run.failure is not None or not run.times_ms:
+            results.append(Result(**base, reason=run.failure or "no timing", notes=tuple(run.notes)))
+            continue
+        timing = TimingStats.from_times(run.times_ms)
+        results.append(
+            Result(
+                **base,
+                timing=timing,
+                peak_extra_bytes=run.peak,
+                tflops=shape.flops(config.mode) / (timing.median_ms * 1e-3) / 1e12,
+                loss=run.loss,
+                notes=tuple(run.notes),
+            )
+        )
+    floor = next((r for r in results if r.is_floor and r.ok), None)
+    if floor is None:
+        return results
+    return [replace(r, ratio_to_floor=r.timing.median_ms / floor.timing.median_ms) if r.ok else r for r in results]
+
+
+def run_shape(
+    config: BenchConfig,
+    shape: Shape,
+    methods: Sequence[Method],
+    progress: Progress,
+) -> list[Result]:
+    """All methods at one shape; inputs are built once and shared, then freed."""
+    case = config.case(shape)
+    skipped: dict[str, str] = {}
+    for m in methods:
+        try:
+            why = m.check(case)
+        except Exception as exc:  # noqa: BLE001 - a broken check is a skip reason too
+            why = _reason(exc)
+        if why:
+            skipped[m.name] = why
+    inputs: Inputs | None = make_inputs(case, seed=config.seed, ignore_fraction=config.ignore_fraction)
+    runs: list[_Running] = []
+    for m in methods:
+        if m.name in skipped:
+            continue
+        try:
+            runs.append(_Running(method=m, workload=m.workload(case, inputs)))
+        except Exception as exc:  # noqa: BLE001
+            skipped[m.name] = _reason(exc)
+    progress(config.steps_per_shape(len(methods) - len(runs)), f"{shape.label()} skipped")
+    _measure_shape(config, case, runs, progress)
+    measured = {r.method: r for r in _finish(config, shape, runs)}
+    del runs, inputs
+    free_memory(config.device)
+    return [
+        measured.get(m.name) or Result(m.name, m.label, shape, m.chunk_size, m.is_floor, reason=skipped[m.name])
+        for m in methods
+    ]
+
+
+def run_sweep(
+    config: BenchConfig,
+    methods: Sequence[Method],
+    progress: Progress | None = None,
+) -> list[Result]:
+    """Every shape of ``config`` in turn; results in shape order, then method order."""
+    tick = progress or (lambda n, what: None)
+    results: list[Result] = []
+    for shape in config.shapes:
+        results.extend(run_shape(config, shape, methods, tick))
+    return results

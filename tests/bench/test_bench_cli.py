@@ -1,0 +1,156 @@
+"""``flce bench`` end to end on the CPU with tiny shapes: the JSON/CSV outputs,
+skip reasons for missing peers, and the README renderer reading the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from flce.bench import methods as bench_methods
+from flce.bench.cli import add_bench_arguments, run_bench
+
+REPO = Path(__file__).resolve().parents[2]
+# Tiny but not trivial: V and H are not powers of two, so no path relies on
+# aligned sizes; two token counts give a swept axis for the plots.
+TINY = ["--device", "cpu", "--vocab", "500", "--hidden", "48", "--rounds", "2", "--warmup", "1"]
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="flce bench")
+    add_bench_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def no_liger(monkeypatch: pytest.MonkeyPatch):
+    """Liger-Kernel made unimportable, whether or not it is installed here."""
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)
+    bench_methods._import.cache_clear()
+    yield
+    bench_methods._import.cache_clear()
+
+
+def _rows(payload: dict, method: str) -> list[dict]:
+    return [r for r in payload["results"] if r["method"] == method]
+
+
+@pytest.mark.usefixtures("no_liger")
+def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = _parse(
+        [*TINY, "--tokens", "40,64", "--methods", "flce:torch,torch:eager,liger:triton", "--out", str(tmp_path)]
+    )
+    assert run_bench(args) == 0
+    (json_path,) = tmp_path.glob("*.json")
+    (csv_path,) = tmp_path.glob("*.csv")
+    payload = json.loads(json_path.read_text())
+
+    assert payload["environment"]["versions"]["torch"]
+    assert payload["date_utc"].endswith("+00:00")
+    assert payload["config"]["mode"] == "full" and payload["config"]["dtype"] == "fp32"
+    assert [s["n"] for s in payload["config"]["shapes"]] == [40, 64]
+    for method in ("floor:gemm", "flce:torch", "torch:eager"):
+        rows = _rows(payload, method)
+        assert len(rows) == 2, method
+        for row in rows:
+            assert row["status"] == "ok", row
+            assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+            assert row["tflops"] > 0 and row["ratio_to_floor"] > 0
+            assert row["peak_extra_bytes"] is None  # not tracked off CUDA
+    assert all(r["ratio_to_floor"] == 1.0 for r in _rows(payload, "floor:gemm"))
+    # Both losses are the same function of the same inputs.
+    for flce_row, eager_row in zip(_rows(payload, "flce:torch"), _rows(payload, "torch:eager")):
+        assert flce_row["loss"] == pytest.approx(eager_row["loss"], rel=1e-4)
+    for row in _rows(payload, "liger:triton"):
+        assert row["status"] == "skipped" and "liger-kernel is not installed" in row["reason"]
+
+    with csv_path.open() as f:
+        csv_rows = list(csv.DictReader(f))
+    assert {r["method"] for r in csv_rows} == {"floor:gemm", "flce:torch", "torch:eager", "liger:triton"}
+    assert all(float(r["median_ms"]) > 0 for r in csv_rows if r["method"] == "flce:torch")
+
+    out = capsys.readouterr().out
+    assert "flce:torch" in out and "liger-kernel is not installed" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert list(tmp_path.glob("*-plots/vs_n.png"))
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_cpu_modes_and_features(tmp_path: Path, mode: str) -> None:
+    args = _parse(
+        [
+            *TINY,
+            "--tokens",
+            "32",
+            "--mode",
+            mode,
+            "--features",
+            "label_smoothing,z_loss,softcap,weights",
+            "--methods",
+            "flce:torch,torch:eager,torch:lce,cce",
+            "--out",
+            str(tmp_path),
+            "--no-plots",
+        ]
+    )
+    assert run_bench(args) == 0
+    payload = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert payload["config"]["features"] == ["label_smoothing", "z_loss", "softcap", "weights"]
+    assert {r["method"] for r in payload["results"] if r["status"] == "ok"} >= {
+        "floor:gemm",
+        "flce:torch",
+        "torch:eager",
+    }
+    lce = _rows(payload, "torch:lce")[0]
+    assert lce["status"] == "skipped" and lce["reason"]
+    cce = _rows(payload, "cce")[0]
+    assert cce["status"] == "skipped" and cce["reason"]
+
+
+def test_unknown_method_is_an_argument_error(capsys: pytest.CaptureFixture) -> None:
+    assert run_bench(_parse([*TINY, "--tokens", "32", "--methods", "nope"])) == 2
+    assert "unknown method" in capsys.readouterr().err
+
+
+def _readme_script():
+    spec = importlib.util.spec_from_file_location("make_readme_perf", REPO / "scripts" / "make_readme_perf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.usefixtures("no_liger")
+def test_readme_script_renders_and_replaces_block(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "out"
+    args = _parse(
+        [*TINY, "--tokens", "32", "--methods", "flce:torch,torch:eager,liger", "--out", str(out), "--no-plots"]
+    )
+    assert run_bench(args) == 0
+    results = next(out.glob("*.json"))
+    script = _readme_script()
+    capsys.readouterr()
+
+    assert script.main([str(results)]) == 0
+    markdown = capsys.readouterr().out
+    assert "| N × V × H | method | median ms (min–max) | peak extra GiB | × floor |" in markdown
+    assert "| 32 × 500 × 48 | floor:gemm |" in markdown
+    assert "| flce:torch |" in markdown and "| torch:eager |" in markdown
+    assert "torch " in markdown and "Command: `" in markdown
+    assert "liger-kernel is not installed" in markdown
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# flce\n\n<!-- perf:start -->\nstale\n<!-- perf:end -->\n\nafter\n")
+    assert script.main([str(results), "--write", str(readme)]) == 0
+    text = readme.read_text()
+    assert "stale" not in text and "| flce:torch |" in text
+    assert text.startswith("# flce\n\n<!-- perf:start -->\n## Performance") and text.endswith(
+        "<!-- perf:end -->\n\nafter\n"
+    )
+
+    readme.write_text("# no markers\n")
+    assert script.main([str(results), "--write", str(readme)]) == 1
