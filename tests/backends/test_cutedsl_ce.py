@@ -1,0 +1,333 @@
+"""The cutedsl chunk CE kernel against the float64 reference and the torch twin.
+
+Each output passes when ``err(cutedsl) <= 3 * err(torch backend, same dtype) + eps``,
+``err`` being the relative norm error against float64 (``flce.reference``), ``eps`` a
+floor of a few fp32 roundings, so that outputs the torch twin computes (nearly)
+exactly still leave room for a different summation order. Argmax outputs must match
+the reference exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+from flce.backends.base import ChunkScalars
+from flce.backends.cutedsl import availability
+from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
+from flce.reference import cross_entropy_reference
+
+if not torch.cuda.is_available():
+    pytest.skip("cutedsl kernel tests need a CUDA GPU", allow_module_level=True)
+_ok, _why = availability(torch.device("cuda"))
+if not _ok:
+    pytest.skip(f"cutedsl backend unavailable: {_why}", allow_module_level=True)
+
+from flce.backends.cutedsl import ce as cute_ce  # noqa: E402  (imports cutlass)
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+K = 3.0
+# Floors: fp32 outputs (loss, z-loss) get a few fp32 ulps; the gradient, stored in the
+# logits dtype, a small fraction of that dtype's unit roundoff.
+EPS_FP32 = 2e-6
+EPS_GRAD = {torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.float16: 2e-5}
+
+FEATURES = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "z_loss": {"lse_square_scale": 1e-3, "z_loss_out": True},
+    "softcap": {"softcap": 5.0},
+    "weight": {"ce_weight": True},
+    "weight_smoothing": {"ce_weight": True, "label_smoothing": 0.2},
+    "token_scaling": {"use_token_scaling": True},
+    "accuracy": {"correct_out": True, "predicted_out": True},
+    "row_scale": {"row_grad_scale": True},
+    "all": {
+        "label_smoothing": 0.2,
+        "lse_square_scale": 1e-3,
+        "z_loss_out": True,
+        "softcap": 5.0,
+        "ce_weight": True,
+        "use_token_scaling": True,
+        "correct_out": True,
+        "predicted_out": True,
+        "row_grad_scale": True,
+    },
+    "no_grad": {"lse_square_scale": 1e-3, "z_loss_out": True, "correct_out": True, "predicted_out": True,
+                "compute_grad": False},
+}
+
+
+def make_logits(rows: int, vocab: int, dtype: torch.dtype, seed: int, ties: bool = False) -> torch.Tensor:
+    """Logits of O(3) with one peak of +8 per row (a peaked softmax), never zeros; with
+    ``ties`` the peak value is repeated at two or three columns."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 3.0
+    peak = torch.randint(0, vocab, (rows,), generator=gen)
+    z[torch.arange(rows), peak] += 8.0
+    if ties and vocab > 1:
+        top = z.max(dim=1).values + 1.0
+        for r in range(rows):
+            cols = torch.randperm(vocab, generator=gen)[: min(3, vocab) if r % 2 else 2]
+            z[r, cols] = top[r]
+    return z.to(dtype).to(DEVICE)
+
+
+def make_target(logits: torch.Tensor, ignore_index: int, ignored_fraction: float, seed: int,
+                dtype=torch.int64) -> torch.Tensor:
+    rows, vocab = logits.shape
+    gen = torch.Generator().manual_seed(seed + 1)
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    # Some rows aim at their argmax, so "correct" is not always 0.
+    hit = torch.rand(rows, generator=gen) < 0.3
+    target[hit] = logits.float().argmax(dim=1).cpu()[hit]
+    ignored = torch.rand(rows, generator=gen) < ignored_fraction
+    target[ignored] = ignore_index
+    return target.to(dtype).to(DEVICE)
+
+
+def rel_err(value: torch.Tensor, truth: torch.Tensor) -> float:
+    value, truth = value.double(), truth.double()
+    if not torch.isfinite(value).all():
+        return math.inf
+    scale = truth.norm().item()
+    diff = (value - truth).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def run_kernel(fn, logits, target, weight, scalars, opts, row_scale):
+    """Runs one chunk kernel on a copy of ``logits``; outputs are poisoned first so an
+    unwritten element fails the comparison."""
+    rows = logits.shape[0]
+    z = logits  # a fresh copy: overwritten in place
+    out = {
+        "loss": torch.full((rows,), math.nan, device=DEVICE),
+        "z_loss": torch.full((rows,), math.nan, device=DEVICE) if opts.get("z_loss_out") else None,
+        "correct": torch.full((rows,), math.nan, device=DEVICE) if opts.get("correct_out") else None,
+        "predicted": torch.full((rows,), -7, dtype=torch.int64, device=DEVICE) if opts.get("predicted_out") else None,
+    }
+    fn(
+        z, target, weight, scalars,
+        loss_out=out["loss"], z_loss_out=out["z_loss"], correct_out=out["correct"],
+        predicted_out=out["predicted"], row_grad_scale=row_scale,
+        compute_grad=opts.get("compute_grad", True),
+    )
+    out["grad"] = z
+    return out
+
+
+def reference(logits, target, weight, scalars, row_scale):
+    """float64 per-row outputs and the gradient of
+    sum_r rgs_r * (ce_grad_scale * ce_r + z_grad_scale * zl_r) (token scale detached)."""
+    z = logits.double().detach().requires_grad_(True)
+    ref = cross_entropy_reference(
+        z, target, ce_weight=weight, ignore_index=scalars.ignore_index,
+        lse_square_scale=scalars.lse_square_scale, label_smoothing=scalars.label_smoothing,
+        reduction="none", softcap=scalars.softcap, use_token_scaling=scalars.use_token_scaling,
+    )
+    ce = ref.loss - ref.z_loss
+    rgs = torch.ones_like(ce) if row_scale is None else row_scale.double()
+    total = (rgs * (scalars.ce_grad_scale * ce + scalars.z_grad_scale * ref.z_loss)).sum()
+    (grad,) = torch.autograd.grad(total, z)
+    return {"loss": ce.detach(), "z_loss": ref.z_loss.detach(), "correct": ref.token_accuracy,
+            "predicted": ref.predicted_tokens, "grad": grad}
+
+
+def make_scalars(target, weight, vocab, opts, ignore_index) -> ChunkScalars:
+    valid = target != ignore_index
+    n_valid = int(valid.sum())
+    if weight is not None:
+        wsum_valid = float(weight[target[valid].long()].sum()) if n_valid else 0.0
+        weight_sum = float(weight.sum())
+    else:
+        wsum_valid, weight_sum = float(n_valid), float(vocab)
+    return ChunkScalars(
+        ignore_index=ignore_index,
+        label_smoothing=opts.get("label_smoothing", 0.0),
+        lse_square_scale=opts.get("lse_square_scale", 0.0),
+        softcap=opts.get("softcap"),
+        use_token_scaling=opts.get("use_token_scaling", False),
+        ce_grad_scale=1.0 / wsum_valid if wsum_valid > 0 else 0.0,  # reduction="mean"
+        z_grad_scale=1.0 / n_valid if n_valid > 0 else 0.0,
+        weight_sum=weight_sum,
+    )
+
+
+def check(
+    rows: int,
+    vocab: int,
+    dtype: torch.dtype,
+    feature: str,
+    *,
+    ignore_index: int = -100,
+    ignored_fraction: float = 0.2,
+    ties: bool = False,
+    target_dtype=torch.int64,
+    seed: int = 0,
+    logits_view=None,
+    config: Optional["cute_ce.KernelConfig"] = None,
+) -> None:
+    opts = FEATURES[feature]
+    base = make_logits(rows, vocab, dtype, seed, ties=ties)
+    view = logits_view or (lambda z: z)
+
+    def fresh_logits():  # a new copy with the layout under test (strides, offset)
+        return view(base.clone())
+
+    logits = fresh_logits()
+    target = make_target(logits, ignore_index, ignored_fraction, seed, dtype=target_dtype)
+    gen = torch.Generator().manual_seed(seed + 2)
+    weight = (torch.rand(vocab, generator=gen) + 0.5).to(DEVICE) if opts.get("ce_weight") else None
+    row_scale = torch.randn(rows, generator=gen).to(DEVICE) if opts.get("row_grad_scale") else None
+    scalars = make_scalars(target, weight, vocab, opts, ignore_index)
+
+    def ours_fn(*args, **kwargs):
+        cute_ce.cross_entropy_chunk(*args, config=config, **kwargs)
+
+    ours = run_kernel(ours_fn, fresh_logits(), target, weight, scalars, opts, row_scale)
+    twin = run_kernel(torch_chunk, fresh_logits(), target, weight, scalars, opts, row_scale)
+    truth = reference(logits, target, weight, scalars, row_scale)
+    torch.cuda.synchronize()
+
+    failures = []
+
+    def judge(name, eps):
+        e_ours, e_twin = rel_err(ours[name], truth[name]), rel_err(twin[name], truth[name])
+        if not e_ours <= K * e_twin + eps:
+            failures.append(f"{name}: err {e_ours:.3g} > {K:g} x torch {e_twin:.3g} + {eps:g}")
+
+    judge("loss", EPS_FP32)
+    if opts.get("z_loss_out"):
+        judge("z_loss", EPS_FP32)
+    if opts.get("correct_out"):
+        if not torch.equal(ours["correct"].double(), truth["correct"]):
+            failures.append("correct differs from the reference")
+    if opts.get("predicted_out"):
+        if not torch.equal(ours["predicted"], truth["predicted"]):
+            bad = (ours["predicted"] != truth["predicted"]).nonzero().flatten()[:5].tolist()
+            failures.append(f"predicted differs from the reference at rows {bad}")
+    if opts.get("compute_grad", True):
+        assert ours["grad"].dtype == dtype
+        judge("grad", EPS_GRAD[dtype])
+        valid = target != ignore_index
+        if (~valid).any() and not (ours["grad"][~valid] == 0).all():
+            failures.append("ignored rows have a non-zero gradient")
+    elif not torch.equal(ours["grad"], logits):
+        failures.append("logits changed although compute_grad=False")
+    assert not failures, "; ".join(failures)
+
+
+# Every feature on a prime vocabulary (no 16-byte vectors: the narrow paths) and on
+# 32000 (16-byte cp.async; a 16-bit row held whole by one CTA, an fp32 row split over a
+# cluster of CTAs).
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("vocab", [123, 32000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_features(dtype, vocab, feature):
+    check(64, vocab, dtype, feature)
+
+
+# 7: fewer columns than a warp; 1031: prime, several tiles through the narrow path;
+# 128256 (Llama 3) and 151936 (Qwen, whose slices do not fill their last 256-thread
+# tile): rows split over 8-CTA clusters; without the gradient, one CTA streams the row.
+@pytest.mark.parametrize("feature", ["plain", "all", "no_grad"])
+@pytest.mark.parametrize("vocab", [7, 1031, 128256, 151936])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_vocab_sizes(dtype, vocab, feature):
+    check(8 if vocab > 100000 else 48, vocab, dtype, feature)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_ignore_index_is_a_real_class(dtype):
+    check(64, 1031, dtype, "all", ignore_index=3, ignored_fraction=0.3)
+    check(64, 32000, dtype, "all", ignore_index=0, ignored_fraction=0.3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [123, 32000])
+def test_all_rows_ignored(dtype, vocab):
+    check(16, vocab, dtype, "all", ignored_fraction=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("vocab", [7, 123, 32000])
+def test_argmax_ties_first_index(dtype, vocab):
+    check(32, vocab, dtype, "accuracy", ties=True, ignored_fraction=0.0)
+
+
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_int32_target(feature):
+    check(64, 32000, torch.bfloat16, feature, target_dtype=torch.int32)
+    check(64, 123, torch.float32, feature, target_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_and_misaligned_rows(dtype):
+    # Row stride larger than V (a column slice of a wider buffer; +8 keeps 16-byte rows,
+    # +3 does not), and a base address that is not 16-byte aligned.
+    check(32, 32000, dtype, "all", logits_view=lambda z: torch.cat([z, z[:, :8]], dim=1)[:, :32000])
+    check(32, 32000, dtype, "all", logits_view=lambda z: torch.cat([z, z[:, :3]], dim=1)[:, :32000])
+    check(32, 32000, dtype, "all", logits_view=lambda z: torch.cat([z[:, :1], z], dim=1)[:, 1:])
+
+
+def test_one_row_and_empty_chunk():
+    check(1, 32000, torch.bfloat16, "all", ignored_fraction=0.0)
+    z = torch.empty(0, 100, device=DEVICE, dtype=torch.bfloat16)
+    scalars = make_scalars(torch.empty(0, dtype=torch.int64), None, 100, {}, -100)
+    cute_ce.cross_entropy_chunk(
+        z, torch.empty(0, dtype=torch.int64, device=DEVICE), None, scalars,
+        loss_out=torch.empty(0, device=DEVICE), z_loss_out=None, correct_out=None, predicted_out=None,
+        row_grad_scale=None, compute_grad=True,
+    )
+
+
+# Launch shapes other than the heuristic's: one CTA per row with no resident tiles
+# (every tile re-read), with many, a 2-stage ring, 128/512 threads; clusters of 2/4/8
+# CTAs per row with the slice partly resident (ring inside the slice) or not at all.
+@pytest.mark.parametrize(
+    "config",
+    [
+        cute_ce.KernelConfig(threads=256, stages=8, resident=0),
+        cute_ce.KernelConfig(threads=256, stages=4, resident=40),
+        cute_ce.KernelConfig(threads=128, stages=2, resident=5),
+        cute_ce.KernelConfig(threads=512, stages=8, resident=3),
+        cute_ce.KernelConfig(threads=256, stages=8, resident=19, cluster=1),
+        cute_ce.KernelConfig(threads=256, stages=4, resident=3, cluster=2),
+        cute_ce.KernelConfig(threads=256, stages=8, resident=16, cluster=4),
+        cute_ce.KernelConfig(threads=128, stages=8, resident=0, cluster=8),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_launch_configs(dtype, config):
+    check(8, 128256, dtype, "all", config=config)
+
+
+# Row slices of unequal length (the vector count does not divide by the cluster), and
+# more cluster CTAs than the row has tiles (some slices empty).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cluster_uneven_and_empty_slices(dtype):
+    check(16, 40008, dtype, "all", config=cute_ce.KernelConfig(threads=128, stages=4, resident=4, cluster=4))
+    check(16, 40008, dtype, "all", config=cute_ce.KernelConfig(threads=256, stages=2, resident=40, cluster=2))
+    check(16, 48, dtype, "all", config=cute_ce.KernelConfig(threads=32, stages=2, resident=1, cluster=8))
+
+
+def test_compile_cache_is_reused_across_row_counts():
+    check(5, 32000, torch.bfloat16, "plain")
+    n = len(cute_ce._COMPILED)
+    check(77, 32000, torch.bfloat16, "plain", seed=1)
+    assert len(cute_ce._COMPILED) == n
+
+
+def test_backend_registration():
+    from flce.backends.cutedsl import BACKEND
+
+    assert BACKEND.name == "cutedsl" and BACKEND.extra_bytes_per_logit == 0
+    assert BACKEND.availability(torch.device("cpu"))[0] is False
+    assert BACKEND.availability(DEVICE) == (True, "")
