@@ -454,7 +454,8 @@ def _run_local_chunks(
 
     dx = torch.empty_like(input) if grad_input else None
     dw_acc = (
-        torch.zeros(vocab_local, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
+        # Uninitialised: the first chunk's GEMM (beta = 0) overwrites it; zeroed if none runs.
+        torch.empty(vocab_local, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
         if grad_weight
         else None
     )
@@ -486,13 +487,15 @@ def _run_local_chunks(
             else:
                 dx[start:end] = logits @ w
         if dw_acc is not None:
-            _accumulate_product(dw_acc, logits.t(), x)
+            _accumulate_product(dw_acc, logits.t(), x, first=start == 0)
         if db_acc is not None:
             db_acc += logits.sum(dim=0, dtype=torch.float32)
 
     del logits_buffer
     dw = None
     if dw_acc is not None:
+        if n_rows == 0:
+            dw_acc.zero_()
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
         del dw_acc
     db = None if db_acc is None else db_acc.to(bias.dtype)
