@@ -11,11 +11,17 @@ Chunk size (``default_chunk_size``): the rows whose logits fit the memory budget
 
 clamped to [1, N] and then balanced so every chunk has about the same size. The
 budget is ``DEFAULT_CHUNK_BUDGET_BYTES`` (512 MiB; ``FLCE_CHUNK_BUDGET_MIB`` overrides
-it, ``chunk_size=`` overrides C). Peak extra memory of a forward+backward call is then
+it, ``chunk_size=`` overrides C). Peak extra memory of a forward+backward call with a
+bf16/fp16 weight and fp32 dW accumulation (the default) is then
 
-    C*V*(itemsize + extra)                 chunk logits + kernel workspace
-  + V*H*4   (dW accumulated in fp32 when the weight is bf16/fp16 and accum_dtype != its dtype)
-  + V*H*itemsize(weight) + N*H*itemsize(input) + V*itemsize(bias)   the gradients returned
+    max(C*V*(itemsize + extra) + V*H*4,    during the chunks: chunk logits + kernel
+                                           workspace + the fp32 dW accumulator
+        V*H*(4 + itemsize))                at the end: the accumulator and its cast
+  + N*H*itemsize(input) + V*4 (db)         dX, and db in fp32
+
+(``extra`` is an upper bound for the torch backend, whose temporaries are not all alive
+at once). With an fp32 weight, or ``accum_dtype`` equal to the weight's dtype, the
+accumulator is the returned dW: ``C*V*(itemsize + extra) + V*H*itemsize + N*H*itemsize``.
 
 dW and db are accumulated in fp32 unless ``accum_dtype`` equals a low-precision
 weight dtype (then in that dtype: less memory, rounding per chunk, the user's choice).
@@ -269,6 +275,9 @@ def run_chunks(
         if db_acc is not None:
             db_acc += grad_logits.sum(dim=0, dtype=torch.float32)
 
+    # Free the chunk buffer (the loop's views of it too) before the fp32 -> weight-dtype
+    # cast below, so the chunk and the cast's output never coexist.
+    logits = grad_logits = x = None
     del logits_buffer
     dw = None
     if dw_acc is not None:

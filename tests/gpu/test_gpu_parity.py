@@ -60,10 +60,12 @@ def test_real_vocabularies(backend, vocab, feature, dtype):
 
 @pytest.mark.parametrize("backend", ["triton", "cutedsl"])
 def test_64bit_offsets_inside_one_chunk(backend):
-    """N x V >= 2^31 logits in a single chunk: rows past the 2^31-th element must be right."""
+    """N x V >= 2^31 logits in a single chunk: rows past the 2^31-th element must be as
+    right as eager PyTorch in bf16 is (a 32-bit offset would read another row: garbage)."""
     _require(backend)
     import flce
     from flce.reference import fused_linear_cross_entropy_reference
+    from flce.testing import EPS, TOLERANCE_FACTOR, _rel_err
 
     n, h, v = 16384, 64, 131104  # n * v = 2^31 + 2^19
     assert n * v >= 2**31
@@ -74,11 +76,16 @@ def test_64bit_offsets_inside_one_chunk(backend):
     loss = flce.fused_linear_cross_entropy(x, w, t, reduction="none", chunk_size=n, backend=backend)
     loss.backward(torch.ones_like(loss))
     rows = torch.arange(n - 8, n, device="cuda")  # their logits start past element 2^31
-    xr = x.detach()[rows].double().requires_grad_()
-    ref = fused_linear_cross_entropy_reference(xr, w.double(), t[rows], reduction="none")
-    ref.loss.sum().backward()
-    torch.testing.assert_close(loss.detach()[rows].double(), ref.loss, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(x.grad[rows].double(), xr.grad, rtol=5e-2, atol=5e-3)
+    results = {}
+    for name, dtype, math in (("truth", torch.float64, torch.float64), ("eager", torch.bfloat16, torch.float32)):
+        xr = x.detach()[rows].to(dtype).requires_grad_()
+        ref = fused_linear_cross_entropy_reference(xr, w, t[rows], logits_dtype=dtype, math_dtype=math,
+                                                   reduction="none")
+        ref.loss.sum().backward()
+        results[name] = (ref.loss.detach(), xr.grad)
+    for index, ours in ((0, loss.detach()[rows]), (1, x.grad[rows])):
+        err, err_torch = _rel_err(ours, results["truth"][index]), _rel_err(results["eager"][index], results["truth"][index])
+        assert err <= TOLERANCE_FACTOR * err_torch + EPS[torch.bfloat16], (index, err, err_torch)
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -107,7 +114,8 @@ def test_no_memory_growth_over_200_steps(backend):
 @pytest.mark.parametrize("backend", ["triton", "cutedsl", "torch"])
 @pytest.mark.parametrize("n,v", [(8192, 32000), (8192, 128256), (4096, 151936)])
 def test_peak_memory_follows_the_documented_formula(backend, n, v):
-    """Peak extra memory within 10% of the formula in flce/driver.py's docstring."""
+    """Peak extra memory within 10% of the formula in flce/driver.py's docstring (for the
+    torch backend, whose workspace term is an upper bound: at most the formula + 10%)."""
     _require(backend)
     import flce
     from flce.dispatch import get_backend
@@ -125,5 +133,8 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
     peak = torch.cuda.max_memory_allocated() - base
     extra = get_backend(backend).extra_bytes_per_logit
     chunk = default_chunk_size(n, v, torch.bfloat16, extra)
-    formula = chunk * v * (2 + extra) + v * h * 4 + v * h * 2 + n * h * 2
-    assert abs(peak - formula) <= 0.1 * formula, f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
+    formula = max(chunk * v * (2 + extra) + v * h * 4, v * h * 6) + n * h * 2
+    message = f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
+    assert peak <= 1.1 * formula, message
+    if backend != "torch":
+        assert peak >= 0.9 * formula, message
