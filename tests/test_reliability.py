@@ -100,3 +100,26 @@ def test_deterministic(backend, dtype):
         results.append([out.loss, out.z_loss, x.grad, w.grad, b.grad])
     for first, second in zip(*results):
         assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_with_fp32_parameters(backend, autocast_dtype):
+    """Under autocast every backend computes in the autocast dtype (exactly as on inputs
+    cast to it) and returns gradients in the fp32 parameters' dtype."""
+    x, w, t = _inputs(n=24, h=16, v=40)
+    x.requires_grad_()
+    w.requires_grad_()
+    with torch.autocast(DEVICE.type, dtype=autocast_dtype):
+        loss = flce.fused_linear_cross_entropy(x, w, t, backend=backend, label_smoothing=0.1)
+    loss.backward()
+    assert loss.dtype == torch.float32 and x.grad.dtype == w.grad.dtype == torch.float32
+    x_low = x.detach().to(autocast_dtype).requires_grad_()
+    w_low = w.detach().to(autocast_dtype).requires_grad_()
+    expected = flce.fused_linear_cross_entropy(x_low, w_low, t, backend=backend, label_smoothing=0.1)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    # dX leaves the GEMM in the autocast dtype either way; dW is accumulated in fp32 and
+    # rounded to the autocast dtype only on the cast-input path.
+    torch.testing.assert_close(x.grad, x_low.grad.float(), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, w_low.grad.float(), rtol=torch.finfo(autocast_dtype).eps, atol=1e-6)

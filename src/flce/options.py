@@ -147,6 +147,8 @@ def validate_fused_inputs(
     for name, t in (("input", input), ("weight", weight), ("target", target)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        _refuse_dtensor(name, t)
     if input.dim() not in (2, 3):
         raise ValueError(f"input must be (N, H) or (B, T, H), got shape {tuple(input.shape)}")
     if weight.dim() != 2:
@@ -177,6 +179,22 @@ def validate_fused_inputs(
     dtype = resolve_compute_dtype(device, input, weight, bias, names=("input", "weight", "bias"))
     _check_accum_dtype(options, weight.dtype)
     return dtype
+
+
+def _refuse_dtensor(name: str, tensor: Optional[torch.Tensor]) -> None:
+    """A sharded DTensor reaching the single-device loss is a usage error, not something
+    to gather silently: gathering would double-count gradients under data parallelism."""
+    if tensor is None or type(tensor).__name__ != "DTensor":
+        return
+    placements = getattr(tensor, "placements", "?")
+    raise TypeError(
+        f"{name} is a DTensor with placements {placements}; flce's loss takes local tensors. "
+        "Under FSDP2 (fully_shard), compute the loss inside the forward of a module whose "
+        "parameters FSDP has unsharded (e.g. the causal-LM model that owns lm_head, without "
+        "wrapping lm_head in its own fully_shard unit), where they are plain tensors. For a "
+        "vocabulary-sharded (tensor-parallel) weight use "
+        "flce.parallel.vocab_parallel_fused_linear_cross_entropy."
+    )
 
 
 def validate_logits_inputs(

@@ -1,0 +1,82 @@
+"""FSDP2 (fully_shard) over gloo on CPU, 2 processes: flce inside the model's forward
+gets FSDP's unsharded parameters and gives the gradients of the data-parallel mean loss;
+a sharded DTensor passed straight in is refused with a message that says what to do."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytest.importorskip("torch.distributed.fsdp")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, 13, bias=False)
+
+    def forward(self, x, target):
+        import flce
+
+        return flce.fused_linear_cross_entropy(torch.tanh(self.proj(x)), self.lm_head.weight, target,
+                                               label_smoothing=0.1)
+
+
+def _batch(rank):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(6, 8, generator=gen), torch.randint(0, 13, (6,), generator=gen)
+
+
+def _worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_tensor, Shard
+
+        import flce
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = fully_shard(Head(), mesh=mesh)
+        loss = model(*_batch(rank))
+        loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        refused = ""
+        sharded = distribute_tensor(torch.randn(13, 8), mesh, [Shard(0)])
+        try:
+            flce.fused_linear_cross_entropy(torch.randn(4, 8), sharded, torch.zeros(4, dtype=torch.long))
+        except TypeError as exc:
+            refused = str(exc)
+        torch.save({"loss": loss.detach(), "grads": grads, "refused": refused}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_gradients_equal_the_data_parallel_mean(tmp_path):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    results = [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
+
+    reference = Head()
+    losses = [reference(*_batch(r)) for r in range(WORLD)]
+    (sum(losses) / WORLD).backward()  # FSDP2 averages gradients over the data-parallel ranks
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["loss"], losses[rank].detach())
+        for name, param in reference.named_parameters():
+            torch.testing.assert_close(result["grads"][name], param.grad, rtol=1e-5, atol=1e-6)
+        assert "weight is a DTensor" in result["refused"] and "fully_shard" in result["refused"]
