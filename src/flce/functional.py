@@ -40,13 +40,25 @@ LossResult = Union[torch.Tensor, CrossEntropyOutput]
 
 @dataclass(frozen=True)
 class _Plan:
-    """Everything one call decided before its first kernel."""
+    """Everything one call decided before its first kernel, and how to run its chunks.
+
+    Other execution schemes (``flce.parallel``) subclass it and override ``run_chunks``
+    and ``finish_gradients``; the autograd below is shared.
+    """
 
     options: LossOptions
     backend: BackendSpec
     compute_dtype: torch.dtype
     stats: BatchStatistics
     scalars: ChunkScalars
+
+    def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
+        """``flce.driver.run_chunks`` with this plan's decisions -> (RowOutputs, Gradients)."""
+        return run_chunks(input, weight, target, bias, ce_weight, self.options, self.backend, self.compute_dtype,
+                          self.scalars, **flags)
+
+    def finish_gradients(self, grads) -> None:
+        """Hook run on the final gradients of a backward (the single-device loss has none)."""
 
 
 def _no_autocast(device: torch.device):
@@ -74,9 +86,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(input, weight, bias, target, ce_weight)
         defer = plan.options.reduction == "none"
         with _no_autocast(input.device):
-            rows, grads = run_chunks(
-                input, weight, target, bias, ce_weight, plan.options, plan.backend, plan.compute_dtype,
-                plan.scalars,
+            rows, grads = plan.run_chunks(
+                input, weight, target, bias, ce_weight,
                 grad_input=grad_input and not defer,
                 grad_weight=grad_weight and not defer,
                 grad_bias=grad_bias and not defer,
@@ -99,16 +110,15 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             # reduction="none", or a repeated backward: recompute with the upstream
             # gradient folded into each row before the dW/db sums.
             input, weight, bias, target, ce_weight = ctx.saved_tensors
-            plan = ctx.plan
             row_scale = grad_loss.float().expand(input.shape[0]).contiguous()
             grad_input, grad_weight, grad_bias = ctx.grad_flags
             with _no_autocast(input.device):
-                _, grads = run_chunks(
-                    input, weight, target, bias, ce_weight, plan.options, plan.backend, plan.compute_dtype,
-                    plan.scalars,
+                _, grads = ctx.plan.run_chunks(
+                    input, weight, target, bias, ce_weight,
                     grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias,
                     row_grad_scale=row_scale,
                 )
+        ctx.plan.finish_gradients(grads)
         return grads.input, grads.weight, grads.bias, None, None, None
 
 
@@ -158,9 +168,8 @@ def fused_linear_cross_entropy_with_options(
         outputs = FusedLinearCrossEntropyFunction.apply(input_2d, weight, bias, target_1d, ce_weight, plan)
     else:
         with _no_autocast(input.device):
-            rows, _ = run_chunks(
-                input_2d, weight, target_1d, bias, ce_weight, options, backend, compute_dtype, plan.scalars,
-                grad_input=False, grad_weight=False, grad_bias=False,
+            rows, _ = plan.run_chunks(
+                input_2d, weight, target_1d, bias, ce_weight, grad_input=False, grad_weight=False, grad_bias=False
             )
         reduced = reduce_rows(rows, options, plan.scalars, stats)
         outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)

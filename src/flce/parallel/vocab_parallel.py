@@ -53,7 +53,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from flce.backends.base import ChunkScalars
 from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT
@@ -68,7 +67,7 @@ from flce.driver import (
     default_chunk_size,
     reduce_rows,
 )
-from flce.functional import _mark_outputs, _no_autocast, _package
+from flce.functional import FusedLinearCrossEntropyFunction, _no_autocast, _package
 from flce.options import FLOAT_DTYPES, LossOptions, _check_bool_int, validate_ce_weight, validate_fused_inputs
 from flce.output import CrossEntropyOutput
 
@@ -97,6 +96,14 @@ class _ParallelPlan:
     need_argmax: bool
     stats: BatchStatistics
     scalars: ChunkScalars
+
+    # The interface flce.functional.FusedLinearCrossEntropyFunction runs a plan through.
+    def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
+        return _run_local_chunks(input, weight, target, bias, ce_weight, self, **flags)
+
+    def finish_gradients(self, grads) -> None:
+        if grads.input is not None:
+            _all_reduce(grads.input, dist.ReduceOp.SUM, self)  # dX = sum_r G_r @ W_r; dW, db stay local
 
 
 # Fields of the per-rank record gathered once per call (int64).
@@ -502,59 +509,6 @@ def _run_local_chunks(
     return rows, Gradients(dx, dw, db)
 
 
-# --------------------------------------------------------------------- autograd
-
-
-class _VocabParallelFunction(torch.autograd.Function):
-    """Autograd of the vocab-parallel loss; inputs validated and flattened."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, target, ce_weight, plan: _ParallelPlan):
-        grad_input, grad_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_bias = bias is not None and ctx.needs_input_grad[2]
-        ctx.plan = plan
-        ctx.grad_flags = (grad_input, grad_weight, grad_bias)
-        ctx.save_for_backward(input, weight, bias, target, ce_weight)
-        defer = plan.options.reduction == "none"
-        with _no_autocast(input.device):
-            rows, grads = _run_local_chunks(
-                input, weight, target, bias, ce_weight, plan,
-                grad_input=grad_input and not defer,
-                grad_weight=grad_weight and not defer,
-                grad_bias=grad_bias and not defer,
-            )
-        ctx.grads = None if defer else grads
-        return _mark_outputs(ctx, reduce_rows(rows, plan.options, plan.scalars, plan.stats))
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
-        if grad_loss is None:
-            return None, None, None, None, None, None
-        plan = ctx.plan
-        grads, ctx.grads = ctx.grads, None
-        if grads is not None:
-            # First backward of a mean/sum loss: these tensors are ours; scale in place.
-            for g in (grads.input, grads.weight, grads.bias):
-                if g is not None:
-                    g.mul_(grad_loss.to(g.dtype))
-        else:
-            # reduction="none", or a repeated backward (retain_graph): recompute with the
-            # upstream gradient folded into each row, so scaling never compounds.
-            input, weight, bias, target, ce_weight = ctx.saved_tensors
-            row_scale = grad_loss.float().expand(input.shape[0]).contiguous()
-            grad_input, grad_weight, grad_bias = ctx.grad_flags
-            with _no_autocast(input.device):
-                _, grads = _run_local_chunks(
-                    input, weight, target, bias, ce_weight, plan,
-                    grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias,
-                    row_grad_scale=row_scale,
-                )
-        if grads.input is not None:
-            _all_reduce(grads.input, dist.ReduceOp.SUM, plan)  # dX = sum_r G_r @ W_r
-        return grads.input, grads.weight, grads.bias, None, None, None
-
-
 # ---------------------------------------------------------------------- DTensor
 
 
@@ -653,7 +607,7 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     target_1d = target.reshape(-1)
     tensors = (input, weight_shard) if bias_shard is None else (input, weight_shard, bias_shard)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        outputs = _VocabParallelFunction.apply(input_2d, weight_shard, bias_shard, target_1d, ce_full, plan)
+        outputs = FusedLinearCrossEntropyFunction.apply(input_2d, weight_shard, bias_shard, target_1d, ce_full, plan)
     else:
         with _no_autocast(input.device):
             rows, _ = _run_local_chunks(

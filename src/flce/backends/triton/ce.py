@@ -26,31 +26,21 @@ EXTRA_BYTES_PER_LOGIT = 0
 
 @triton.jit
 def _tanh(x):
-    """fp32 tanh to about 1.5 ulp without ``libdevice`` (which Triton's interpreter lacks).
-
-    |x| >= 0.625: (1 - t) / (1 + t) with t = exp(-2|x|) (no cancellation there, since
-    tanh >= 0.55); below, x + x^3 * P(x^2) with P a degree-5 polynomial fitted to
-    (tanh(x) - x) / x^3 on [0, 0.625] by relative-error weighted least squares.
-    """
-    ax = tl.abs(x)
-    t = tl.exp2(ax * (-2.0 * 1.4426950408889634))
-    big = tl.fdiv(1.0 - t, 1.0 + t)
-    x2 = x * x
-    poly = -0.008184662088751793 + x2 * 0.0021489840000867844
-    poly = 0.021703999489545822 + x2 * poly
-    poly = -0.05394745245575905 + x2 * poly
-    poly = 0.13333211839199066 + x2 * poly
-    poly = -0.3333333134651184 + x2 * poly
-    small = ax + ax * x2 * poly
-    r = tl.where(ax < 0.625, small, big)
-    return tl.where(x < 0.0, -r, r)
+    """fp32 tanh (see ``_tanh_and_derivative``; the unused derivative is compiled away)."""
+    t, _ = _tanh_and_derivative(x)
+    return t
 
 
 @triton.jit
 def _tanh_and_derivative(x):
-    """(tanh(x), 1 - tanh(x)^2). The derivative is 4t / (1 + t)^2 with t = exp(-2|x|)
-    where tanh saturates: 1 - r*r from a rounded r cancels there (relative error ~1e-4
-    at |x| = 4.7); below 0.625, 1 - r*r has no cancellation (r < 0.56)."""
+    """(tanh(x), 1 - tanh(x)^2) in fp32, to about 1.5 ulp, without ``libdevice`` (which
+    Triton's interpreter lacks).
+
+    tanh: for |x| >= 0.625, (1 - t) / (1 + t) with t = exp(-2|x|) (no cancellation there,
+    since tanh >= 0.55); below, x + x^3 * P(x^2) with P a degree-5 polynomial fitted to
+    (tanh(x) - x) / x^3 on [0, 0.625] by relative-error weighted least squares.
+    Derivative: 4t / (1 + t)^2 where tanh saturates, since 1 - r*r from a rounded r
+    cancels there (relative error ~1e-4 at |x| = 4.7); below 0.625, 1 - r*r (r < 0.56)."""
     ax = tl.abs(x)
     t = tl.exp2(ax * (-2.0 * 1.4426950408889634))
     one_plus_t = 1.0 + t
