@@ -1,0 +1,33 @@
+"""The CPU fuzzing generator (``tests/test_properties.py``) run against the GPU backends."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from flce.dispatch import availability
+from flce.testing import run_case
+from tests.test_properties import cases
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU fuzzing: needs a CUDA GPU", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+EXAMPLES = int(os.environ.get("FLCE_GPU_FUZZ_EXAMPLES", "300"))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutedsl"])
+def test_fuzz_gpu_backend(backend):
+    ok, why = availability(backend, CUDA)
+    if not ok:
+        pytest.skip(f"{backend}: {why}")
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=cases())
+    def check(case):
+        outcome = run_case(case, backend, CUDA)
+        assert outcome.passed, f"{case}: {outcome.failures} {outcome.errors}"
+
+    check()
