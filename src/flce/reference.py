@@ -89,7 +89,8 @@ def fused_linear_cross_entropy_reference(
     whichever of ``input``/``weight``/``bias`` require grad. The logits GEMM runs in
     ``logits_dtype`` (float64 for the reference; the inputs' own dtype to measure eager
     PyTorch's error, with ``math_dtype=torch.float32``)."""
-    logits = input.to(logits_dtype) @ weight.to(logits_dtype).T
-    if bias is not None:
-        logits = logits + bias.to(logits_dtype)
+    # F.linear, as an LM head computes it (the bias is added inside the GEMM, one rounding).
+    logits = torch.nn.functional.linear(
+        input.to(logits_dtype), weight.to(logits_dtype), None if bias is None else bias.to(logits_dtype)
+    )
     return cross_entropy_reference(logits, target, **options)
