@@ -217,13 +217,12 @@ def run_chunks(
     grad_weight: bool,
     grad_bias: bool,
     row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32 per-row upstream gradient
-    rows: Optional[RowOutputs] = None,
 ) -> tuple[RowOutputs, Gradients]:
     """Runs every chunk; returns per-row outputs and the requested gradients."""
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
     device = input.device
-    rows = RowOutputs.allocate(n_rows, options, device) if rows is None else rows
+    rows = RowOutputs.allocate(n_rows, options, device)
     compute_grad = grad_input or grad_weight or grad_bias
 
     w = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
