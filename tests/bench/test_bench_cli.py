@@ -154,3 +154,29 @@ def test_readme_script_renders_and_replaces_block(tmp_path: Path, capsys: pytest
 
     readme.write_text("# no markers\n")
     assert script.main([str(results), "--write", str(readme)]) == 1
+
+
+def test_tensor_parallel_bench_runs_over_gloo(tmp_path):
+    """``flce bench --tp 2`` on CPU: two gloo processes, parity with the single-process loss."""
+    import json
+
+    from flce.cli import main
+
+    code = main(["bench", "--tp", "2", "--device", "cpu", "--tokens", "48", "--vocab", "301", "--hidden", "16",
+                 "--dtype", "fp32", "--rounds", "2", "--warmup", "1", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "bench-tp2-fp32.json").read_text())
+    assert result["parity"]["passed"] and result["config"]["world_size"] == 2
+    assert [r["rank"] for r in result["per_rank"]] == [0, 1]
+    assert result["single_gpu"]["fwd_bwd"]["median_ms"] > 0
+
+
+def test_tensor_parallel_bench_skips_without_enough_gpus(capsys):
+    import torch
+
+    from flce.cli import main
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
+        return
+    assert main(["bench", "--tp", "64", "--device", "cuda"]) == 0
+    assert "skipped" in capsys.readouterr().out

@@ -101,6 +101,14 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "steady power draw whatever ran before it (default 100 on a GPU; 0 turns it off)",
     )
     t.add_argument("--seed", type=int, default=0)
+    p = parser.add_argument_group("tensor parallelism")
+    p.add_argument(
+        "--tp",
+        type=int,
+        metavar="WORLD",
+        help="benchmark the vocab-parallel loss over WORLD processes, one per GPU (NCCL; gloo with "
+        "--device cpu), against the single-device loss; skipped with a reason when fewer GPUs exist",
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, help="directory for the JSON, CSV and PNG files")
     o.add_argument("--no-plots", action="store_true", help="write no PNG plots")
@@ -243,8 +251,43 @@ def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, ti
     return written
 
 
+def run_tensor_parallel(args: argparse.Namespace) -> int:
+    """``flce bench --tp WORLD``: ``flce.bench.tensor_parallel`` under torchrun, one
+    process per GPU; its JSON (parity, per-rank time and memory) goes to ``--out``."""
+    import subprocess
+
+    world = args.tp
+    device = _device(args)
+    if world < 1:
+        print("flce bench: error: --tp must be >= 1", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        print(f"flce bench --tp {world}: skipped: {torch.cuda.device_count()} CUDA device(s) here, {world} needed")
+        return 0
+    out_dir = args.out or Path(".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / f"bench-tp{world}-{args.dtype or ('bf16' if device.type == 'cuda' else 'fp32')}.json"
+    child = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        "-m", "flce.bench.tensor_parallel", "--out", str(out_file), "--device", device.type,
+    ]
+    for flag, values in (("--tokens", args.tokens), ("--vocab", args.vocab), ("--hidden", args.hidden)):
+        if values:
+            child += [flag, str(values[0])]
+    if args.dtype:
+        child += ["--dtype", args.dtype]
+    if args.rounds:
+        child += ["--iters", str(args.rounds)]
+    if args.warmup is not None:
+        child += ["--warmup", str(args.warmup)]
+    print("running:", " ".join(child))
+    return subprocess.run(child, check=False).returncode
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``flce bench``; returns the exit code (0 when some method was measured)."""
+    if args.tp is not None:
+        return run_tensor_parallel(args)
     try:
         config = resolve_config(args)
         methods = resolve_methods(args, config.device)

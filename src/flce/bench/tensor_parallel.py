@@ -1,7 +1,8 @@
 """Vocab-parallel FLCE on GPUs: parity with a single-GPU flce run and time/memory per rank.
 
-    torchrun --nproc-per-node=8 scripts/device/vocab_parallel_run.py --out vp.json
-    python scripts/device/vocab_parallel_run.py --out vp.json        # one process, group of size 1
+    flce bench --tp 8 --out results/                          # launches the processes itself
+    torchrun --nproc-per-node=8 -m flce.bench.tensor_parallel --out vp.json
+    python -m flce.bench.tensor_parallel --out vp.json       # one process, group of size 1
     ... --tokens 8192 --hidden 4096 --vocab 128256 --dtype bf16 --single-backend torch
 
 One process per GPU (NCCL, ``torch.cuda.set_device(LOCAL_RANK)``); the environment
@@ -37,10 +38,8 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
-
-import flce  # noqa: E402
-from flce.parallel import vocab_parallel_fused_linear_cross_entropy  # noqa: E402
+import flce
+from flce.parallel import vocab_parallel_fused_linear_cross_entropy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
