@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flce.backends.base import ChunkScalars
-from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT
+from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT, apply_softcap, gradient_from_softmax, loss_rows
 from flce.driver import (
     BatchStatistics,
     Gradients,
@@ -340,7 +340,7 @@ def _chunk(
     """Loss rows of one chunk (written to ``out``) and, if asked, the local fp32
     gradient (C, V_r) with respect to the logits. Two collectives, on every rank."""
     sc = plan.scalars
-    ls, s, c = sc.label_smoothing, sc.lse_square_scale, sc.softcap
+    ls, c = sc.label_smoothing, sc.softcap
     eps = ls / plan.vocab
     v0, vocab_local = plan.vocab_start, logits.shape[1]
 
@@ -353,8 +353,7 @@ def _chunk(
     z = logits.float()  # (C, V_r) fp32 copy
     if z.data_ptr() == logits.data_ptr():
         z = z.clone()
-    if c is not None:
-        z.div_(c).tanh_().mul_(c)  # z' = c * tanh(z / c)
+    z, softcap_derivative = apply_softcap(z, c, compute_grad)
 
     # 1. Global row maximum (and first global argmax): one MAX all-reduce.
     global_argmax = None
@@ -368,9 +367,7 @@ def _chunk(
         row_max = z.amax(dim=-1)
         _all_reduce(row_max, dist.ReduceOp.MAX, plan)
 
-    # 2. Local partial sums of the shifted logits z' - max (differences to the row max
-    #    keep the precision that max + log(sum) would round away), one SUM all-reduce.
-    softcap_derivative = (1.0 - (z / c) ** 2) if (c is not None and compute_grad) else None
+    # 2. Local partial sums of the shifted logits z' - max, one SUM all-reduce.
     z.sub_(row_max[:, None])  # (C, V_r) z' - max
     zero = torch.zeros((), dtype=torch.float32, device=z.device)
     parts = [None, torch.where(owned, z.gather(1, safe_local[:, None]).squeeze(1), zero)]  # z'_y - max
@@ -384,16 +381,11 @@ def _chunk(
     log_s = torch.log(sum_exp)
     lse = row_max + log_s
 
-    # 3. Loss rows (the same on every rank).
+    # 3. Loss rows (the same on every rank), with the single-device formulas.
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
-    ce = (1.0 - ls) * w_y * (log_s - shifted_target)
-    if ls > 0:
-        ce = ce + eps * (sc.weight_sum * log_s - packed[:, 2])
-    zl = s * lse * lse
-    token_scale = torch.exp(shifted_target - log_s) if sc.use_token_scaling else None  # p_y, detached
-    if token_scale is not None:
-        ce = ce * token_scale
-        zl = zl * token_scale
+    ce, zl, token_scale = loss_rows(
+        log_s, shifted_target, packed[:, 2] if ls > 0 else None, lse, w_y, sc, eps
+    )
     out["loss_out"].copy_(torch.where(valid, ce, zero))
     if out["z_loss_out"] is not None:
         out["z_loss_out"].copy_(torch.where(valid, zl, zero))
@@ -404,31 +396,16 @@ def _chunk(
     if not compute_grad:
         return None
 
-    # 4. Local gradient with the global softmax, in the grouped form of
-    #    flce.backends.base (each group cancels exactly where the true value is ~0).
+    # 4. Local gradient with the global softmax (the one-hot only where this shard owns y).
     p.div_(sum_exp[:, None])  # softmax over the global vocabulary, local columns
-    onehot_coef = sc.ce_grad_scale * (1.0 - ls) * w_y
     row_scale = valid.float()
     if token_scale is not None:
         row_scale = row_scale * token_scale
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale
-    grad = p.clone()
-    grad.scatter_add_(1, safe_local[:, None], -owned.float()[:, None])  # p_i - [i == y] (y in this shard)
-    grad.mul_(onehot_coef[:, None])
-    if eps > 0:
-        smooth = sc.ce_grad_scale * eps
-        grad.add_(p, alpha=smooth * sc.weight_sum)  # + eps * W * p_i
-        if ce_local is not None:
-            grad.sub_(smooth * ce_local[None, :])  # - eps * w_i
-        else:
-            grad.sub_(smooth)
-    if s > 0:
-        grad.addcmul_(p, (sc.z_grad_scale * 2.0 * s * lse)[:, None])
-    if softcap_derivative is not None:
-        grad.mul_(softcap_derivative)
-    grad.mul_(row_scale[:, None])
-    return grad
+    return gradient_from_softmax(
+        p, safe_local, owned.float(), w_y, lse, ce_local, sc, eps, softcap_derivative, row_scale
+    )
 
 
 def _run_local_chunks(
