@@ -14,7 +14,7 @@ import os
 import random
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -64,6 +64,7 @@ class Spec:
     layout: str = "default"  # "default": vocab_start inferred; "given": passed; "reversed": passed, reversed order
     repeat_backward: bool = False
     module: bool = False
+    backend: Optional[str] = None  # the per-shard kernels (None: auto, PyTorch on CPU)
 
     @property
     def vocab(self) -> int:
@@ -90,6 +91,7 @@ class Spec:
             use_token_scaling=self.use_token_scaling,
             return_token_accuracy=self.accuracy,
             return_predicted_tokens=self.predicted,
+            backend=self.backend,
         )
 
 
@@ -155,7 +157,18 @@ def make_specs(world: int) -> list[Spec]:
                 layout=rng.choice(["default", "given", "reversed"]),
             )
         )
+    # The Triton split-row kernels (through Triton's interpreter on CPU), on the cases
+    # that reach every branch: targets owned by another rank, smoothing with class
+    # weights, softcap, z-loss, token scaling, ignored rows, one-row chunks.
+    if flce.dispatch.availability("triton", torch.device("cpu"))[0]:
+        for spec in list(specs):
+            if spec.name in TRITON_CASES:
+                specs.append(replace(spec, name=f"{spec.name}_triton", backend="triton"))
     return specs
+
+
+TRITON_CASES = ("all_features", "token_scaling_sum", "none_backward", "ignore_is_class", "all_ignored",
+                "reversed_layout", "one_row_chunks", "random3")
 
 
 def make_tensors(spec: Spec) -> dict:
@@ -333,7 +346,7 @@ def _reference(spec: Spec) -> dict:
     w = t["weight"].double().requires_grad_("weight" in spec.grads)
     b = None if t["bias"] is None else t["bias"].double().requires_grad_("bias" in spec.grads)
     opts = spec.kwargs()
-    for flag in ("return_z_loss", "return_token_accuracy", "return_predicted_tokens"):
+    for flag in ("return_z_loss", "return_token_accuracy", "return_predicted_tokens", "backend"):
         opts.pop(flag)
     ref = fused_linear_cross_entropy_reference(
         x.reshape(-1, hidden), w, t["target"].reshape(-1), b, ce_weight=t["ce_weight"], **opts
@@ -346,8 +359,8 @@ def _reference(spec: Spec) -> dict:
         grads = dict(zip(leaves, values))
     # The single-process library on the full weight, same options.
     full = flce.fused_linear_cross_entropy(
-        t["x"], t["weight"], t["target"], bias=t["bias"], ce_weight=t["ce_weight"], backend="torch",
-        chunk_size=spec.chunk_size, **spec.kwargs(),
+        t["x"], t["weight"], t["target"], bias=t["bias"], ce_weight=t["ce_weight"],
+        chunk_size=spec.chunk_size, **dict(spec.kwargs(), backend="torch"),
     )
     return dict(ref=ref, grads=grads, full=_unpack(full), tensors=t)
 
@@ -560,8 +573,8 @@ def test_group_of_one_local_refusals(single_group):
         call(x, w, t, vocab_start=2)
     with pytest.raises(ValueError, match="reduction must be one of"):
         call(x, w, t, reduction="avg")
-    with pytest.raises(ValueError, match="takes no backend"):
-        VocabParallelFusedLinearCrossEntropyLoss(backend="torch")
+    with pytest.raises(ValueError, match="cutedsl backend has no kernel"):
+        call(x, w, t, backend="cutedsl")
     mesh = init_device_mesh("cpu", (1,))
     with pytest.raises(TypeError, match="input is a DTensor"):
         call(distribute_tensor(x, mesh, [Replicate()]), w, t)

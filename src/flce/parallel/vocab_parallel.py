@@ -96,6 +96,7 @@ class _ParallelPlan:
     need_argmax: bool
     stats: BatchStatistics
     scalars: ChunkScalars
+    local_kernels: object  # _TorchLocalKernels or _TritonLocalKernels
 
     # The interface flce.functional.FusedLinearCrossEntropyFunction runs a plan through.
     def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
@@ -266,7 +267,9 @@ def _plan(
     stats = batch_statistics(target_1d, ce_full, vocab, options.ignore_index)
     scalars = chunk_scalars(options, stats)
     n_rows = target_1d.numel()
-    chunk = options.chunk_size or default_chunk_size(n_rows, max(sizes), compute_dtype, EXTRA_BYTES_PER_LOGIT)
+    kernels = local_kernels(options.backend, input.device)
+    workspace = EXTRA_BYTES_PER_LOGIT if kernels.name == "torch" else 0  # the Triton kernels work in place
+    chunk = options.chunk_size or default_chunk_size(n_rows, max(sizes), compute_dtype, workspace)
     chunk = max(1, min(chunk, max(n_rows, 1)))
     plan = _ParallelPlan(
         options=options,
@@ -279,6 +282,7 @@ def _plan(
         need_argmax=options.return_token_accuracy or options.return_predicted_tokens,
         stats=stats,
         scalars=scalars,
+        local_kernels=kernels,
     )
     return plan, ce_full
 
@@ -328,7 +332,7 @@ def _all_reduce(tensor: torch.Tensor, op, plan: _ParallelPlan) -> None:
 
 
 def _chunk(
-    logits: torch.Tensor,  # (C, V_r) compute dtype; untouched here
+    logits: torch.Tensor,  # (C, V_r) compute dtype; overwritten with the gradient if compute_grad
     target: torch.Tensor,  # (C,) global ids
     ce_weight: Optional[torch.Tensor],  # (V,) fp32, full
     ce_local: Optional[torch.Tensor],  # (V_r,) fp32 view of ce_weight
@@ -336,9 +340,10 @@ def _chunk(
     out: dict,
     row_grad_scale: Optional[torch.Tensor],  # (C,) fp32
     compute_grad: bool,
-) -> Optional[torch.Tensor]:
-    """Loss rows of one chunk (written to ``out``) and, if asked, the local fp32
-    gradient (C, V_r) with respect to the logits. Two collectives, on every rank."""
+) -> bool:
+    """Loss rows of one chunk (written to ``out``) and, if asked, the local gradient with
+    respect to the logits, written over ``logits``; returns whether it was. Two
+    collectives, on every rank."""
     sc = plan.scalars
     ls, c = sc.label_smoothing, sc.softcap
     eps = ls / plan.vocab
@@ -348,33 +353,29 @@ def _chunk(
     safe_target = torch.where(valid, target, torch.zeros_like(target)).long()  # global, gather-safe
     local_target = safe_target - v0
     owned = valid & (local_target >= 0) & (local_target < vocab_local)
-    safe_local = torch.where(owned, local_target, torch.zeros_like(local_target))
 
-    z = logits.float()  # (C, V_r) fp32 copy
-    if z.data_ptr() == logits.data_ptr():
-        z = z.clone()
-    z, softcap_derivative = apply_softcap(z, c, compute_grad)
+    kernels = plan.local_kernels
+    stats = kernels.statistics(logits, torch.where(owned, local_target, vocab_local), ce_local, c,
+                               with_smoothing=ls > 0, with_argmax=plan.need_argmax, for_gradient=compute_grad)
 
     # 1. Global row maximum (and first global argmax): one MAX all-reduce.
     global_argmax = None
     if plan.need_argmax:
-        local_idx = z.argmax(dim=-1)  # first local index among ties
-        local_max = z.gather(1, local_idx[:, None]).squeeze(1)
-        key = _argmax_key(local_max, local_idx + v0)
+        key = _argmax_key(stats.row_max, stats.argmax + v0)
         _all_reduce(key, dist.ReduceOp.MAX, plan)
         row_max, global_argmax = _decode_argmax_key(key)
     else:
-        row_max = z.amax(dim=-1)
+        row_max = stats.row_max.clone()
         _all_reduce(row_max, dist.ReduceOp.MAX, plan)
 
-    # 2. Local partial sums of the shifted logits z' - max, one SUM all-reduce.
-    z.sub_(row_max[:, None])  # (C, V_r) z' - max
-    zero = torch.zeros((), dtype=torch.float32, device=z.device)
-    parts = [None, torch.where(owned, z.gather(1, safe_local[:, None]).squeeze(1), zero)]  # z'_y - max
+    # 2. The local sums moved from the local to the global max, one SUM all-reduce.
+    #    Differences to the row max keep the precision that max + log(sum) would round away.
+    shift = stats.row_max - row_max  # (C,) <= 0
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    parts = [stats.row_sum * torch.exp(shift), torch.where(owned, stats.target_shifted + shift, zero)]
     if ls > 0:
-        parts.append(z @ ce_local if ce_local is not None else z.sum(dim=-1))  # sum_i w_i (z'_i - max)
-    p = z.exp_()  # exp(z' - max), unnormalised, in z's storage
-    parts[0] = p.sum(dim=-1)
+        local_weight_sum = ce_local.sum() if ce_local is not None else float(vocab_local)
+        parts.append(stats.smooth_shifted + shift * local_weight_sum)  # sum_i w_i (z'_i - max)
     packed = torch.stack(parts, dim=1)  # (C, k)
     _all_reduce(packed, dist.ReduceOp.SUM, plan)
     sum_exp, shifted_target = packed[:, 0], packed[:, 1]
@@ -394,18 +395,106 @@ def _chunk(
     if out["predicted_out"] is not None:
         out["predicted_out"].copy_(torch.where(valid, global_argmax, torch.full_like(global_argmax, -1)))
     if not compute_grad:
-        return None
+        return False
 
-    # 4. Local gradient with the global softmax (the one-hot only where this shard owns y).
-    p.div_(sum_exp[:, None])  # softmax over the global vocabulary, local columns
+    # 4. Local gradient with the global softmax (the one-hot only where this shard owns y),
+    #    written over the chunk's logits.
     row_scale = valid.float()
     if token_scale is not None:
         row_scale = row_scale * token_scale
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale
-    return gradient_from_softmax(
-        p, safe_local, owned.float(), w_y, lse, ce_local, sc, eps, softcap_derivative, row_scale
-    )
+    grad_target = torch.where(owned, local_target, torch.where(valid, vocab_local, -1))
+    kernels.gradient(logits, stats, grad_target, ce_local, row_max, 1.0 / sum_exp, w_y, lse, row_scale, sc, eps)
+    return True
+
+
+@dataclass
+class _LocalStatistics:
+    """Per-row statistics of a chunk's local columns, relative to the local max."""
+
+    row_max: torch.Tensor  # (C,) local max of z'
+    row_sum: torch.Tensor  # (C,) sum of exp(z' - local max)
+    target_shifted: torch.Tensor  # (C,) z'_y - local max where owned (else anything)
+    smooth_shifted: Optional[torch.Tensor]  # (C,) sum_i w_i (z'_i - local max), with smoothing
+    argmax: Optional[torch.Tensor]  # (C,) first local argmax
+    cache: tuple = ()  # what an implementation keeps for its gradient
+
+
+class _TorchLocalKernels:
+    """PyTorch ops on an fp32 copy of the chunk (keeps exp(z' - local max) for the gradient)."""
+
+    name = "torch"
+
+    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax, for_gradient):
+        z = logits.float()
+        if z.data_ptr() == logits.data_ptr():
+            z = z.clone()
+        z, softcap_derivative = apply_softcap(z, softcap, for_gradient)
+        local_max = z.amax(dim=-1)
+        z.sub_(local_max[:, None])  # (C, V_r) z' - local max
+        argmax = z.argmax(dim=-1) if with_argmax else None  # first local index among ties
+        owned = (local_target >= 0) & (local_target < z.shape[1])
+        target_shifted = z.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
+        smooth = (z @ ce_local if ce_local is not None else z.sum(dim=-1)) if with_smoothing else None
+        e = z.exp_()  # exp(z' - local max), in z's storage
+        return _LocalStatistics(local_max, e.sum(dim=-1), target_shifted, smooth, argmax,
+                                (e, softcap_derivative) if for_gradient else ())
+
+    def gradient(self, logits, stats, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars, eps):
+        e, softcap_derivative = stats.cache
+        p = e.mul_((torch.exp(stats.row_max - row_max) * inv_sum)[:, None])  # global softmax, local columns
+        owned = (grad_target >= 0) & (grad_target < logits.shape[1])
+        grad = gradient_from_softmax(p, torch.where(owned, grad_target, 0), owned.float(), w_y, lse, ce_local,
+                                     scalars, eps, softcap_derivative, row_scale)
+        logits.copy_(grad)
+
+
+class _TritonLocalKernels:
+    """``flce.backends.triton.partial``: one read for the statistics, one read and one
+    write for the gradient, in place; no fp32 copy of the chunk."""
+
+    name = "triton"
+
+    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax, for_gradient):
+        from flce.backends.triton.partial import partial_statistics
+
+        return _LocalStatistics(
+            *partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
+        )
+
+    def gradient(self, logits, stats, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars, eps):
+        from flce.backends.triton.partial import partial_gradient
+
+        ce_scale = scalars.ce_grad_scale
+        onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
+        smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
+        s = scalars.lse_square_scale
+        z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
+        partial_gradient(logits, grad_target, ce_local, row_max.contiguous(), inv_sum.contiguous(),
+                         onehot_coef.contiguous(), smooth_coef, z_coef, scalars.weight_sum, scalars.softcap)
+
+
+def local_kernels(backend: Optional[str], device: torch.device):
+    """The per-shard kernels for ``backend`` (None: Triton on CUDA when usable, else PyTorch)."""
+    from flce.dispatch import availability, requested_backend
+
+    name = requested_backend(backend)
+    if name == "cutedsl":
+        raise ValueError(
+            "the cutedsl backend has no kernel for a row split over vocabulary shards yet; "
+            "use backend='triton' or 'torch' (or None) for the vocab-parallel loss"
+        )
+    if name is None:
+        name = "triton" if device.type == "cuda" and availability("triton", device)[0] else "torch"
+    if name == "triton":
+        ok, why = availability("triton", device)
+        if not ok:
+            from flce.dispatch import BackendUnavailableError
+
+            raise BackendUnavailableError(f"backend 'triton' cannot run on {device}: {why}")
+        return _TritonLocalKernels()
+    return _TorchLocalKernels()
 
 
 def _run_local_chunks(
@@ -457,14 +546,13 @@ def _run_local_chunks(
             torch.mm(x, w_t, out=logits)
         else:
             torch.addmm(b, x, w_t, out=logits)
-        grad = _chunk(
+        has_grad = _chunk(
             logits, target[start:end], ce_weight, ce_local, plan, rows.chunk_kwargs(start, end),
             None if row_grad_scale is None else row_grad_scale[start:end], compute_grad,
         )
-        if grad is None:
+        if not has_grad:
             continue
-        logits.copy_(grad)  # dL/dlogits in the compute dtype, reusing the chunk buffer
-        del grad
+        # logits now hold dL/dlogits in the compute dtype
         if dx is not None:
             if dx.dtype == dtype:
                 torch.mm(logits, w, out=dx[start:end])
@@ -475,6 +563,7 @@ def _run_local_chunks(
         if db_acc is not None:
             db_acc += logits.sum(dim=0, dtype=torch.float32)
 
+    logits = x = None  # free the chunk buffer (with the loop's views) before dW's cast
     del logits_buffer
     dw = None
     if dw_acc is not None:
@@ -573,8 +662,7 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     vocab_start: Optional[int] = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
-    if options.backend is not None:
-        raise ValueError(f"{_ENTRY} has a single implementation; backend must be None, got {options.backend!r}")
+    local_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
     input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = _unwrap_dtensors(
         input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
     )
@@ -616,6 +704,7 @@ def vocab_parallel_fused_linear_cross_entropy(
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
     chunk_size: Optional[int] = None,
+    backend: Optional[str] = None,
 ) -> LossResult:
     """The fused linear + cross-entropy loss with the LM-head weight sharded over the
     vocabulary across the ranks of ``process_group``; call it on every rank.
@@ -635,6 +724,10 @@ def vocab_parallel_fused_linear_cross_entropy(
             ``(V_r,)`` class weights of this shard's classes.
         chunk_size: rows per chunk (must be equal on all ranks); ``None`` sizes chunks
             from the memory budget on the largest shard, as the single-GPU driver does.
+        backend: the per-shard kernels: ``"triton"`` (one read for the statistics, one
+            read + write for the gradient, in place), ``"torch"`` (PyTorch ops on an fp32
+            copy), or ``None``: ``FLCE_BACKEND``, else Triton on CUDA when usable, else
+            PyTorch. ``"cutedsl"`` has no split-row kernel yet and is refused.
         Other options: as ``flce.fused_linear_cross_entropy`` (``CONTRACT.md``).
 
     Returns:
@@ -643,8 +736,8 @@ def vocab_parallel_fused_linear_cross_entropy(
         receives the full dX (all-reduced in backward), ``weight_shard``/``bias_shard``
         their local slices of dW/db.
 
-    The local GEMMs are cuBLAS (``torch.mm``/``addmm``); the per-chunk CE math is PyTorch
-    ops in fp32 (the single-GPU backends' in-place kernels assume a row-local softmax).
+    The local GEMMs are cuBLAS (``torch.mm``/``addmm``); the per-chunk CE math runs in the
+    chosen backend's split-row kernels (fp32 math).
     Communication per chunk of C rows: one MAX all-reduce of C values (int64 keys when
     accuracy/predicted tokens are requested, else fp32) and one SUM all-reduce of a
     ``(C, 2 or 3)`` fp32 tensor; per call one small all_gather (plus one of the class
@@ -662,6 +755,7 @@ def vocab_parallel_fused_linear_cross_entropy(
         return_token_accuracy=return_token_accuracy,
         return_predicted_tokens=return_predicted_tokens,
         chunk_size=chunk_size,
+        backend=backend,
     )
     return vocab_parallel_fused_linear_cross_entropy_with_options(
         input, weight_shard, target, bias_shard, ce_weight_shard, options,
@@ -687,8 +781,6 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
     ) -> None:
         super().__init__()
         self.options = LossOptions(**options)
-        if self.options.backend is not None:
-            raise ValueError("VocabParallelFusedLinearCrossEntropyLoss takes no backend option")
         self.process_group = process_group
         self.vocab_start = vocab_start
         self.register_buffer("ce_weight_shard", ce_weight_shard, persistent=False)
