@@ -55,7 +55,8 @@ import torch.distributed as dist
 from torch import nn
 
 from flce.backends.base import ChunkScalars
-from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT, apply_softcap, gradient_from_softmax, loss_rows
+from flce.backends.torch.ce import loss_rows
+from flce.split_rows import split_row_kernels
 from flce.driver import (
     BatchStatistics,
     Gradients,
@@ -96,7 +97,7 @@ class _ParallelPlan:
     need_argmax: bool
     stats: BatchStatistics
     scalars: ChunkScalars
-    local_kernels: object  # _TorchLocalKernels or _TritonLocalKernels
+    local_kernels: object  # flce.split_rows.TorchSplitRowKernels or TritonSplitRowKernels
 
     # The interface flce.functional.FusedLinearCrossEntropyFunction runs a plan through.
     def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
@@ -267,9 +268,8 @@ def _plan(
     stats = batch_statistics(target_1d, ce_full, vocab, options.ignore_index)
     scalars = chunk_scalars(options, stats)
     n_rows = target_1d.numel()
-    kernels = local_kernels(options.backend, input.device)
-    workspace = EXTRA_BYTES_PER_LOGIT if kernels.name == "torch" else 0  # the Triton kernels work in place
-    chunk = options.chunk_size or default_chunk_size(n_rows, max(sizes), compute_dtype, workspace)
+    kernels = split_row_kernels(options.backend, input.device, _ENTRY)
+    chunk = options.chunk_size or default_chunk_size(n_rows, max(sizes), compute_dtype, kernels.extra_bytes_per_logit)
     chunk = max(1, min(chunk, max(n_rows, 1)))
     plan = _ParallelPlan(
         options=options,
@@ -356,7 +356,7 @@ def _chunk(
 
     kernels = plan.local_kernels
     stats = kernels.statistics(logits, torch.where(owned, local_target, vocab_local), ce_local, c,
-                               with_smoothing=ls > 0, with_argmax=plan.need_argmax, for_gradient=compute_grad)
+                               with_smoothing=ls > 0, with_argmax=plan.need_argmax)
 
     # 1. Global row maximum (and first global argmax): one MAX all-reduce.
     global_argmax = None
@@ -405,96 +405,8 @@ def _chunk(
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale
     grad_target = torch.where(owned, local_target, torch.where(valid, vocab_local, -1))
-    kernels.gradient(logits, stats, grad_target, ce_local, row_max, 1.0 / sum_exp, w_y, lse, row_scale, sc, eps)
+    kernels.gradient(logits, grad_target, ce_local, row_max, 1.0 / sum_exp, w_y, lse, row_scale, sc, eps)
     return True
-
-
-@dataclass
-class _LocalStatistics:
-    """Per-row statistics of a chunk's local columns, relative to the local max."""
-
-    row_max: torch.Tensor  # (C,) local max of z'
-    row_sum: torch.Tensor  # (C,) sum of exp(z' - local max)
-    target_shifted: torch.Tensor  # (C,) z'_y - local max where owned (else anything)
-    smooth_shifted: Optional[torch.Tensor]  # (C,) sum_i w_i (z'_i - local max), with smoothing
-    argmax: Optional[torch.Tensor]  # (C,) first local argmax
-    cache: tuple = ()  # what an implementation keeps for its gradient
-
-
-class _TorchLocalKernels:
-    """PyTorch ops on an fp32 copy of the chunk (keeps exp(z' - local max) for the gradient)."""
-
-    name = "torch"
-
-    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax, for_gradient):
-        z = logits.float()
-        if z.data_ptr() == logits.data_ptr():
-            z = z.clone()
-        z, softcap_derivative = apply_softcap(z, softcap, for_gradient)
-        local_max = z.amax(dim=-1)
-        z.sub_(local_max[:, None])  # (C, V_r) z' - local max
-        argmax = z.argmax(dim=-1) if with_argmax else None  # first local index among ties
-        owned = (local_target >= 0) & (local_target < z.shape[1])
-        target_shifted = z.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
-        smooth = (z @ ce_local if ce_local is not None else z.sum(dim=-1)) if with_smoothing else None
-        e = z.exp_()  # exp(z' - local max), in z's storage
-        return _LocalStatistics(local_max, e.sum(dim=-1), target_shifted, smooth, argmax,
-                                (e, softcap_derivative) if for_gradient else ())
-
-    def gradient(self, logits, stats, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars, eps):
-        e, softcap_derivative = stats.cache
-        p = e.mul_((torch.exp(stats.row_max - row_max) * inv_sum)[:, None])  # global softmax, local columns
-        owned = (grad_target >= 0) & (grad_target < logits.shape[1])
-        grad = gradient_from_softmax(p, torch.where(owned, grad_target, 0), owned.float(), w_y, lse, ce_local,
-                                     scalars, eps, softcap_derivative, row_scale)
-        logits.copy_(grad)
-
-
-class _TritonLocalKernels:
-    """``flce.backends.triton.partial``: one read for the statistics, one read and one
-    write for the gradient, in place; no fp32 copy of the chunk."""
-
-    name = "triton"
-
-    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax, for_gradient):
-        from flce.backends.triton.partial import partial_statistics
-
-        return _LocalStatistics(
-            *partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
-        )
-
-    def gradient(self, logits, stats, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars, eps):
-        from flce.backends.triton.partial import partial_gradient
-
-        ce_scale = scalars.ce_grad_scale
-        onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
-        smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
-        s = scalars.lse_square_scale
-        z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
-        partial_gradient(logits, grad_target, ce_local, row_max.contiguous(), inv_sum.contiguous(),
-                         onehot_coef.contiguous(), smooth_coef, z_coef, scalars.weight_sum, scalars.softcap)
-
-
-def local_kernels(backend: Optional[str], device: torch.device):
-    """The per-shard kernels for ``backend`` (None: Triton on CUDA when usable, else PyTorch)."""
-    from flce.dispatch import availability, requested_backend
-
-    name = requested_backend(backend)
-    if name == "cutedsl":
-        raise ValueError(
-            "the cutedsl backend has no kernel for a row split over vocabulary shards yet; "
-            "use backend='triton' or 'torch' (or None) for the vocab-parallel loss"
-        )
-    if name is None:
-        name = "triton" if device.type == "cuda" and availability("triton", device)[0] else "torch"
-    if name == "triton":
-        ok, why = availability("triton", device)
-        if not ok:
-            from flce.dispatch import BackendUnavailableError
-
-            raise BackendUnavailableError(f"backend 'triton' cannot run on {device}: {why}")
-        return _TritonLocalKernels()
-    return _TorchLocalKernels()
 
 
 def _run_local_chunks(
@@ -662,7 +574,7 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     vocab_start: Optional[int] = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
-    local_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
+    split_row_kernels(options.backend, input.device, _ENTRY)  # refuse an unusable backend before any collective
     input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = _unwrap_dtensors(
         input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
     )
