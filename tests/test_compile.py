@@ -19,13 +19,15 @@ def _inputs(reduction):
 
 # aot_eager for every reduction (fast); one inductor case proves codegen around the op.
 @pytest.mark.parametrize(
-    "backend,reduction", [("aot_eager", "mean"), ("aot_eager", "sum"), ("aot_eager", "none"), ("inductor", "mean")]
+    "backend,reduction,vocab_chunk_size",
+    [("aot_eager", "mean", None), ("aot_eager", "sum", None), ("aot_eager", "none", None),
+     ("aot_eager", "none", 10), ("inductor", "mean", None)],
 )
-def test_compiled_training_step_matches_eager(backend, reduction):
+def test_compiled_training_step_matches_eager(backend, reduction, vocab_chunk_size):
     def forward(x, w, b, t):
         out = flce.fused_linear_cross_entropy(
             torch.tanh(x), w, t, bias=b, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3,
-            return_z_loss=True, return_token_accuracy=True,
+            return_z_loss=True, return_token_accuracy=True, vocab_chunk_size=vocab_chunk_size,
         )
         loss = (out.loss * torch.linspace(0.5, 2, 9)).sum() if reduction == "none" else out.loss * 1.5
         return loss, out.z_loss, out.token_accuracy

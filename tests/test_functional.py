@@ -5,6 +5,7 @@ reference, with tolerances tied to eager PyTorch's own error in the same dtype
 import pytest
 import torch
 
+from flce.dispatch import availability
 from flce.testing import FEATURES, Case, run_case
 
 CPU = torch.device("cpu")
@@ -79,3 +80,29 @@ def test_all_rows_ignored(reduction, feature):
     if isinstance(out, flce.CrossEntropyOutput) and out.predicted_tokens is not None:
         assert torch.all(out.predicted_tokens == -1)
         assert torch.all(out.token_accuracy == 0)
+
+
+VOCAB_BLOCK_BACKENDS = ["torch"] + (["triton"] if availability("triton", CPU)[0] else [])
+
+
+@pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("feature", ["plain", "label_smoothing", "softcap", "ce_weight", "accuracy", "all"])
+def test_vocabulary_blocks(backend, dtype, reduction, feature):
+    # V = 123 in blocks of 40 (40 + 40 + 40 + 3) x token chunks of 16 (ragged both ways).
+    _assert_passes(Case(feature=feature, reduction=reduction, dtype=dtype, bias=True, chunk_size=16,
+                        vocab_chunk_size=40), backend)
+
+
+@pytest.mark.parametrize("grads", GRADS, ids="+".join)
+def test_vocabulary_blocks_which_tensors_require_grad(grads):
+    _assert_passes(Case(feature="all", reduction="mean", bias=True, grads=grads, chunk_size=10, vocab_chunk_size=7))
+
+
+def test_vocabulary_blocks_refuse_backends_without_split_row_kernels():
+    import flce
+
+    x, w, t = torch.randn(4, 8), torch.randn(11, 8), torch.randint(0, 11, (4,))
+    with pytest.raises(ValueError, match="cutedsl backend has no kernel"):
+        flce.fused_linear_cross_entropy(x, w, t, vocab_chunk_size=4, backend="cutedsl")

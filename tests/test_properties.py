@@ -39,6 +39,7 @@ def cases(draw):
         ignore_index=draw(st.sampled_from([-100, 0])),
         ignored_fraction=draw(st.sampled_from([0.0, 0.3, 1.0])),
         chunk_size=draw(st.one_of(st.none(), st.integers(1, n_rows))),
+        vocab_chunk_size=draw(st.one_of(st.none(), st.none(), st.integers(1, 70))),
         seed=draw(st.integers(0, 2**16)),
         options=tuple(sorted(options.items())) or (("label_smoothing", 0.0),),
     )

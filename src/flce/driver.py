@@ -25,6 +25,10 @@ accumulator is the returned dW: ``C*V*(itemsize + extra) + V*H*itemsize + N*H*it
 
 dW and db are accumulated in fp32 unless ``accum_dtype`` equals a low-precision
 weight dtype (then in that dtype: less memory, rounding per chunk, the user's choice).
+
+``run_vocab_blocks`` (``vocab_chunk_size=``) splits the vocabulary too and keeps dW's
+fp32 accumulation exact with one ``V_b x H`` block alive instead of ``V x H``, for one
+more logits GEMM.
 """
 
 from __future__ import annotations
@@ -315,3 +319,145 @@ def reduce_rows(rows: RowOutputs, options: LossOptions, scalars: ChunkScalars, s
         if rows.correct is not None:
             accuracy = rows.correct.sum() * (1.0 / stats.n_valid if stats.n_valid else 0.0)
     return Reduced(loss, z_loss, accuracy, rows.predicted)
+
+
+def run_vocab_blocks(
+    input: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    target: torch.Tensor,  # (N,)
+    bias: Optional[torch.Tensor],  # (V,)
+    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    options: LossOptions,
+    kernels,  # flce.split_rows kernels
+    compute_dtype: torch.dtype,
+    scalars: ChunkScalars,
+    *,
+    grad_input: bool,
+    grad_weight: bool,
+    grad_bias: bool,
+    row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32
+) -> tuple[RowOutputs, Gradients]:
+    """The driver over token chunks x vocabulary blocks (``options.vocab_chunk_size``).
+
+    Pass 1 runs the logits GEMM block by block and merges each block's row statistics
+    (max, sum of exp, target logit, smoothing sum, argmax) into the whole row's. Pass 2,
+    only for gradients, recomputes each block's logits, writes their gradient in place
+    and finishes that block of dW in one fp32 accumulator of ``V_b x H`` before moving
+    on; dX is accumulated in fp32 over the blocks. Exact fp32 accumulation of both with
+    peak extra memory ``C*V_b*(itemsize + extra) + V_b*H*4 + N*H*4 + dW + dX`` instead of
+    a ``V x H`` fp32 buffer, for one more logits GEMM (8NVH FLOPs instead of 6NVH).
+    """
+    n_rows, hidden = input.shape
+    vocab = weight.shape[0]
+    device = input.device
+    rows = RowOutputs.allocate(n_rows, options, device)
+    block = max(1, min(options.vocab_chunk_size, vocab))
+    chunk = options.chunk_size or default_chunk_size(n_rows, block, compute_dtype, kernels.extra_bytes_per_logit)
+    chunk = max(1, min(chunk, max(n_rows, 1)))
+    w = weight if weight.dtype == compute_dtype else weight.to(compute_dtype)
+    b = None if bias is None else (bias if bias.dtype == compute_dtype else bias.to(compute_dtype))
+    ls = scalars.label_smoothing
+    eps = ls / vocab
+    need_argmax = options.return_token_accuracy or options.return_predicted_tokens
+    valid = target != scalars.ignore_index
+    safe_target = torch.where(valid, target, torch.zeros_like(target)).long()
+    buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device) if n_rows else None
+
+    def blocks():
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            yield v0, v1, None if ce_weight is None else ce_weight[v0:v1]
+
+    def logits_of(r0: int, r1: int, v0: int, v1: int, x: torch.Tensor) -> torch.Tensor:
+        logits = buffer[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)  # (C, V_b) contiguous
+        if b is None:
+            torch.mm(x, w[v0:v1].t(), out=logits)
+        else:
+            torch.addmm(b[v0:v1], x, w[v0:v1].t(), out=logits)
+        return logits
+
+    def chunks():
+        for r0 in range(0, n_rows, chunk):
+            r1 = min(r0 + chunk, n_rows)
+            x = input[r0:r1]
+            yield r0, r1, (x if x.dtype == compute_dtype else x.to(compute_dtype))
+
+    # Pass 1: the whole row's statistics, merged block by block (running max M; the sums
+    # kept relative to it; the target logit and the smoothing sum as absolute values).
+    f32 = dict(dtype=torch.float32, device=device)
+    row_max = torch.full((n_rows,), -float("inf"), **f32)
+    row_sum = torch.zeros(n_rows, **f32)
+    target_logit = torch.zeros(n_rows, **f32)
+    smooth_sum = torch.zeros(n_rows, **f32) if ls > 0 else None
+    best = torch.zeros(n_rows, dtype=torch.int64, device=device) if need_argmax else None
+    for v0, v1, ce_block in blocks():
+        block_weight_sum = ce_block.sum() if ce_block is not None else float(v1 - v0)
+        for r0, r1, x in chunks():
+            local = safe_target[r0:r1] - v0
+            owned = valid[r0:r1] & (local >= 0) & (local < v1 - v0)
+            stats = kernels.statistics(logits_of(r0, r1, v0, v1, x), torch.where(owned, local, v1 - v0), ce_block,
+                                       scalars.softcap, with_smoothing=ls > 0, with_argmax=need_argmax)
+            old_max = row_max[r0:r1]
+            new_max = torch.maximum(old_max, stats.row_max)
+            row_sum[r0:r1] = row_sum[r0:r1] * torch.exp(old_max - new_max) + stats.row_sum * torch.exp(
+                stats.row_max - new_max
+            )
+            target_logit[r0:r1] = torch.where(owned, stats.target_shifted + stats.row_max, target_logit[r0:r1])
+            if smooth_sum is not None:
+                smooth_sum[r0:r1] += stats.smooth_shifted + stats.row_max * block_weight_sum
+            if best is not None:
+                # strictly greater: an earlier block keeps a tie (the first index wins)
+                best[r0:r1] = torch.where(stats.row_max > old_max, stats.argmax + v0, best[r0:r1])
+            row_max[r0:r1] = new_max
+
+    log_s = torch.log(row_sum)
+    lse = row_max + log_s
+    shifted_smooth = None if smooth_sum is None else smooth_sum - row_max * scalars.weight_sum
+    w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
+    from flce.backends.torch.ce import loss_rows
+
+    ce, zl, token_scale = loss_rows(log_s, target_logit - row_max, shifted_smooth, lse, w_y, scalars, eps)
+    zero = torch.zeros((), **f32)
+    rows.loss.copy_(torch.where(valid, ce, zero))
+    if rows.z_loss is not None:
+        rows.z_loss.copy_(torch.where(valid, zl, zero))
+    if rows.correct is not None:
+        rows.correct.copy_(((best == target) & valid).float())
+    if rows.predicted is not None:
+        rows.predicted.copy_(torch.where(valid, best, torch.full_like(best, -1)))
+    if not (grad_input or grad_weight or grad_bias):
+        return rows, Gradients(None, None, None)
+
+    # Pass 2: the gradient, block by block; each block of dW is final when its loop ends.
+    row_scale = valid.float()
+    if token_scale is not None:
+        row_scale = row_scale * token_scale
+    if row_grad_scale is not None:
+        row_scale = row_scale * row_grad_scale.float()
+    inv_sum = 1.0 / row_sum
+    dx_acc = torch.zeros(n_rows, hidden, **f32) if grad_input else None
+    dw = torch.empty(vocab, hidden, dtype=weight.dtype, device=device) if grad_weight else None
+    db = torch.zeros(vocab, **f32) if grad_bias else None
+    acc_dtype = _weight_accumulator_dtype(options, weight.dtype)
+    for v0, v1, ce_block in blocks():
+        dw_block = torch.empty(v1 - v0, hidden, dtype=acc_dtype, device=device) if grad_weight else None
+        for r0, r1, x in chunks():
+            local = safe_target[r0:r1] - v0
+            owned = valid[r0:r1] & (local >= 0) & (local < v1 - v0)
+            grad_target = torch.where(owned, local, torch.where(valid[r0:r1], v1 - v0, -1))
+            grad = logits_of(r0, r1, v0, v1, x)
+            kernels.gradient(grad, grad_target, ce_block, row_max[r0:r1], inv_sum[r0:r1], w_y[r0:r1], lse[r0:r1],
+                             row_scale[r0:r1], scalars, eps)
+            if dx_acc is not None:
+                _accumulate_product(dx_acc[r0:r1], grad, w[v0:v1], first=False)
+            if dw_block is not None:
+                _accumulate_product(dw_block, grad.t(), x, first=r0 == 0)
+            if db is not None:
+                db[v0:v1] += grad.sum(dim=0, dtype=torch.float32)
+        if dw_block is not None:
+            if n_rows == 0:
+                dw_block.zero_()
+            dw[v0:v1] = dw_block
+            del dw_block
+    dx = None if dx_acc is None else (dx_acc if input.dtype == torch.float32 else dx_acc.to(input.dtype))
+    return rows, Gradients(dx, dw, None if db is None else db.to(bias.dtype))

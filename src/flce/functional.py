@@ -31,6 +31,7 @@ from flce.driver import (
     default_chunk_size,
     reduce_rows,
     run_chunks,
+    run_vocab_blocks,
 )
 from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
 from flce.output import CrossEntropyOutput
@@ -51,9 +52,14 @@ class _Plan:
     compute_dtype: torch.dtype
     stats: BatchStatistics
     scalars: ChunkScalars
+    split_kernels: object = None  # flce.split_rows kernels, with options.vocab_chunk_size
 
     def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
-        """``flce.driver.run_chunks`` with this plan's decisions -> (RowOutputs, Gradients)."""
+        """The driver with this plan's decisions -> (RowOutputs, Gradients): token chunks
+        (``flce.driver.run_chunks``), or token x vocabulary blocks with ``vocab_chunk_size``."""
+        if self.split_kernels is not None:
+            return run_vocab_blocks(input, weight, target, bias, ce_weight, self.options, self.split_kernels,
+                                    self.compute_dtype, self.scalars, **flags)
         return run_chunks(input, weight, target, bias, ce_weight, self.options, self.backend, self.compute_dtype,
                           self.scalars, **flags)
 
@@ -64,6 +70,22 @@ class _Plan:
 def _no_autocast(device: torch.device):
     # The driver picks its dtypes itself; autocast must not re-cast the kernel's fp32 math.
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+def make_plan(options: LossOptions, device: torch.device, target: torch.Tensor, ce_weight, vocab: int,
+              compute_dtype: torch.dtype) -> _Plan:
+    """Backend (or split-row kernels for ``vocab_chunk_size``), the one host sync of batch
+    statistics, and the kernel scalars: everything decided before the first kernel."""
+    split_kernels = None
+    if options.vocab_chunk_size is not None:
+        from flce.split_rows import split_row_kernels
+
+        split_kernels = split_row_kernels(options.backend, device, "vocab_chunk_size")
+        backend = resolve_backend("torch", device)  # unused by the blocked driver
+    else:
+        backend = resolve_backend(options.backend, device)
+    stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
+    return _Plan(options, backend, compute_dtype, stats, chunk_scalars(options, stats), split_kernels)
 
 
 def _mark_outputs(ctx, reduced) -> tuple:
@@ -159,9 +181,7 @@ def fused_linear_cross_entropy_with_options(
     ce_weight = _prepare_ce_weight(ce_weight)
     if torch.compiler.is_compiling():
         return _compiled_fused(input_2d, weight, target, target_1d, bias, ce_weight, options, compute_dtype)
-    backend = resolve_backend(options.backend, input.device)
-    stats = batch_statistics(target_1d, ce_weight, vocab, options.ignore_index)
-    plan = _Plan(options, backend, compute_dtype, stats, chunk_scalars(options, stats))
+    plan = make_plan(options, input.device, target_1d, ce_weight, vocab, compute_dtype)
 
     tensors = (input, weight) if bias is None else (input, weight, bias)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -171,7 +191,7 @@ def fused_linear_cross_entropy_with_options(
             rows, _ = plan.run_chunks(
                 input_2d, weight, target_1d, bias, ce_weight, grad_input=False, grad_weight=False, grad_bias=False
             )
-        reduced = reduce_rows(rows, options, plan.scalars, stats)
+        reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
         outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
     return _package(options, tuple(target.shape), *outputs)
 
@@ -185,7 +205,7 @@ def _compiled_fused(input_2d, weight, target, target_1d, bias, ce_weight, option
         input_2d, weight, target_1d, bias, ce_weight, options.ignore_index, float(options.lse_square_scale),
         float(options.label_smoothing), options.reduction, options.softcap, options.use_token_scaling,
         options.accum_dtype, options.return_z_loss, options.return_token_accuracy, options.return_predicted_tokens,
-        options.backend, options.chunk_size, compute_dtype,
+        options.backend, options.chunk_size, options.vocab_chunk_size, compute_dtype,
         grad_enabled and input_2d.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
@@ -218,6 +238,7 @@ def fused_linear_cross_entropy(
     return_predicted_tokens: bool = False,
     backend: Optional[str] = None,
     chunk_size: Optional[int] = None,
+    vocab_chunk_size: Optional[int] = None,
 ) -> LossResult:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materializing the logits.
 
@@ -241,6 +262,10 @@ def fused_linear_cross_entropy(
         backend: ``"torch"``, ``"triton"``, ``"cutedsl"`` or ``None`` (``FLCE_BACKEND``, then auto).
         chunk_size: rows per chunk; ``None`` sizes chunks from the memory budget
             (``flce.driver.default_chunk_size``).
+        vocab_chunk_size: also split the vocabulary into blocks of this many classes
+            (``flce.driver.run_vocab_blocks``): dW and dX are accumulated exactly in fp32
+            with only a block of fp32 dW alive, at the price of computing the logits twice
+            (8NVH instead of 6NVH FLOPs). ``None`` (default): whole rows per chunk.
 
     Returns:
         The fp32 loss (scalar for mean/sum, per token for none), or a ``CrossEntropyOutput``
@@ -259,6 +284,7 @@ def fused_linear_cross_entropy(
         return_predicted_tokens=return_predicted_tokens,
         backend=backend,
         chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
     )
     return fused_linear_cross_entropy_with_options(input, weight, target, bias, ce_weight, options)
 

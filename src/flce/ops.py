@@ -16,20 +16,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from flce.dispatch import resolve_backend
-from flce.driver import batch_statistics, chunk_scalars, reduce_rows, run_chunks
+from flce.driver import reduce_rows
+from flce.functional import make_plan
 from flce.options import LossOptions
 
 _EMPTY_SHAPE = (0,)
 
 
 def _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling, accum_dtype,
-             return_z_loss, return_token_accuracy, return_predicted_tokens, backend, chunk_size) -> LossOptions:
+             return_z_loss, return_token_accuracy, return_predicted_tokens, backend, chunk_size,
+             vocab_chunk_size) -> LossOptions:
     return LossOptions(
         ignore_index=ignore_index, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing,
         reduction=reduction, softcap=softcap, return_z_loss=return_z_loss, accum_dtype=accum_dtype,
         use_token_scaling=use_token_scaling, return_token_accuracy=return_token_accuracy,
         return_predicted_tokens=return_predicted_tokens, backend=backend, chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
     )
 
 
@@ -56,6 +58,7 @@ def fused_linear_cross_entropy_fwd(
     return_predicted_tokens: bool,
     backend: Optional[str],
     chunk_size: Optional[int],
+    vocab_chunk_size: Optional[int],
     compute_dtype: torch.dtype,
     grad_input: bool,
     grad_weight: bool,
@@ -64,17 +67,17 @@ def fused_linear_cross_entropy_fwd(
     """-> (loss, z_loss, token_accuracy, predicted_tokens, grad_input, grad_weight, grad_bias);
     entries not requested are empty (0,) tensors."""
     options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
-                       accum_dtype, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, chunk_size)
-    spec = resolve_backend(backend, input.device)
-    stats = batch_statistics(target, ce_weight, weight.shape[0], ignore_index)
-    scalars = chunk_scalars(options, stats)
+                       accum_dtype, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, chunk_size,
+                       vocab_chunk_size)
+    plan = make_plan(options, input.device, target, ce_weight, weight.shape[0], compute_dtype)
     defer = reduction == "none"
     with torch.autocast(device_type=input.device.type, enabled=False):
-        rows, grads = run_chunks(
-            input, weight, target, bias, ce_weight, options, spec, compute_dtype, scalars,
+        rows, grads = plan.run_chunks(
+            input, weight, target, bias, ce_weight,
             grad_input=grad_input and not defer, grad_weight=grad_weight and not defer,
             grad_bias=grad_bias and bias is not None and not defer,
         )
+    scalars, stats = plan.scalars, plan.stats
     reduced = reduce_rows(rows, options, scalars, stats)
     empty = _empty_like_device(input)
 
@@ -95,7 +98,7 @@ def fused_linear_cross_entropy_fwd(
 @fused_linear_cross_entropy_fwd.register_fake
 def _(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
       use_token_scaling, accum_dtype, return_z_loss, return_token_accuracy, return_predicted_tokens, backend,
-      chunk_size, compute_dtype, grad_input, grad_weight, grad_bias):
+      chunk_size, vocab_chunk_size, compute_dtype, grad_input, grad_weight, grad_bias):
     n_rows = input.shape[0]
     per_row = reduction == "none"
 
@@ -132,6 +135,7 @@ def fused_linear_cross_entropy_bwd(
     accum_dtype: Optional[torch.dtype],
     backend: Optional[str],
     chunk_size: Optional[int],
+    vocab_chunk_size: Optional[int],
     compute_dtype: torch.dtype,
     grad_input: bool,
     grad_weight: bool,
@@ -139,12 +143,11 @@ def fused_linear_cross_entropy_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recomputes the chunks with ``row_grad_scale`` folded in -> (dX, dW, db), empty if not requested."""
     options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
-                       accum_dtype, False, False, False, backend, chunk_size)
-    spec = resolve_backend(backend, input.device)
-    stats = batch_statistics(target, ce_weight, weight.shape[0], ignore_index)
+                       accum_dtype, False, False, False, backend, chunk_size, vocab_chunk_size)
+    plan = make_plan(options, input.device, target, ce_weight, weight.shape[0], compute_dtype)
     with torch.autocast(device_type=input.device.type, enabled=False):
-        _, grads = run_chunks(
-            input, weight, target, bias, ce_weight, options, spec, compute_dtype, chunk_scalars(options, stats),
+        _, grads = plan.run_chunks(
+            input, weight, target, bias, ce_weight,
             grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias and bias is not None,
             row_grad_scale=row_grad_scale,
         )
@@ -157,8 +160,8 @@ def fused_linear_cross_entropy_bwd(
 
 @fused_linear_cross_entropy_bwd.register_fake
 def _(row_grad_scale, input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
-      reduction, softcap, use_token_scaling, accum_dtype, backend, chunk_size, compute_dtype, grad_input,
-      grad_weight, grad_bias):
+      reduction, softcap, use_token_scaling, accum_dtype, backend, chunk_size, vocab_chunk_size, compute_dtype,
+      grad_input, grad_weight, grad_bias):
     return (
         input.new_empty(input.shape if grad_input else _EMPTY_SHAPE),
         weight.new_empty(weight.shape if grad_weight else _EMPTY_SHAPE),
@@ -170,7 +173,7 @@ def _(row_grad_scale, input, weight, target, bias, ce_weight, ignore_index, lse_
 _FWD_ARG_NAMES = (
     "ignore_index", "lse_square_scale", "label_smoothing", "reduction", "softcap", "use_token_scaling",
     "accum_dtype", "return_z_loss", "return_token_accuracy", "return_predicted_tokens", "backend", "chunk_size",
-    "compute_dtype", "grad_input", "grad_weight", "grad_bias",
+    "vocab_chunk_size", "compute_dtype", "grad_input", "grad_weight", "grad_bias",
 )
 
 
@@ -192,8 +195,8 @@ def _backward(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
         dx, dw, db = fused_linear_cross_entropy_bwd(
             grad_loss.float().contiguous(), input, weight, target, bias, ce_weight, args["ignore_index"],
             args["lse_square_scale"], args["label_smoothing"], "none", args["softcap"], args["use_token_scaling"],
-            args["accum_dtype"], args["backend"], args["chunk_size"], args["compute_dtype"], args["grad_input"],
-            args["grad_weight"], args["grad_bias"],
+            args["accum_dtype"], args["backend"], args["chunk_size"], args["vocab_chunk_size"],
+            args["compute_dtype"], args["grad_input"], args["grad_weight"], args["grad_bias"],
         )
     else:
         dx, dw, db = (g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)

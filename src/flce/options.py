@@ -33,6 +33,7 @@ class LossOptions:
     return_predicted_tokens: bool = False
     backend: Optional[str] = None
     chunk_size: Optional[int] = None
+    vocab_chunk_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_bool_int("ignore_index", self.ignore_index)
@@ -59,6 +60,10 @@ class LossOptions:
             _check_bool_int("chunk_size", self.chunk_size)
             if self.chunk_size <= 0:
                 raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size}")
+        if self.vocab_chunk_size is not None:
+            _check_bool_int("vocab_chunk_size", self.vocab_chunk_size)
+            if self.vocab_chunk_size <= 0:
+                raise ValueError(f"vocab_chunk_size must be a positive int or None, got {self.vocab_chunk_size}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str or None, got {self.backend!r}")
 
@@ -214,6 +219,8 @@ def validate_logits_inputs(
     validate_ce_weight(ce_weight, vocab, logits.device, "weight")
     if options.accum_dtype is not None:
         raise ValueError("accum_dtype applies to the fused linear loss only; pass None for cross_entropy")
+    if options.vocab_chunk_size is not None:
+        raise ValueError("vocab_chunk_size applies to the fused linear loss only; pass None for cross_entropy")
 
 
 def _check_accum_dtype(options: LossOptions, param_dtype: torch.dtype) -> None:

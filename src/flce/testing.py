@@ -69,6 +69,7 @@ class Case:
     ignore_index: int = -100
     ignored_fraction: float = 0.2
     chunk_size: Optional[int] = None
+    vocab_chunk_size: Optional[int] = None
     seed: int = 0
     # Explicit options (name, value) pairs; when given they replace FEATURES[feature].
     options: tuple = ()
@@ -176,7 +177,7 @@ def run_case(case: Case, backend: Optional[str], device: torch.device) -> Outcom
     }
     out = fused_linear_cross_entropy(
         leaves["input"], leaves["weight"], t.target, bias=leaves["bias"], ce_weight=t.ce_weight,
-        backend=backend, chunk_size=case.chunk_size, **_options(case),
+        backend=backend, chunk_size=case.chunk_size, vocab_chunk_size=case.vocab_chunk_size, **_options(case),
     )
     result = out if isinstance(out, CrossEntropyOutput) else CrossEntropyOutput(out)
     if grad_names:

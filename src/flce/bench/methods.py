@@ -324,7 +324,7 @@ def _flce_check(backend: str, chunk_size: int | None) -> CheckFn:
     return check
 
 
-def _flce_make(backend: str, chunk_size: int | None) -> MakeLossFn:
+def _flce_make(backend: str, chunk_size: int | None, vocab_blocks: int | None = None) -> MakeLossFn:
     def make(case: Case, inputs: Inputs) -> LossFn:
         fn, why = _flce_function()
         if fn is None:
@@ -341,6 +341,8 @@ def _flce_make(backend: str, chunk_size: int | None) -> MakeLossFn:
         }
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
+        if vocab_blocks is not None:
+            kwargs["vocab_chunk_size"] = -(-inputs.w.shape[0] // vocab_blocks)
         return lambda: as_loss(fn(inputs.x, inputs.w, inputs.target, **kwargs))
 
     return make
@@ -365,7 +367,24 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
                     base=base,
                 )
             )
+    # The exact low-memory mode: the vocabulary in LOW_MEMORY_VOCAB_BLOCKS blocks as well.
+    for backend in ("triton", "torch"):
+        methods.append(
+            Method(
+                name=f"flce:{backend}[vblocks={LOW_MEMORY_VOCAB_BLOCKS}]",
+                label=f"flce {backend} (vocabulary in {LOW_MEMORY_VOCAB_BLOCKS} blocks)",
+                family="flce",
+                check=_flce_check(backend, None),
+                make_loss=_flce_make(backend, None, LOW_MEMORY_VOCAB_BLOCKS),
+                base=f"flce:{backend}",
+            )
+        )
     return methods
+
+
+# Vocabulary blocks of the low-memory method: the fp32 dW block is 1/8 of a V x H fp32
+# buffer (0.25 GiB at V=128256, H=4096) while each block GEMM (16k columns) stays large.
+LOW_MEMORY_VOCAB_BLOCKS = 8
 
 
 # ----------------------------------------------------------------------------- PyTorch baselines
