@@ -376,7 +376,6 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
                 family="flce",
                 check=_flce_check(backend, None),
                 make_loss=_flce_make(backend, None, LOW_MEMORY_VOCAB_BLOCKS),
-                base=f"flce:{backend}",
             )
         )
     return methods
