@@ -138,3 +138,35 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
     assert peak <= 1.1 * formula, message
     if backend != "torch":
         assert peak >= 0.9 * formula, message
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("vocab", [32000, 151936])
+@pytest.mark.parametrize("feature", ["plain", "all"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_vocabulary_blocks_real_vocabularies(backend, vocab, feature, dtype):
+    _require(backend)
+    case = Case(n_rows=96, hidden=128, vocab=vocab, dtype=dtype, feature=feature, bias=feature == "all",
+                chunk_size=40, vocab_chunk_size=10000)
+    outcome = run_case(case, backend, CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+
+
+def test_vocabulary_blocks_peak_memory():
+    """Exact fp32 dW with only a block of it in fp32: peak extra within the formula of
+    flce.driver.run_vocab_blocks (+10%), far below the whole-row driver's."""
+    _require("triton")
+    import flce
+
+    n, h, v, block = 8192, 4096, 128256, 16032
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, v, (n,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    flce.fused_linear_cross_entropy(x, w, t, backend="triton", vocab_chunk_size=block, chunk_size=2048).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    formula = 2048 * block * 2 + block * h * 4 + n * h * 4 + v * h * 2 + n * h * 2
+    assert peak <= 1.1 * formula, f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
