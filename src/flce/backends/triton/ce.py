@@ -69,6 +69,56 @@ def _fp32_to_bf16_rtne(x):
 
 
 @triton.jit
+def _write_gradient_row(
+    row_ptr,  # one row of logits (V,), overwritten with dL/dlogits
+    weight_ptr,  # (V,) fp32 class weights of the row's columns (HAS_WEIGHT)
+    V,
+    y,  # the target's column; outside [0, V) when the row holds none
+    m,  # the row max of z' (of the whole row, where the row is split)
+    inv_s,  # 1 / sum exp(z' - m): p_i = exp(z'_i - m) * inv_s
+    onehot_coef,  # row_scale * ce_grad_scale * (1 - ls) * w_y
+    smooth_coef,  # row_scale * ce_grad_scale * eps
+    z_coef,  # row_scale * z_grad_scale * 2 s lse
+    weight_sum,  # W: sum of the class weights (V without weights)
+    softcap,
+    inv_softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_GRAD: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The grouped form of flce.backends.base, each group exact where the true value is
+    ~0 (p_y ~ 1, V = 1):
+    grad_i = (onehot_coef (p_i - [i == y]) + smooth_coef (W p_i - w_i) + z_coef p_i) dz'_i/dz_i."""
+    L2E: tl.constexpr = 1.4426950408889634
+    offs0 = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        offs = start + offs0
+        mask = offs < V
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            t, softcap_derivative = _tanh_and_derivative(z * inv_softcap)
+            z = softcap * t
+        p = tl.exp2((z - m) * L2E) * inv_s
+        g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+                g += smooth_coef * (weight_sum * p - w)
+            else:
+                g += smooth_coef * (weight_sum * p - 1.0)
+        if HAS_Z_GRAD:
+            g += z_coef * p
+        if HAS_SOFTCAP:
+            g = g * softcap_derivative
+        if BF16_ROUND_BY_BITS:
+            g = _fp32_to_bf16_rtne(g)
+        tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_chunk_kernel(
     logits_ptr,  # (M, V) fp16/bf16/fp32, unit stride along V; gradient written in place
     logits_row_stride,  # elements between rows (>= V)
@@ -179,35 +229,14 @@ def _ce_chunk_kernel(
                 row_scale = token_scale
             if HAS_ROW_GRAD_SCALE:
                 row_scale = row_scale * tl.load(row_grad_scale_ptr + row)
-            # The grouped form of flce.backends.base, each group exact where the true value
-            # is ~0 (p_y ~ 1, V = 1):
-            # grad_i = onehot_coef * (p_i - [i == y]) + smooth_coef * (W p_i - w_i) + z_coef * p_i
             inv_s = 1.0 / s  # p_i = e_i / s
             onehot_coef = row_scale * ce_grad_scale * one_minus_ls * w_y
             smooth_coef = row_scale * ce_grad_scale * eps
             z_coef = row_scale * z_grad_scale * 2.0 * lse_square_scale * lse
-            for start in range(0, V, BLOCK_V):
-                offs = start + offs0
-                mask = offs < V
-                z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                if HAS_SOFTCAP:
-                    t, softcap_derivative = _tanh_and_derivative(z * inv_softcap)
-                    z = softcap * t
-                p = tl.exp2((z - m) * L2E) * inv_s
-                g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
-                if HAS_SMOOTHING:
-                    if HAS_WEIGHT:
-                        w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-                        g += smooth_coef * (weight_sum * p - w)
-                    else:
-                        g += smooth_coef * (weight_sum * p - 1.0)
-                if HAS_Z_GRAD:
-                    g += z_coef * p
-                if HAS_SOFTCAP:
-                    g = g * softcap_derivative
-                if BF16_ROUND_BY_BITS:
-                    g = _fp32_to_bf16_rtne(g)
-                tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+            _write_gradient_row(
+                row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum, softcap,
+                inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
+            )
     else:
         tl.store(loss_ptr + row, 0.0)
         if HAS_Z_LOSS:

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce.backends.triton.ce import _fp32_to_bf16_rtne, _tanh, _tanh_and_derivative
+from flce.backends.triton.ce import _tanh, _write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
 
 
@@ -111,7 +111,6 @@ def _partial_gradient_kernel(
     BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only (see flce.backends.triton.ce)
     BLOCK_V: tl.constexpr,
 ):
-    L2E: tl.constexpr = 1.4426950408889634
     offs0 = tl.arange(0, BLOCK_V)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
@@ -126,28 +125,10 @@ def _partial_gradient_kernel(
         z_coef = 0.0
         if HAS_Z_GRAD:
             z_coef = tl.load(z_coef_ptr + row)
-        for start in range(0, V, BLOCK_V):
-            offs = start + offs0
-            mask = offs < V
-            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                t, softcap_derivative = _tanh_and_derivative(z * inv_softcap)
-                z = softcap * t
-            p = tl.exp2((z - m) * L2E) * inv_s
-            g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:
-                    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-                    g += smooth_coef * (weight_sum * p - w)
-                else:
-                    g += smooth_coef * (weight_sum * p - 1.0)
-            if HAS_Z_GRAD:
-                g += z_coef * p
-            if HAS_SOFTCAP:
-                g = g * softcap_derivative
-            if BF16_ROUND_BY_BITS:
-                g = _fp32_to_bf16_rtne(g)
-            tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+        _write_gradient_row(
+            row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum, softcap,
+            inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
+        )
     else:
         zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
         for start in range(0, V, BLOCK_V):
