@@ -29,7 +29,7 @@ Behaviour of the patched forward, matching the model's own forward otherwise:
 ``loss_options`` are passed to ``flce.fused_linear_cross_entropy``: ``ignore_index``,
 ``label_smoothing``, ``lse_square_scale``, ``ce_weight``, ``softcap`` (overrides the
 config's value; ``softcap=None`` disables it), ``accum_dtype``, ``use_token_scaling``,
-``backend`` and ``chunk_size``. ``reduction`` is chosen by the integration (see above),
+``backend``, ``chunk_size`` and ``vocab_chunk_size``. ``reduction`` is chosen by the integration (see above),
 and the ``return_*`` flags are not supported here (the HF output has no place for
 their extra values).
 """
@@ -83,6 +83,7 @@ _PASSTHROUGH_OPTIONS = frozenset(
         "use_token_scaling",
         "backend",
         "chunk_size",
+        "vocab_chunk_size",
     }
 )
 _REJECTED_OPTIONS = {
