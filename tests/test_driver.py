@@ -31,6 +31,19 @@ def test_chunk_size_follows_the_budget_formula():
     assert driver.default_chunk_size(5, 10**6, torch.float32, 0, 1) == 1  # at least one row
 
 
+def test_chunk_grows_to_the_size_of_dw_when_that_costs_no_peak(monkeypatch):
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    # bf16 weight, fp32 dW accumulator: budget V*H*2 = 1 GiB -> 4096 rows at V = 128256 (= H).
+    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 4096
+    # No fp32 accumulator (bf16 accumulation, or no weight gradient): the plain 512 MiB budget.
+    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, False) == 2048
+    # An fp32 weight's accumulator is dW itself (no cast at the end): no free room.
+    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.float32, torch.float32, 0, True) == 1024
+    # An explicit budget is honoured as given.
+    monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "256")
+    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 1024
+
+
 def test_chunk_budget_env_var(monkeypatch):
     monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "1")
     assert driver.chunk_budget_bytes() == 2**20

@@ -11,8 +11,12 @@ Chunk size (``default_chunk_size``): the rows whose logits fit the memory budget
 
 clamped to [1, N] and then balanced so every chunk has about the same size. The
 budget is ``DEFAULT_CHUNK_BUDGET_BYTES`` (512 MiB; ``FLCE_CHUNK_BUDGET_MIB`` overrides
-it, ``chunk_size=`` overrides C). Peak extra memory of a forward+backward call with a
-bf16/fp16 weight and fp32 dW accumulation (the default) is then
+it, ``chunk_size=`` overrides C). When dW of a bf16/fp16 weight is accumulated in fp32
+(the default with gradients) and no budget is set, the budget is raised to the size of
+dW, ``V*H*itemsize(weight)``: the end-of-call cast holds the accumulator and dW together
+anyway, so a chunk that size does not raise the peak, and fewer chunks mean fewer passes
+over the fp32 accumulator (``whole_row_chunk_size``). Peak extra memory of a
+forward+backward call with a bf16/fp16 weight and fp32 dW accumulation is then
 
     max(C*V*(itemsize + extra) + V*H*4,    during the chunks: chunk logits + kernel
                                            workspace + the fp32 dW accumulator
@@ -78,6 +82,22 @@ def default_chunk_size(
     # last one is not a tiny, inefficient GEMM (never larger than the budget allows).
     num_chunks = math.ceil(n_rows / rows)
     return math.ceil(n_rows / num_chunks)
+
+
+def whole_row_chunk_size(
+    n_rows: int,
+    vocab: int,
+    hidden: int,
+    compute_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    extra_bytes_per_logit: int,
+    fp32_weight_accumulator: bool,
+) -> int:
+    """``run_chunks``'s default rows per chunk (see the module docstring)."""
+    budget = chunk_budget_bytes()
+    if fp32_weight_accumulator and weight_dtype != torch.float32 and not os.environ.get(CHUNK_BUDGET_ENV_VAR):
+        budget = max(budget, vocab * hidden * torch.empty((), dtype=weight_dtype).element_size())
+    return default_chunk_size(n_rows, vocab, compute_dtype, extra_bytes_per_logit, budget)
 
 
 @dataclass(frozen=True)
@@ -242,7 +262,10 @@ def run_chunks(
     )
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
 
-    chunk = options.chunk_size or default_chunk_size(n_rows, vocab, compute_dtype, backend.extra_bytes_per_logit)
+    chunk = options.chunk_size or whole_row_chunk_size(
+        n_rows, vocab, hidden, compute_dtype, weight.dtype, backend.extra_bytes_per_logit,
+        dw_acc is not None and dw_acc.dtype == torch.float32,
+    )
     chunk = max(1, min(chunk, n_rows))
     logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if n_rows else None
 
