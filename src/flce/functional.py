@@ -43,8 +43,8 @@ LossResult = Union[torch.Tensor, CrossEntropyOutput]
 class _Plan:
     """Everything one call decided before its first kernel, and how to run its chunks.
 
-    Other execution schemes (``flce.parallel``) subclass it and override ``run_chunks``
-    and ``finish_gradients``; the autograd below is shared.
+    Other execution schemes (``flce.parallel``'s plan) provide the same interface,
+    ``run_chunks`` and ``finish_gradients``, and share the autograd below.
     """
 
     options: LossOptions
