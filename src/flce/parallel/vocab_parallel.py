@@ -6,8 +6,8 @@ class ids). The loss is the one of ``flce.fused_linear_cross_entropy(x, W, targe
 with the same options (``docs/parallel.md``; per-token math in ``flce.backends.base``),
 and neither the ``(N, V)`` logits nor a rank's ``(N, V_r)`` logits are ever
 materialized: tokens are processed in chunks of ``C`` rows, sized like the single-GPU
-driver's (``flce.driver.default_chunk_size`` on the largest shard, the same ``C`` on
-every rank).
+driver's (``flce.driver.default_chunk_size`` on the largest shard with the kernels'
+workspace, the same ``C`` on every rank).
 
 Per chunk, on rank r with its ``(C, V_r)`` local logits ``z = x_c @ W_r^T (+ b_r)``
 (softcap applied, ``z' = c tanh(z / c)``, statistics in fp32):
@@ -19,7 +19,8 @@ Per chunk, on rank r with its ``(C, V_r)`` local logits ``z = x_c @ W_r^T (+ b_r
 2. ``all_reduce(SUM)`` of one packed ``(C, k)`` fp32 tensor of partial sums of the
    shifted logits ``z' - max``: ``sum_i exp(z'_i - max)``, ``z'_y - max`` (from the rank
    that owns ``y``, 0 elsewhere) and, with label smoothing, ``sum_i w_i (z'_i - max)``
-   (``k`` = 2 or 3).
+   (``k`` = 2 or 3). Each rank computes them relative to its local max in one read of
+   the chunk (``flce.split_rows``) and moves them to the global max before the reduce.
 3. ``lse = max + log(sum)``; loss rows (identical on every rank); the local gradient
    chunk ``G_r`` (C, V_r) with the global softmax, in the grouped form of
    ``flce.backends.base``; ``dX_r[c] = G_r @ W_r``, ``dW_r += G_r^T x_c`` (fp32
@@ -34,10 +35,10 @@ of deadlocking. With class weights, one ``all_gather`` of the ``(V_r,)`` weight 
 and the mean divisor ``sum_t w_{y_t}``. Backward: one ``all_reduce(SUM)`` of ``dX``
 (N, H) in the input's dtype; ``dW_r`` and ``db_r`` stay local.
 
-The local GEMMs are cuBLAS (``torch.mm``/``addmm``) and the per-chunk CE math is plain
-PyTorch ops; the single-GPU backends' in-place CE kernels assume a row-local softmax
-and are not used here. With a process group of size 1 no collective runs and the
-result equals ``flce.fused_linear_cross_entropy`` (up to fp32 rounding).
+The local GEMMs are cuBLAS (``torch.mm``/``addmm``); the per-chunk CE math runs in the
+split-row kernels of ``backend`` (``flce.split_rows``: Triton, in place, or PyTorch).
+With a process group of size 1 no collective runs and the result equals
+``flce.fused_linear_cross_entropy`` (up to fp32 rounding).
 
 Not traceable by ``torch.compile`` (host reads and collectives at the boundary): the
 entry point is excluded from compilation and runs eagerly.
