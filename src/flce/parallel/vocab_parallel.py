@@ -57,7 +57,6 @@ from torch import nn
 
 from flce.backends.base import ChunkScalars
 from flce.backends.torch.ce import loss_rows
-from flce.split_rows import split_row_kernels
 from flce.driver import (
     BatchStatistics,
     Gradients,
@@ -72,6 +71,7 @@ from flce.driver import (
 from flce.functional import FusedLinearCrossEntropyFunction, _no_autocast, _package
 from flce.options import FLOAT_DTYPES, LossOptions, _check_bool_int, validate_ce_weight, validate_fused_inputs
 from flce.output import CrossEntropyOutput
+from flce.split_rows import split_row_kernels
 
 LossResult = Union[torch.Tensor, CrossEntropyOutput]
 
