@@ -64,3 +64,27 @@ def test_compiled_module_in_a_model():
     loss.backward()
     torch.testing.assert_close(loss, model(x, t))
     assert model.lm_head.weight.grad is not None and model.proj.weight.grad is not None
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_cross_entropy_on_given_logits(reduction):
+    def forward(h, proj, t):
+        logits = h @ proj.T  # (B, T, V)
+        out = flce.cross_entropy(logits, t, reduction=reduction, label_smoothing=0.1, softcap=5.0,
+                                 return_token_accuracy=True)
+        loss = out.loss.sum() if reduction == "none" else out.loss
+        return loss, out.token_accuracy
+
+    torch._dynamo.reset()
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    grads = []
+    for fn in (forward, compiled):
+        torch.manual_seed(0)
+        h = torch.randn(2, 9, 16, requires_grad=True)
+        proj = torch.randn(23, 16, requires_grad=True)
+        t = torch.randint(0, 23, (2, 9))
+        loss, accuracy = fn(h, proj, t)
+        loss.backward()
+        grads.append((loss.detach(), accuracy, h.grad, proj.grad))
+    for e, g in zip(*grads):
+        torch.testing.assert_close(g, e)

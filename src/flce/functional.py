@@ -344,11 +344,27 @@ def cross_entropy_with_options(
     logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], options: LossOptions
 ) -> LossResult:
     validate_logits_inputs(logits, target, weight, options)
-    backend = resolve_backend(options.backend, logits.device)
     vocab = logits.shape[-1]
     logits_2d = logits.reshape(-1, vocab)
     target_1d = target.reshape(-1)
     weight = _prepare_ce_weight(weight)
+    if torch.compiler.is_compiling():
+        from flce import ops  # registers the ops on first use
+
+        outputs = ops.cross_entropy_fwd(
+            logits_2d, target_1d, weight, options.ignore_index, float(options.lse_square_scale),
+            float(options.label_smoothing), options.reduction, options.softcap, options.use_token_scaling,
+            options.return_z_loss, options.return_token_accuracy, options.return_predicted_tokens, options.backend,
+            torch.is_grad_enabled() and logits.requires_grad,
+        )
+        loss, z_loss, accuracy, predicted = outputs[:4]
+        return _package(
+            options, tuple(target.shape), loss,
+            z_loss if options.return_z_loss else None,
+            accuracy if options.return_token_accuracy else None,
+            predicted if options.return_predicted_tokens else None,
+        )
+    backend = resolve_backend(options.backend, logits.device)
     stats = batch_statistics(target_1d, weight, vocab, options.ignore_index)
     plan = _Plan(options, backend, logits.dtype, stats, chunk_scalars(options, stats))
     if torch.is_grad_enabled() and logits.requires_grad:

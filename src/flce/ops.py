@@ -209,3 +209,75 @@ def _backward(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
 
 
 fused_linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flce::cross_entropy_fwd", mutates_args=())
+def cross_entropy_fwd(
+    logits: Tensor,  # (N, V)
+    target: Tensor,  # (N,)
+    ce_weight: Optional[Tensor],  # (V,) fp32
+    ignore_index: int,
+    lse_square_scale: float,
+    label_smoothing: float,
+    reduction: str,
+    softcap: Optional[float],
+    use_token_scaling: bool,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+    return_predicted_tokens: bool,
+    backend: Optional[str],
+    compute_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (loss, z_loss, token_accuracy, predicted_tokens, dL/dlogits per row with the
+    reduction folded in); entries not requested are empty (0,) tensors."""
+    from flce.functional import _cross_entropy_rows
+
+    options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
+                       None, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, None, None)
+    plan = make_plan(options, logits.device, target, ce_weight, logits.shape[1], logits.dtype)
+    grad = logits.detach().clone(memory_format=torch.contiguous_format) if compute_grad else None
+    with torch.autocast(device_type=logits.device.type, enabled=False):
+        rows = _cross_entropy_rows(logits, target, ce_weight, plan, grad)
+    reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
+
+    def or_empty(t: Optional[Tensor], dtype=torch.float32) -> Tensor:
+        return _empty_like_device(logits, dtype) if t is None else t
+
+    return (
+        reduced.loss, or_empty(reduced.z_loss), or_empty(reduced.token_accuracy),
+        or_empty(reduced.predicted_tokens, torch.int64), or_empty(grad, logits.dtype),
+    )
+
+
+@cross_entropy_fwd.register_fake
+def _(logits, target, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
+      use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, compute_grad):
+    n_rows = logits.shape[0]
+    scalar_or_rows = (n_rows,) if reduction == "none" else ()
+
+    def f32(shape):
+        return logits.new_empty(shape, dtype=torch.float32)
+
+    return (
+        f32(scalar_or_rows),
+        f32(scalar_or_rows if return_z_loss else _EMPTY_SHAPE),
+        f32(scalar_or_rows if return_token_accuracy else _EMPTY_SHAPE),
+        logits.new_empty((n_rows,) if return_predicted_tokens else _EMPTY_SHAPE, dtype=torch.int64),
+        logits.new_empty(logits.shape if compute_grad else _EMPTY_SHAPE),
+    )
+
+
+def _ce_setup_context(ctx, inputs, output):
+    ctx.compute_grad = inputs[-1]
+    ctx.save_for_backward(output[4])
+
+
+def _ce_backward(ctx, grad_loss, _z, _acc, _pred, _grad):
+    (grad,) = ctx.saved_tensors
+    if not ctx.compute_grad:
+        return (None,) * 14
+    scale = grad_loss.float()[:, None] if grad_loss.dim() == 1 else grad_loss.float()
+    return (grad * scale.to(grad.dtype),) + (None,) * 13
+
+
+cross_entropy_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
