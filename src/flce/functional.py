@@ -48,7 +48,7 @@ class _Plan:
     """
 
     options: LossOptions
-    backend: BackendSpec
+    backend: Optional[BackendSpec]  # None when split_kernels run the chunks instead
     compute_dtype: torch.dtype
     stats: BatchStatistics
     scalars: ChunkScalars
@@ -81,7 +81,7 @@ def make_plan(options: LossOptions, device: torch.device, target: torch.Tensor, 
         from flce.split_rows import split_row_kernels
 
         split_kernels = split_row_kernels(options.backend, device, "vocab_chunk_size")
-        backend = resolve_backend("torch", device)  # unused by the blocked driver
+        backend = None
     else:
         backend = resolve_backend(options.backend, device)
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
