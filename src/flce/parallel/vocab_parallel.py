@@ -48,25 +48,24 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from flce.backends.base import ChunkScalars
+from flce.backends.base import BackendSpec, ChunkScalars
 from flce.backends.torch.ce import loss_rows
 from flce.driver import (
     BatchStatistics,
     Gradients,
     RowOutputs,
-    _accumulate_product,
-    _weight_accumulator_dtype,
     batch_statistics,
     chunk_scalars,
     default_chunk_size,
     reduce_rows,
+    run_chunks,
 )
 from flce.functional import FusedLinearCrossEntropyFunction, _no_autocast, _package
 from flce.options import FLOAT_DTYPES, LossOptions, _check_bool_int, validate_ce_weight, validate_fused_inputs
@@ -423,69 +422,32 @@ def _run_local_chunks(
     grad_bias: bool,
     row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32
 ) -> tuple[RowOutputs, Gradients]:
-    """Every chunk of this rank's shard: per-row outputs (replicated) and the local
+    """Every chunk of this rank's shard through the shared driver (``flce.driver.run_chunks``)
+    with ``_chunk`` as its chunk kernel: per-row outputs (replicated) and the local
     gradients (dX partial, not yet all-reduced; dW_r; db_r)."""
-    options, dtype = plan.options, plan.compute_dtype
-    n_rows, hidden = input.shape
-    vocab_local = weight.shape[0]
-    device = input.device
-    rows = RowOutputs.allocate(n_rows, options, device)
-    compute_grad = grad_input or grad_weight or grad_bias
-
-    w = weight if weight.dtype == dtype else weight.to(dtype)
-    b = None if bias is None else (bias if bias.dtype == dtype else bias.to(dtype))
-    w_t = w.t()
     v0 = plan.vocab_start
-    ce_local = None if ce_weight is None else ce_weight[v0 : v0 + vocab_local]
+    ce_local = None if ce_weight is None else ce_weight[v0 : v0 + weight.shape[0]]
 
-    dx = torch.empty_like(input) if grad_input else None
-    dw_acc = (
-        # Uninitialised: the first chunk's GEMM (beta = 0) overwrites it; zeroed if none runs.
-        torch.empty(vocab_local, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
-        if grad_weight
-        else None
+    def shard_kernel(logits, target_chunk, _ce_weight, _scalars, *, loss_out, z_loss_out, correct_out,
+                     predicted_out, row_grad_scale, compute_grad):
+        out = dict(loss_out=loss_out, z_loss_out=z_loss_out, correct_out=correct_out, predicted_out=predicted_out)
+        _chunk(logits, target_chunk, ce_weight, ce_local, plan, out, row_grad_scale, compute_grad)
+
+    kernels = plan.local_kernels
+    spec = BackendSpec(
+        name=f"vocab-parallel/{kernels.name}",
+        cross_entropy_chunk=shard_kernel,
+        availability=lambda device: (True, ""),
+        extra_bytes_per_logit=kernels.extra_bytes_per_logit,
+        auto_priority=0,
+        description="one vocabulary shard of a row; statistics combined across ranks",
     )
-    db_acc = torch.zeros(vocab_local, dtype=torch.float32, device=device) if grad_bias else None
-
-    chunk = plan.chunk_size
-    logits_buffer = torch.empty(min(chunk, n_rows), vocab_local, dtype=dtype, device=device) if n_rows else None
-    for start in range(0, n_rows, chunk):
-        end = min(start + chunk, n_rows)
-        x = input[start:end]
-        if x.dtype != dtype:
-            x = x.to(dtype)
-        logits = logits_buffer[: end - start]  # (C, V_r)
-        if b is None:
-            torch.mm(x, w_t, out=logits)
-        else:
-            torch.addmm(b, x, w_t, out=logits)
-        has_grad = _chunk(
-            logits, target[start:end], ce_weight, ce_local, plan, rows.chunk_kwargs(start, end),
-            None if row_grad_scale is None else row_grad_scale[start:end], compute_grad,
-        )
-        if not has_grad:
-            continue
-        # logits now hold dL/dlogits in the compute dtype
-        if dx is not None:
-            if dx.dtype == dtype:
-                torch.mm(logits, w, out=dx[start:end])
-            else:
-                dx[start:end] = logits @ w
-        if dw_acc is not None:
-            _accumulate_product(dw_acc, logits.t(), x, first=start == 0)
-        if db_acc is not None:
-            db_acc += logits.sum(dim=0, dtype=torch.float32)
-
-    logits = x = None  # free the chunk buffer (with the loop's views) before dW's cast
-    del logits_buffer
-    dw = None
-    if dw_acc is not None:
-        if n_rows == 0:
-            dw_acc.zero_()
-        dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
-        del dw_acc
-    db = None if db_acc is None else db_acc.to(bias.dtype)
-    return rows, Gradients(dx, dw, db)
+    # Every rank must run the same chunks (each runs the collectives): the plan's size.
+    options = replace(plan.options, chunk_size=plan.chunk_size)
+    return run_chunks(
+        input, weight, target, bias, ce_weight, options, spec, plan.compute_dtype, plan.scalars,
+        grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias, row_grad_scale=row_grad_scale,
+    )
 
 
 # ---------------------------------------------------------------------- DTensor
