@@ -38,6 +38,7 @@ predicted -1 and an all-zero gradient row. ``ignore_index`` may be a real class 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -114,3 +115,19 @@ class BackendSpec:
     extra_bytes_per_logit: int
     auto_priority: int
     description: str
+
+
+def lazy_chunk_kernel(module: str) -> ChunkCEKernel:
+    """A ``ChunkCEKernel`` that imports ``module`` (and its DSL: Triton, CUTLASS) on its
+    first call, so importing a backend package never needs the optional dependency."""
+    kernel = None
+
+    def cross_entropy_chunk(*args, **kwargs) -> None:
+        nonlocal kernel
+        if kernel is None:
+            kernel = importlib.import_module(module).cross_entropy_chunk
+        kernel(*args, **kwargs)
+
+    cross_entropy_chunk.__doc__ = f"``{module}.cross_entropy_chunk``, imported on first use."
+    return cross_entropy_chunk
+

@@ -11,12 +11,11 @@ from typing import Optional
 
 import torch
 
-from flce.backends.base import BackendSpec, ChunkScalars
+from flce.backends.base import BackendSpec, lazy_chunk_kernel
 
 MIN_CAPABILITY = (9, 0)
 INSTALL_HINT = "pip install 'flce[cutedsl]'"
 
-_impl = None
 
 
 @lru_cache(maxsize=None)
@@ -66,43 +65,9 @@ def availability(device: torch.device) -> tuple[bool, str]:
         return False, f"cutedsl availability check failed: {exc}"
 
 
-def cross_entropy_chunk(
-    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad
-    target: torch.Tensor,  # (M,) int64 or int32
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
-    scalars: ChunkScalars,
-    *,
-    loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: Optional[torch.Tensor],  # (M,) fp32
-    correct_out: Optional[torch.Tensor],  # (M,) fp32
-    predicted_out: Optional[torch.Tensor],  # (M,) int64
-    row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
-    compute_grad: bool,
-) -> None:
-    """``ChunkCEKernel`` of this backend (see ``flce.backends.base``); loads the kernel
-    module on first use."""
-    global _impl
-    if _impl is None:
-        from flce.backends.cutedsl.ce import cross_entropy_chunk as impl
-
-        _impl = impl
-    _impl(
-        logits,
-        target,
-        ce_weight,
-        scalars,
-        loss_out=loss_out,
-        z_loss_out=z_loss_out,
-        correct_out=correct_out,
-        predicted_out=predicted_out,
-        row_grad_scale=row_grad_scale,
-        compute_grad=compute_grad,
-    )
-
-
 BACKEND = BackendSpec(
     name="cutedsl",
-    cross_entropy_chunk=cross_entropy_chunk,
+    cross_entropy_chunk=lazy_chunk_kernel("flce.backends.cutedsl.ce"),
     availability=availability,
     extra_bytes_per_logit=0,
     auto_priority=20,

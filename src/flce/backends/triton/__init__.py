@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from flce.backends.base import BackendSpec, ChunkScalars
+from flce.backends.base import BackendSpec, lazy_chunk_kernel
 
 _INSTALL_HINT = "pip install 'flce[triton]'"
 
@@ -59,39 +59,9 @@ def availability(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def cross_entropy_chunk(
-    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad
-    target: torch.Tensor,  # (M,) int32/int64
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
-    scalars: ChunkScalars,
-    *,
-    loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: Optional[torch.Tensor],  # (M,) fp32
-    correct_out: Optional[torch.Tensor],  # (M,) fp32
-    predicted_out: Optional[torch.Tensor],  # (M,) int64
-    row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
-    compute_grad: bool,
-) -> None:
-    """``flce.backends.triton.ce.cross_entropy_chunk``, imported on first use."""
-    from flce.backends.triton.ce import cross_entropy_chunk as kernel
-
-    kernel(
-        logits,
-        target,
-        ce_weight,
-        scalars,
-        loss_out=loss_out,
-        z_loss_out=z_loss_out,
-        correct_out=correct_out,
-        predicted_out=predicted_out,
-        row_grad_scale=row_grad_scale,
-        compute_grad=compute_grad,
-    )
-
-
 BACKEND = BackendSpec(
     name="triton",
-    cross_entropy_chunk=cross_entropy_chunk,
+    cross_entropy_chunk=lazy_chunk_kernel("flce.backends.triton.ce"),
     availability=availability,
     extra_bytes_per_logit=0,
     auto_priority=10,
