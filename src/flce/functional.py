@@ -145,6 +145,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _package(options: LossOptions, target_shape, loss, z_loss, accuracy, predicted) -> LossResult:
+    """The public result. Outputs not asked for are dropped first (the custom ops return
+    empty placeholders for them); per-token outputs take ``target``'s shape."""
+    z_loss = z_loss if options.return_z_loss else None
+    accuracy = accuracy if options.return_token_accuracy else None
+    predicted = predicted if options.return_predicted_tokens else None
     if options.reduction == "none" and len(target_shape) > 1:
         loss = loss.view(target_shape)
         z_loss = None if z_loss is None else z_loss.view(target_shape)
@@ -153,12 +158,7 @@ def _package(options: LossOptions, target_shape, loss, z_loss, accuracy, predict
         predicted = predicted.view(target_shape)
     if not options.returns_structured:
         return loss
-    return CrossEntropyOutput(
-        loss=loss,
-        z_loss=z_loss if options.return_z_loss else None,
-        token_accuracy=accuracy if options.return_token_accuracy else None,
-        predicted_tokens=predicted if options.return_predicted_tokens else None,
-    )
+    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)
 
 
 def _prepare_ce_weight(ce_weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -210,13 +210,7 @@ def _compiled_fused(input_2d, weight, target, target_1d, bias, ce_weight, option
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
     )
-    loss, z_loss, accuracy, predicted = outputs[:4]
-    return _package(
-        options, tuple(target.shape), loss,
-        z_loss if options.return_z_loss else None,
-        accuracy if options.return_token_accuracy else None,
-        predicted if options.return_predicted_tokens else None,
-    )
+    return _package(options, tuple(target.shape), *outputs[:4])
 
 
 def fused_linear_cross_entropy(
@@ -357,13 +351,7 @@ def cross_entropy_with_options(
             options.return_z_loss, options.return_token_accuracy, options.return_predicted_tokens, options.backend,
             torch.is_grad_enabled() and logits.requires_grad,
         )
-        loss, z_loss, accuracy, predicted = outputs[:4]
-        return _package(
-            options, tuple(target.shape), loss,
-            z_loss if options.return_z_loss else None,
-            accuracy if options.return_token_accuracy else None,
-            predicted if options.return_predicted_tokens else None,
-        )
+        return _package(options, tuple(target.shape), *outputs[:4])
     backend = resolve_backend(options.backend, logits.device)
     stats = batch_statistics(target_1d, weight, vocab, options.ignore_index)
     plan = _Plan(options, backend, logits.dtype, stats, chunk_scalars(options, stats))
