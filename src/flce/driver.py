@@ -45,6 +45,7 @@ from typing import Optional
 import torch
 
 from flce.backends.base import BackendSpec, ChunkScalars
+from flce.backends.torch.ce import loss_rows
 from flce.options import LossOptions
 
 DEFAULT_CHUNK_BUDGET_BYTES = 512 * 2**20
@@ -437,8 +438,6 @@ def run_vocab_blocks(
     lse = row_max + log_s
     shifted_smooth = None if smooth_sum is None else smooth_sum - row_max * scalars.weight_sum
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
-    from flce.backends.torch.ce import loss_rows
-
     ce, zl, token_scale = loss_rows(log_s, target_logit - row_max, shifted_smooth, lse, w_y, scalars, eps)
     zero = torch.zeros((), **f32)
     rows.loss.copy_(torch.where(valid, ce, zero))
