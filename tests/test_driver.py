@@ -33,8 +33,13 @@ def test_chunk_size_follows_the_budget_formula():
 
 def test_chunk_grows_to_the_size_of_dw_when_that_costs_no_peak(monkeypatch):
     monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
-    # bf16 weight, fp32 dW accumulator: budget V*H*2 = 1 GiB -> 4096 rows at V = 128256 (= H).
-    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 4096
+    # bf16 weight, fp32 dW accumulation, N*V*2 <= V*H*4 (N <= 2H): one chunk, dW written
+    # directly in bf16, never larger than the fp32 accumulator it replaces.
+    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 8192
+    # N > 2H: several chunks, the budget raised to V*H*2 = 1 GiB -> 4096 rows at V = 128256.
+    assert driver.whole_row_chunk_size(16384, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 4096
+    # A workspace per logit counts against the one-chunk rule (the torch backend's 12 B).
+    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 12, True) == 547
     # No fp32 accumulator (bf16 accumulation, or no weight gradient): the plain 512 MiB budget.
     assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, False) == 2048
     # An fp32 weight's accumulator is dW itself (no cast at the end): no free room.
@@ -42,6 +47,15 @@ def test_chunk_grows_to_the_size_of_dw_when_that_costs_no_peak(monkeypatch):
     # An explicit budget is honoured as given.
     monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "256")
     assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 1024
+
+
+def test_peak_formula_one_chunk_never_above_several():
+    """The one-chunk peak is bounded by the several-chunk peak it replaces."""
+    n, v, h = 8192, 128256, 4096
+    one = driver.peak_extra_bytes(n, v, h, 2, 0, chunk=n)
+    several = driver.peak_extra_bytes(n, v, h, 2, 0, chunk=n // 2)
+    assert one <= several
+    assert one == n * v * 2 + v * h * 2 + n * h * 2 + v * 4
 
 
 def test_chunk_budget_env_var(monkeypatch):

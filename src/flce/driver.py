@@ -11,21 +11,34 @@ Chunk size (``default_chunk_size``): the rows whose logits fit the memory budget
 
 clamped to [1, N] and then balanced so every chunk has about the same size. The
 budget is ``DEFAULT_CHUNK_BUDGET_BYTES`` (512 MiB; ``FLCE_CHUNK_BUDGET_MIB`` overrides
-it, ``chunk_size=`` overrides C). When dW of a bf16/fp16 weight is accumulated in fp32
-(the default with gradients) and no budget is set, the budget is raised to the size of
-dW, ``V*H*itemsize(weight)``: the end-of-call cast holds the accumulator and dW together
-anyway, so a chunk that size does not raise the peak, and fewer chunks mean fewer passes
-over the fp32 accumulator (``whole_row_chunk_size``). Peak extra memory of a
-forward+backward call with a bf16/fp16 weight and fp32 dW accumulation is then
+it, ``chunk_size=`` overrides C).
 
-    max(C*V*(itemsize + extra) + V*H*4,    during the chunks: chunk logits + kernel
-                                           workspace + the fp32 dW accumulator
-        V*H*(4 + itemsize))                at the end: the accumulator and its cast
-  + N*H*itemsize(input) + V*4 (db)         dX, and db in fp32
+When dW of a bf16/fp16 weight is accumulated in fp32 (the default with gradients) and
+no budget is set, ``whole_row_chunk_size`` picks the chunk by what sets the peak:
+
+- one chunk, when the whole batch's logits fit in the size of the fp32 accumulator,
+  ``N*V*(itemsize + extra) <= V*H*4``. With one chunk the dW GEMM already sums over all
+  N rows in fp32 inside cuBLAS, so it writes dW in the weight's dtype directly (one
+  rounding, as exact as an fp32 accumulator) and there is no accumulator, no second
+  pass over one and no cast;
+- otherwise the budget is raised to the size of dW, ``V*H*itemsize(weight)``: the
+  end-of-call cast holds the accumulator and dW together anyway, so a chunk that size
+  does not raise the peak, and fewer chunks mean fewer passes over the accumulator.
+
+Peak extra memory of a forward+backward call with a bf16/fp16 weight and fp32 dW
+accumulation is then
+
+    N*V*(itemsize + extra) + V*H*itemsize     one chunk: logits + kernel workspace + dW
+  or
+    max(C*V*(itemsize + extra) + V*H*4,       several: chunk logits + kernel workspace
+                                              + the fp32 dW accumulator
+        V*H*(4 + itemsize))                   at the end: the accumulator and its cast
+  + N*H*itemsize(input) + V*4 (db)            both: dX, and db in fp32
 
 (``extra`` is an upper bound for the torch backend, whose temporaries are not all alive
-at once). With an fp32 weight, or ``accum_dtype`` equal to the weight's dtype, the
-accumulator is the returned dW: ``C*V*(itemsize + extra) + V*H*itemsize + N*H*itemsize``.
+at once; ``peak_extra_bytes`` computes it). With an fp32 weight, or ``accum_dtype``
+equal to the weight's dtype, the accumulator is the returned dW:
+``C*V*(itemsize + extra) + V*H*itemsize + N*H*itemsize``.
 
 dW and db are accumulated in fp32 unless ``accum_dtype`` equals a low-precision
 weight dtype (then in that dtype: less memory, rounding per chunk, the user's choice).
@@ -37,6 +50,7 @@ more logits GEMM.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -97,8 +111,46 @@ def whole_row_chunk_size(
     """``run_chunks``'s default rows per chunk (see the module docstring)."""
     budget = chunk_budget_bytes()
     if fp32_weight_accumulator and weight_dtype != torch.float32 and not os.environ.get(CHUNK_BUDGET_ENV_VAR):
+        logit_bytes = torch.empty((), dtype=compute_dtype).element_size() + extra_bytes_per_logit
+        if n_rows * vocab * logit_bytes <= vocab * hidden * 4:
+            # One chunk no larger than the fp32 accumulator it makes unnecessary.
+            return max(1, n_rows)
         budget = max(budget, vocab * hidden * torch.empty((), dtype=weight_dtype).element_size())
     return default_chunk_size(n_rows, vocab, compute_dtype, extra_bytes_per_logit, budget)
+
+
+def peak_extra_bytes(
+    n_rows: int,
+    vocab: int,
+    hidden: int,
+    itemsize: int,
+    extra_bytes_per_logit: int,
+    chunk: int,
+) -> int:
+    """The module docstring's peak extra memory of a forward+backward call with a
+    bf16/fp16 weight (``itemsize`` bytes) and fp32 dW accumulation, for ``chunk`` rows
+    per chunk (a promise that the GPU tests hold the driver to)."""
+    logits = chunk * vocab * (itemsize + extra_bytes_per_logit)
+    if chunk >= n_rows:
+        body = logits + vocab * hidden * itemsize
+    else:
+        body = max(logits + vocab * hidden * 4, vocab * hidden * (4 + itemsize))
+    return body + n_rows * hidden * itemsize + vocab * 4
+
+
+@contextlib.contextmanager
+def _full_precision_reductions():
+    """cuBLAS may reduce split-K partial sums of bf16/fp16 GEMMs in that dtype unless
+    told not to (PyTorch allows it by default); a dW GEMM that replaces the fp32
+    accumulator must keep every partial sum in fp32."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
+    matmul.allow_bf16_reduced_precision_reduction = False
+    matmul.allow_fp16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
 
 
 @dataclass(frozen=True)
@@ -255,19 +307,27 @@ def run_chunks(
     w_t = w.t()  # (H, V) view: logits = x @ W^T
 
     dx = torch.empty_like(input) if grad_input else None
+    accumulator_dtype = _weight_accumulator_dtype(options, weight.dtype) if grad_weight else None
+    chunk = options.chunk_size or whole_row_chunk_size(
+        n_rows, vocab, hidden, compute_dtype, weight.dtype, backend.extra_bytes_per_logit,
+        accumulator_dtype == torch.float32,
+    )
+    chunk = max(1, min(chunk, n_rows))
+    # One chunk: the dW GEMM sums over every row with fp32 accumulation (cuBLAS, and
+    # PyTorch's CPU GEMM), so it can write dW in the weight's dtype itself; an fp32
+    # accumulator would only add a pass over V x H fp32 and a cast.
+    dw_direct = (
+        grad_weight and n_rows > 0 and chunk >= n_rows and weight.dtype == compute_dtype
+        and accumulator_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+    )
     # Uninitialised: the first chunk's GEMM overwrites it (zeroed below if there is none).
     dw_acc = (
-        torch.empty(vocab, hidden, dtype=_weight_accumulator_dtype(options, weight.dtype), device=device)
+        torch.empty(vocab, hidden, dtype=weight.dtype if dw_direct else accumulator_dtype, device=device)
         if grad_weight
         else None
     )
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if grad_bias else None
 
-    chunk = options.chunk_size or whole_row_chunk_size(
-        n_rows, vocab, hidden, compute_dtype, weight.dtype, backend.extra_bytes_per_logit,
-        dw_acc is not None and dw_acc.dtype == torch.float32,
-    )
-    chunk = max(1, min(chunk, n_rows))
     logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if n_rows else None
 
     for start in range(0, n_rows, chunk):
@@ -297,7 +357,10 @@ def run_chunks(
                 torch.mm(grad_logits, w, out=dx[start:end])
             else:
                 dx[start:end] = grad_logits @ w
-        if dw_acc is not None:
+        if dw_direct:
+            with _full_precision_reductions():
+                torch.mm(grad_logits.t(), x, out=dw_acc)
+        elif dw_acc is not None:
             _accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0)
         if db_acc is not None:
             db_acc += grad_logits.sum(dim=0, dtype=torch.float32)

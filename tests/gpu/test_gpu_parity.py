@@ -119,7 +119,7 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
     _require(backend)
     import flce
     from flce.dispatch import get_backend
-    from flce.driver import whole_row_chunk_size
+    from flce.driver import peak_extra_bytes, whole_row_chunk_size
 
     h = 4096
     x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -133,7 +133,7 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
     peak = torch.cuda.max_memory_allocated() - base
     extra = get_backend(backend).extra_bytes_per_logit
     chunk = whole_row_chunk_size(n, v, h, torch.bfloat16, torch.bfloat16, extra, True)
-    formula = max(chunk * v * (2 + extra) + v * h * 4, v * h * 6) + n * h * 2
+    formula = peak_extra_bytes(n, v, h, 2, extra, chunk)
     message = f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
     assert peak <= 1.1 * formula, message
     if backend != "torch":
