@@ -23,7 +23,8 @@ option_sets = st.fixed_dictionaries(
 
 
 @st.composite
-def cases(draw):
+def cases(draw, vocab_blocks: bool = True):
+    """Random small cases; ``vocab_blocks=False`` for a backend without split-row kernels."""
     n_rows = draw(st.integers(1, 40))
     options = draw(option_sets)
     if options.get("return_token_accuracy") != options.get("return_predicted_tokens"):
@@ -39,7 +40,7 @@ def cases(draw):
         ignore_index=draw(st.sampled_from([-100, 0])),
         ignored_fraction=draw(st.sampled_from([0.0, 0.3, 1.0])),
         chunk_size=draw(st.one_of(st.none(), st.integers(1, n_rows))),
-        vocab_chunk_size=draw(st.one_of(st.none(), st.none(), st.integers(1, 70))),
+        vocab_chunk_size=draw(st.one_of(st.none(), st.none(), st.integers(1, 70))) if vocab_blocks else None,
         seed=draw(st.integers(0, 2**16)),
         options=tuple(sorted(options.items())) or (("label_smoothing", 0.0),),
     )

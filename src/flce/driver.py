@@ -54,7 +54,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -377,6 +377,27 @@ def run_chunks(
         del dw_acc
     db = None if db_acc is None else db_acc.to(bias.dtype)
     return rows, Gradients(dx, dw, db)
+
+
+def scale_gradients_(gradients: Sequence[Optional[torch.Tensor]], grad_loss: torch.Tensor) -> None:
+    """Multiplies each gradient by the 0-dim upstream gradient in place.
+
+    On CUDA (and under Triton's interpreter) with Triton installed, a kernel skips the
+    pass over dW and dX when ``grad_loss`` is exactly 1, as it is for ``loss.backward()``,
+    without reading it on the host (``flce.backends.triton.scale``); elsewhere a plain
+    ``mul_``.
+    """
+    from flce.backends.triton import availability as triton_availability
+
+    for gradient in gradients:
+        if gradient is None:
+            continue
+        if gradient.is_contiguous() and triton_availability(gradient.device)[0]:
+            from flce.backends.triton.scale import scale_unless_one_
+
+            scale_unless_one_(gradient, grad_loss)
+        else:
+            gradient.mul_(grad_loss.to(gradient.dtype))
 
 
 @dataclass

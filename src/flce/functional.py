@@ -28,6 +28,7 @@ from flce.driver import (
     RowOutputs,
     batch_statistics,
     chunk_scalars,
+    scale_gradients_,
     default_chunk_size,
     reduce_rows,
     run_chunks,
@@ -125,9 +126,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         if grads is not None:
             # First backward of a mean/sum loss: we own these tensors now; scale in place.
-            for g in (grads.input, grads.weight, grads.bias):
-                if g is not None:
-                    g.mul_(grad_loss.to(g.dtype))
+            scale_gradients_((grads.input, grads.weight, grads.bias), grad_loss)
         else:
             # reduction="none", or a repeated backward: recompute with the upstream
             # gradient folded into each row before the dW/db sums.

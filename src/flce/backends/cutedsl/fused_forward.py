@@ -1,0 +1,819 @@
+"""Fused forward LM-head statistics for Hopper (sm_90a) in CuTe DSL: a WGMMA + TMA GEMM
+whose epilogue reduces each logits tile to a few numbers per row instead of storing it.
+
+The logits ``Z = X @ W^T`` (X: (N, H), W: (V, H), both K-major, fp16/bf16, fp32
+accumulation) are computed tile by tile, ``BM x BN`` per CTA, exactly as a plain Hopper
+GEMM: a multi-stage TMA ring (optionally multicast across a thread-block cluster) feeds
+WGMMAs issued by ``BM / 64`` warpgroups, one thread of warp 0 issuing the copies. The
+epilogue never writes Z. For every row ``n`` of the tile and the tile's vocabulary slice
+``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
+
+- ``tile_max[t, n]``: the max of ``z'`` over the tile's valid columns, with ``z`` the
+  logit plus the optional bias and ``z' = c * tanh(z / c)`` under the optional softcap,
+- ``tile_sumexp[t, n]``: ``sum exp(z' - tile_max)``, each term one FMA and one exp2,
+- ``tile_argmax[t, n]``: the first (smallest) global column achieving the tile max,
+- ``tile_sum[t, n]`` (``with_logit_sum`` only): ``sum z'``, the label-smoothing term,
+
+and the CTA holding column ``target[n]`` writes ``target_logit[n] = z'`` (one writer per
+row, so no race; rows whose target is outside [0, V), such as ignore_index, are never
+written). Columns ``>= V`` of the last tile (V = 32000, 151936, 128256 are not multiples
+of BN) are excluded; rows ``>= N`` are read as zeros by TMA and never written.
+
+Reduction: in a WGMMA accumulator fragment a row's columns are spread over the 4 lanes of
+a quad, BN / 4 values per lane. Partitioning an identity tensor like the accumulator
+gives each value its (m, n) coordinate; a row is reduced in registers, then across the
+quad with two butterfly shuffles. No shared memory and no barrier are needed.
+
+Argmax: within a tile it is taken on ``z`` before the softcap (strictly increasing, so the
+same column) so that fp32 ``tanh`` saturation cannot create ties the exact math does not
+have. Across tiles the first tile achieving the global max of ``tile_max`` wins; as the
+tile's argmax columns increase with the tile index, that is the smallest ``tile_argmax``
+among the tiles achieving the max.
+
+The statistics are stored tile-major, ``(T, rows)``, so that the lanes of a warp (rows
+``r .. r+7``) write neighbouring words. ``fused_forward_statistics`` combines them in
+torch: ``lse = M + log(sum_t s_t exp(m_t - M))`` with ``M = max_t m_t``. Their size is
+``T * rows * 12`` bytes (16 with the logit sum); launches cover at most as many rows as
+fit in ``workspace_bytes`` (16 MiB by default: at N = 8192, V = 128256, BN = 256 the
+kernel runs three times over 2688 + 2688 + 2816 rows), which keeps the peak extra memory
+at about 1.5x that budget plus the O(N) outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+import torch
+from cutlass import Float32, Int32, Int64, const_expr
+
+LOG2_E = math.log2(math.e)
+INT32_MAX = 2**31 - 1
+SMEM_CAPACITY = 227 * 1024  # dynamic shared memory per CTA on sm_90
+MBAR_BYTES = 1024  # pipeline mbarriers and alignment slack
+BLOCK_K = 64  # four k=16 WGMMA steps per stage: one 128-byte swizzle atom of bf16/fp16
+DEFAULT_WORKSPACE_BYTES = 16 * 1024 * 1024
+
+_TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+
+
+@dataclass(frozen=True)
+class FusedForwardKey:
+    """Everything a compiled kernel bakes in; the row count stays symbolic."""
+
+    dtype: torch.dtype  # of input and weight: torch.bfloat16 or torch.float16
+    vocab: int  # V
+    hidden: int  # H, a multiple of BLOCK_K
+    target_int64: bool
+    has_bias: bool
+    has_softcap: bool
+    with_logit_sum: bool
+
+
+@dataclass(frozen=True)
+class FusedForwardConfig:
+    """Launch shape: a ``tile_m x tile_n`` CTA tile (``tile_m / 64`` MMA warpgroups, each
+    owning 64 rows), ``stages`` of the TMA ring (0: as many as fit in shared memory) and
+    a ``cluster_m x cluster_n`` thread-block cluster: CTAs of one cluster column share the
+    W tile (multicast), CTAs of one cluster row share the X tile."""
+
+    tile_m: int = 128
+    tile_n: int = 256
+    stages: int = 0
+    cluster_m: int = 1
+    cluster_n: int = 1
+
+    def validate(self) -> None:
+        if self.tile_m not in (64, 128):
+            raise ValueError(f"tile_m must be 64 or 128, got {self.tile_m}")
+        if self.tile_n not in (64, 128, 192, 256):
+            raise ValueError(f"tile_n must be 64, 128, 192 or 256, got {self.tile_n}")
+        for name, c in (("cluster_m", self.cluster_m), ("cluster_n", self.cluster_n)):
+            if c not in (1, 2, 4):
+                raise ValueError(f"{name} must be 1, 2 or 4, got {c}")
+        if self.cluster_m * self.cluster_n > 4:
+            raise ValueError("a cluster holds at most 4 CTAs here (cluster_m * cluster_n <= 4)")
+        if self.stages < 0 or self.stages == 1:
+            raise ValueError(f"stages must be 0 (auto) or >= 2, got {self.stages}")
+
+
+DEFAULT_CONFIG = FusedForwardConfig()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _stage_bytes(config: FusedForwardConfig, esize: int) -> int:
+    return (config.tile_m + config.tile_n) * BLOCK_K * esize
+
+
+def _num_stages(config: FusedForwardConfig, esize: int) -> int:
+    """``config.stages``, or as many stages as fit (4 for 128 x 256 tiles, 7 for 128 x 128),
+    capped at 8: beyond that the ring hides no more latency."""
+    fit = (SMEM_CAPACITY - MBAR_BYTES) // _stage_bytes(config, esize)
+    if config.stages:
+        if config.stages > fit:
+            raise ValueError(f"stages={config.stages} does not fit in shared memory (at most {fit} for this tile)")
+        return config.stages
+    return min(8, fit)
+
+
+def _acc_mn_view(t: cute.Tensor) -> cute.Tensor:
+    """View a WGMMA accumulator partition, ``((2, 2, BN/8), MMA_M, MMA_N)`` (column pair,
+    row half, column block), as ``((2, MMA_M), (2, BN/8, MMA_N))``: mode 0 walks the rows a
+    thread holds, mode 1 the columns it holds of each of them. Works as well for the
+    coordinate (identity) tensor partitioned the same way."""
+    shape = t.layout.shape
+    compact = cute.make_layout(shape)  # indexes the fragment in its natural order
+    st = compact.stride
+    mn = cute.make_layout(
+        ((shape[0][1], shape[1]), (shape[0][0], shape[0][2], shape[2])),
+        stride=((st[0][1], st[1]), (st[0][0], st[0][2], st[2])),
+    )
+    return cute.make_tensor(t.iterator, cute.composition(t.layout, mn))
+
+
+class FusedForwardKernel:
+    """The kernel for one ``FusedForwardKey`` and ``FusedForwardConfig``; rows are dynamic."""
+
+    def __init__(self, key: FusedForwardKey, config: FusedForwardConfig):
+        config.validate()
+        if key.hidden % BLOCK_K:
+            raise ValueError(f"hidden must be a multiple of {BLOCK_K}, got {key.hidden}")
+        self.key = key
+        self.config = config
+        self.dtype = _TORCH_TO_CUTE[key.dtype]
+        self.esize = torch.empty((), dtype=key.dtype).element_size()
+        self.bm, self.bn = config.tile_m, config.tile_n
+        self.tile_shape_mnk = (self.bm, self.bn, BLOCK_K)
+        self.num_tiles_n = _cdiv(key.vocab, self.bn)  # T
+        self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
+        self.mma_warp_groups = self.bm // 64
+        self.threads = 128 * self.mma_warp_groups
+        self.stages = _num_stages(config, self.esize)
+        # X is shared by the CTAs of a cluster row (same rows, other vocab tiles), W by those
+        # of a cluster column.
+        self.num_mcast_a = config.cluster_n
+        self.num_mcast_b = config.cluster_m
+        self.buffer_align_bytes = 1024
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(
+        self,
+        p_x: cute.Pointer,  # (N, H) fp16/bf16 row-major, 16-byte aligned
+        p_w: cute.Pointer,  # (V, H) same dtype row-major, 16-byte aligned
+        p_target: cute.Pointer,  # (N,) int64 or int32
+        p_bias: cute.Pointer,  # (V,) fp32; read only if has_bias
+        p_max: cute.Pointer,  # (T, N) fp32
+        p_sumexp: cute.Pointer,  # (T, N) fp32
+        p_argmax: cute.Pointer,  # (T, N) int32
+        p_sum: cute.Pointer,  # (T, N) fp32; written only if with_logit_sum
+        p_target_logit: cute.Pointer,  # (N,) fp32
+        num_rows: Int32,  # N
+        softcap: Float32,  # c (unused without softcap)
+        inv_softcap: Float32,  # 1 / c
+        stream: cuda.CUstream,
+    ):
+        key = self.key
+        H = key.hidden
+        V = key.vocab
+        T = self.num_tiles_n
+        mX = cute.make_tensor(p_x, cute.make_layout((num_rows, H), stride=(H, 1)))  # (N, H)
+        mW = cute.make_tensor(p_w, cute.make_layout((V, H), stride=(H, 1)))  # (V, H)
+        rows = cute.make_layout((num_rows,))
+        mTarget = cute.make_tensor(p_target, rows)  # (N,)
+        mTgtLogit = cute.make_tensor(p_target_logit, rows)  # (N,)
+        mBias = cute.make_tensor(p_bias, cute.make_layout((V,)))  # (V,)
+        stats = cute.make_layout((T, num_rows), stride=(num_rows, 1))
+        mMax = cute.make_tensor(p_max, stats)  # (T, N)
+        mSumExp = cute.make_tensor(p_sumexp, stats)  # (T, N)
+        mArg = cute.make_tensor(p_argmax, stats)  # (T, N)
+        mSum = cute.make_tensor(p_sum, stats)  # (T, N)
+
+        a_layout = utils.LayoutEnum.from_tensor(mX)
+        b_layout = utils.LayoutEnum.from_tensor(mW)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.dtype,
+            self.dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            Float32,
+            (self.mma_warp_groups, 1, 1),
+            tiler_mn=(64, self.bn),
+        )
+        a_smem_layout_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.dtype, self.stages)
+        b_smem_layout_staged = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.dtype, self.stages)
+        tma_atom_a, tma_tensor_a = self._make_tma(mX, a_smem_layout_staged, (self.bm, BLOCK_K), self.num_mcast_a)
+        tma_atom_b, tma_tensor_b = self._make_tma(mW, b_smem_layout_staged, (self.bn, BLOCK_K), self.num_mcast_b)
+        cta_layout_mnk = cute.make_layout((*self.cluster_shape_mn, 1))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(a_smem_layout_staged)], self.buffer_align_bytes
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(b_smem_layout_staged)], self.buffer_align_bytes
+            ]
+
+        self.shared_storage = SharedStorage
+
+        cm, cn = self.cluster_shape_mn
+        grid_m = (num_rows + self.bm * cm - 1) // (self.bm * cm) * cm
+        grid_n = _cdiv(T, cn) * cn
+        self.kernel(
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b,
+            mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
+            tiled_mma, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
+            num_rows, softcap, inv_softcap,
+        ).launch(
+            grid=[grid_m, grid_n, 1],
+            block=[self.threads, 1, 1],
+            cluster=[cm, cn, 1],
+            stream=stream,
+        )
+
+    @staticmethod
+    def _make_tma(tensor: cute.Tensor, smem_layout_staged, smem_tile, mcast: int):
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1 else (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        smem_layout = cute.slice_(smem_layout_staged, (None, None, 0))
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, smem_layout, smem_tile, num_multicast=mcast)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA: cute.Tensor,  # (N, H) TMA view of X
+        tma_atom_b: cute.CopyAtom,
+        mB: cute.Tensor,  # (V, H) TMA view of W
+        mTarget: cute.Tensor,  # (N,) int64/int32
+        mBias: cute.Tensor,  # (V,) fp32
+        mMax: cute.Tensor,  # (T, N) fp32
+        mSumExp: cute.Tensor,  # (T, N) fp32
+        mArg: cute.Tensor,  # (T, N) int32
+        mSum: cute.Tensor,  # (T, N) fp32
+        mTgtLogit: cute.Tensor,  # (N,) fp32
+        tiled_mma: cute.TiledMma,
+        cta_layout_mnk: cute.Layout,
+        a_smem_layout_staged: cute.ComposedLayout,
+        b_smem_layout_staged: cute.ComposedLayout,
+        num_rows: Int32,
+        softcap: Float32,
+        inv_softcap: Float32,
+    ):
+        cm, cn = self.cluster_shape_mn
+        cluster_size = cm * cn
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
+
+        # ---------------- tile coordinates
+        # Clusters are visited in groups of GROUP_M cluster rows, M fastest inside a group:
+        # the CTAs resident at one time then share a few W tiles and a few X row blocks,
+        # which stay in L2.
+        GROUP_M = 8
+        cidx, cidy, _ = cute.arch.cluster_idx()
+        cdimx, cdimy, _ = cute.arch.cluster_dim()
+        cluster_id = cidx + cdimx * cidy
+        full_m = cdimx // GROUP_M * GROUP_M
+        cid_m = Int32(0)
+        cid_n = Int32(0)
+        if cluster_id < full_m * cdimy:
+            group = cluster_id // (GROUP_M * cdimy)
+            within = cluster_id - group * (GROUP_M * cdimy)
+            cid_m = group * GROUP_M + within % GROUP_M
+            cid_n = within // GROUP_M
+        else:
+            tail_m = cdimx - full_m
+            rest = cluster_id - full_m * cdimy
+            cid_m = full_m + rest % tail_m
+            cid_n = rest // tail_m
+        bidx_in_cluster = cute.arch.block_in_cluster_idx()
+        pid_m = cid_m * cm + bidx_in_cluster[0]
+        pid_n = cid_n * cn + bidx_in_cluster[1]
+        cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank_in_cluster)
+        a_mcast_mask = 0
+        b_mcast_mask = 0
+        if const_expr(self.num_mcast_a > 1):
+            a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=1)
+        if const_expr(self.num_mcast_b > 1):
+            b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=0)
+
+        # ---------------- shared memory and the TMA pipeline
+        a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
+        b_smem_layout = cute.slice_(b_smem_layout_staged, (None, None, 0))
+        tma_copy_bytes = cute.size_in_bytes(self.dtype, a_smem_layout) + cute.size_in_bytes(self.dtype, b_smem_layout)
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        # Every consumer warp releases a stage to each CTA that multicasts into it.
+        mcast_size = self.num_mcast_a + self.num_mcast_b - 1
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * (self.threads // 32))
+        mainloop_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.stages,
+            producer_group=producer_group,
+            consumer_group=consumer_group,
+            tx_count=tma_copy_bytes,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout_mnk.shape)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster_shape_mn, is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)  # (BM, BK, stages)
+        sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)  # (BN, BK, stages)
+
+        tile_coord = (pid_m, pid_n, None)
+        gA = cute.local_tile(mA, self.tile_shape_mnk, tile_coord, proj=(1, None, 1))  # (BM, BK, k_tiles)
+        gB = cute.local_tile(mB, self.tile_shape_mnk, tile_coord, proj=(None, 1, 1))  # (BN, BK, k_tiles)
+
+        a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_a, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
+        )
+        b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_atom_b, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
+        )
+
+        # WGMMA reads its operands through shared-memory descriptors, identical for the 128
+        # threads of a warpgroup: partition A/B with the warpgroup's first thread.
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        thr_mma_wg = tiled_mma.get_slice(warp_group_idx * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
+        # Per-thread accumulator and the (m, n) coordinate of each of its values.
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.bm, self.bn)))  # ((2,2,BN/8), MMA_M, MMA_N)
+        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
+
+        # ---------------- mainloop
+        k_tile_cnt = cute.size(gA, mode=[2])
+        prefetch_cnt = cutlass.min(self.stages, k_tile_cnt)
+        producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if warp_idx == 0:
+            for _ in cutlass.range(prefetch_cnt, unroll=1):
+                self._load_stage(mainloop_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
+                                 a_mcast_mask, b_mcast_mask)
+                producer_state.advance()
+
+        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        num_k_blocks = cute.size(tCrA, mode=[2])
+
+        # First k tile: overwrite the accumulator, keep one WGMMA batch in flight.
+        peek = mainloop_pipeline.consumer_try_wait(read_state)
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        mainloop_pipeline.consumer_wait(read_state, peek)
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range(num_k_blocks, unroll_full=True):
+            coord = (None, None, kb, read_state.index)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        cute.nvgpu.warpgroup.commit_group()
+        read_state.advance()
+        peek = cutlass.Boolean(1)
+        if read_state.count < k_tile_cnt:
+            peek = mainloop_pipeline.consumer_try_wait(read_state)
+
+        for _ in cutlass.range(1, k_tile_cnt, 1, unroll=1):
+            mainloop_pipeline.consumer_wait(read_state, peek)
+            cute.nvgpu.warpgroup.fence()
+            for kb in cutlass.range(num_k_blocks, unroll_full=True):
+                coord = (None, None, kb, read_state.index)
+                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+            cute.nvgpu.warpgroup.commit_group()
+            # The previous tile's WGMMAs are done once at most one batch is pending: its
+            # stage can be refilled.
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop_pipeline.consumer_release(release_state)
+            read_state.advance()
+            release_state.advance()
+            peek = cutlass.Boolean(1)
+            if read_state.count < k_tile_cnt:
+                peek = mainloop_pipeline.consumer_try_wait(read_state)
+            if warp_idx == 0 and producer_state.count < k_tile_cnt:
+                self._load_stage(mainloop_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
+                                 a_mcast_mask, b_mcast_mask)
+                producer_state.advance()
+
+        cute.nvgpu.warpgroup.wait_group(0)
+        if const_expr(cluster_size > 1):
+            # Every release this CTA sends to its peers has been issued; the matching wait
+            # at the end keeps each CTA (and its barriers) alive until all peers got here.
+            cute.arch.cluster_arrive_relaxed()
+
+        # ---------------- epilogue: per-row statistics of this tile, straight from registers
+        self._epilogue(acc, tCcC, pid_m, pid_n, mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
+                       num_rows, softcap, inv_softcap)
+
+        if const_expr(cluster_size > 1):
+            cute.arch.cluster_wait()
+
+    @cute.jit
+    def _load_stage(self, mainloop_pipeline, state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
+                    a_mcast_mask, b_mcast_mask):
+        """One stage of the ring: wait for it to be free, then TMA the next X and W k-tiles
+        into it (completion is counted in bytes on the stage's full barrier)."""
+        mainloop_pipeline.producer_acquire(state)
+        bar = mainloop_pipeline.producer_get_barrier(state)
+        cute.copy(tma_atom_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                  mcast_mask=a_mcast_mask)
+        cute.copy(tma_atom_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                  mcast_mask=b_mcast_mask)
+        mainloop_pipeline.producer_commit(state)
+
+    @cute.jit
+    def _epilogue(
+        self,
+        acc: cute.Tensor,  # ((2,2,BN/8), MMA_M, MMA_N) fp32 logits of this thread
+        tCcC: cute.Tensor,  # same shape: (m, n) tile coordinates of each value
+        pid_m: Int32,
+        pid_n: Int32,
+        mTarget: cute.Tensor,  # (N,)
+        mBias: cute.Tensor,  # (V,) fp32
+        mMax: cute.Tensor,  # (T, N)
+        mSumExp: cute.Tensor,  # (T, N)
+        mArg: cute.Tensor,  # (T, N)
+        mSum: cute.Tensor,  # (T, N)
+        mTgtLogit: cute.Tensor,  # (N,)
+        num_rows: Int32,
+        softcap: Float32,
+        inv_softcap: Float32,
+    ):
+        key = self.key
+        V = key.vocab
+        BN = self.bn
+        # Only the last vocabulary tile can hold columns >= V.
+        partial_last = V % BN != 0
+        is_last = pid_n == self.num_tiles_n - 1
+        # A cluster wider than the last tiles (T not a multiple of cluster_n) adds CTAs
+        # past the vocabulary: they run the mainloop with their peers but write nothing.
+        tile_ok = pid_n < self.num_tiles_n
+        accs = _acc_mn_view(acc)  # (rows of this thread, columns of this thread)
+        crds = _acc_mn_view(tCcC)
+        R = cute.size(accs, mode=[0])
+        C = cute.size(accs, mode=[1])
+        m0 = pid_m * self.bm
+        n0 = pid_n * BN
+        lane = cute.arch.lane_idx()
+        neg_inf = Float32(-Float32.inf)
+
+        if const_expr(key.has_bias):
+            for c in cutlass.range_constexpr(C):
+                col = n0 + crds[0, c][1]
+                b = Float32(0.0)
+                if col < V:
+                    b = Float32(mBias[col])
+                for r in cutlass.range_constexpr(R):
+                    accs[r, c] = accs[r, c] + b
+        if const_expr(partial_last):
+            if is_last:
+                self._mask_columns(accs, crds, n0, neg_inf)
+
+        for r in cutlass.range_constexpr(R):
+            row = m0 + crds[r, 0][0]
+            row_ok = row < num_rows
+            # Max of z (before the softcap), over the thread, then over the quad.
+            vmax = accs[r, 0]
+            for c in cutlass.range_constexpr(1, C):
+                vmax = cute.arch.fmax(vmax, accs[r, c])
+            vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, offset=1))
+            vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, offset=2))
+            # First column achieving it.
+            best = Int32(INT32_MAX)
+            for c in cutlass.range_constexpr(C):
+                col = n0 + crds[0, c][1]
+                best = cutlass.min(best, Int32(cutlass.select_(accs[r, c] == vmax, col, Int32(INT32_MAX))))
+            best = cutlass.min(best, cute.arch.shuffle_sync_bfly(best, offset=1))
+            best = cutlass.min(best, cute.arch.shuffle_sync_bfly(best, offset=2))
+
+            m = vmax
+            if const_expr(key.has_softcap):
+                m = softcap * cute.math.tanh(vmax * inv_softcap)
+                for c in cutlass.range_constexpr(C):
+                    accs[r, c] = softcap * cute.math.tanh(accs[r, c] * inv_softcap)
+                if const_expr(partial_last):
+                    if is_last:
+                        self._mask_row(accs, crds, r, n0, neg_inf)
+
+            # The target logit (z'), from the one lane that holds its column.
+            tgt_local = Int32(-1)
+            if row_ok:
+                tgt = Int64(mTarget[row])
+                if tgt >= Int64(n0):
+                    if tgt < Int64(cutlass.min(n0 + BN, V)):
+                        tgt_local = Int32(tgt - Int64(n0))
+            z_tgt = Float32(0.0)
+            found = cutlass.Boolean(False)
+            for c in cutlass.range_constexpr(C):
+                hit = crds[0, c][1] == tgt_local
+                z_tgt = Float32(cutlass.select_(hit, accs[r, c], z_tgt))
+                found = found | hit
+            if found:
+                mTgtLogit[row] = z_tgt
+
+            # sum exp(z' - m): exp2 of one FMA per value.
+            neg_mL = -(m * LOG2_E)
+            se = Float32(0.0)
+            for c in cutlass.range_constexpr(C):
+                se = se + cute.math.exp2(cute.math.fma(accs[r, c], Float32(LOG2_E), neg_mL), fastmath=True)
+            se = se + cute.arch.shuffle_sync_bfly(se, offset=1)
+            se = se + cute.arch.shuffle_sync_bfly(se, offset=2)
+
+            zsum = Float32(0.0)
+            if const_expr(key.with_logit_sum):
+                zsum = self._row_sum(accs, crds, r, n0, is_last)
+                zsum = zsum + cute.arch.shuffle_sync_bfly(zsum, offset=1)
+                zsum = zsum + cute.arch.shuffle_sync_bfly(zsum, offset=2)
+
+            if row_ok and tile_ok:
+                if lane % 4 == 0:
+                    mMax[pid_n, row] = m
+                    mSumExp[pid_n, row] = se
+                    mArg[pid_n, row] = best
+                    if const_expr(key.with_logit_sum):
+                        mSum[pid_n, row] = zsum
+
+    @cute.jit
+    def _mask_columns(self, accs: cute.Tensor, crds: cute.Tensor, n0: Int32, fill: Float32):
+        """Set every value of a column >= V to ``fill`` (-inf: no effect on max, argmax, sumexp)."""
+        for c in cutlass.range_constexpr(cute.size(accs, mode=[1])):
+            if n0 + crds[0, c][1] >= self.key.vocab:
+                for r in cutlass.range_constexpr(cute.size(accs, mode=[0])):
+                    accs[r, c] = fill
+
+    @cute.jit
+    def _mask_row(self, accs: cute.Tensor, crds: cute.Tensor, r: cutlass.Constexpr, n0: Int32, fill: Float32):
+        """``_mask_columns`` for one row (after the softcap turned its -inf into -c)."""
+        for c in cutlass.range_constexpr(cute.size(accs, mode=[1])):
+            if n0 + crds[0, c][1] >= self.key.vocab:
+                accs[r, c] = fill
+
+    @cute.jit
+    def _row_sum(self, accs: cute.Tensor, crds: cute.Tensor, r: cutlass.Constexpr, n0: Int32, is_last):
+        """This thread's sum of z' over the valid columns of row ``r``."""
+        C = cute.size(accs, mode=[1])
+        s = Float32(0.0)
+        if const_expr(self.key.vocab % self.bn != 0):
+            if is_last:
+                for c in cutlass.range_constexpr(C):
+                    valid = n0 + crds[0, c][1] < self.key.vocab
+                    s = s + Float32(cutlass.select_(valid, accs[r, c], Float32(0.0)))
+            else:
+                for c in cutlass.range_constexpr(C):
+                    s = s + accs[r, c]
+        else:
+            for c in cutlass.range_constexpr(C):
+                s = s + accs[r, c]
+        return s
+
+
+# ---------------------------------------------------------------------- host wrapper
+_STREAMS: dict = {}
+_NULL_PTRS: dict = {}
+
+
+def _null_ptr(dtype, align: int) -> cute.Pointer:
+    """A cached placeholder for an absent optional tensor (never dereferenced), also used
+    to compile; its type (element, alignment) matches the real arguments."""
+    p = _NULL_PTRS.get((dtype, align))
+    if p is None:
+        p = cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
+        _NULL_PTRS[(dtype, align)] = p
+    return p
+
+
+def _ptr(tensor: Optional[torch.Tensor], dtype, align: int) -> cute.Pointer:
+    if tensor is None:
+        return _null_ptr(dtype, align)
+    return cute.runtime.make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _stream(device: torch.device) -> cuda.CUstream:
+    raw = torch.cuda.current_stream(device).cuda_stream
+    s = _STREAMS.get(raw)
+    if s is None:
+        s = cuda.CUstream(raw)
+        _STREAMS[raw] = s
+    return s
+
+
+@lru_cache(maxsize=None)
+def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEFAULT_CONFIG):
+    """The compiled kernel for ``key`` and ``config`` (cached); the row count is a runtime
+    argument, so one compilation serves every N. Compiles for the current device, or for
+    ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``) where there is none."""
+    if key.dtype not in _TORCH_TO_CUTE:
+        raise TypeError(f"fused forward supports bfloat16/float16, got {key.dtype}")
+    kernel = FusedForwardKernel(key, config)
+    dtype = _TORCH_TO_CUTE[key.dtype]
+    target_t = Int64 if key.target_int64 else Int32
+    return cute.compile(
+        kernel,
+        _null_ptr(dtype, 16),
+        _null_ptr(dtype, 16),
+        _null_ptr(target_t, target_t.width // 8),
+        _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4),
+        _null_ptr(Int32, 4),
+        _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4),
+        Int32(1),
+        Float32(1.0),
+        Float32(1.0),
+        cuda.CUstream(0),
+    )
+
+
+def _validate(input, weight, target, bias, softcap) -> None:
+    if not isinstance(input, torch.Tensor) or input.dim() != 2:
+        raise ValueError("input must be a 2-D tensor (N, H)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("weight must be a 2-D tensor (V, H)")
+    if input.dtype not in _TORCH_TO_CUTE:
+        raise TypeError(f"input must be bfloat16 or float16, got {input.dtype}")
+    if weight.dtype != input.dtype:
+        raise TypeError(f"weight must have the dtype of input ({input.dtype}), got {weight.dtype}")
+    n, h = input.shape
+    v, hw = weight.shape
+    if hw != h:
+        raise ValueError(f"weight has hidden size {hw}, input has {h}")
+    if h == 0 or h % BLOCK_K:
+        raise ValueError(f"input hidden size H={h} must be a positive multiple of {BLOCK_K}")
+    if v == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if input.device.type != "cuda":
+        raise ValueError(f"input must be on a CUDA device, got {input.device}")
+    if weight.device != input.device:
+        raise ValueError(f"weight must be on {input.device}, got {weight.device}")
+    for name, t in (("input", input), ("weight", weight)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (row-major)")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned for TMA")
+    if not isinstance(target, torch.Tensor) or target.dim() != 1 or target.shape[0] != n:
+        raise ValueError(f"target must be a 1-D tensor of {n} class indices")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
+    if target.device != input.device:
+        raise ValueError(f"target must be on {input.device}, got {target.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != v:
+            raise ValueError(f"bias must be a 1-D tensor of {v} values")
+        if not bias.dtype.is_floating_point:
+            raise TypeError(f"bias must be a floating-point tensor, got {bias.dtype}")
+        if bias.device != input.device:
+            raise ValueError(f"bias must be on {input.device}, got {bias.device}")
+    if softcap is not None:
+        c = float(softcap)
+        if not math.isfinite(c) or c <= 0.0:
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+
+
+def rows_per_launch(num_rows: int, vocab: int, with_logit_sum: bool, config: FusedForwardConfig,
+                    workspace_bytes: int) -> int:
+    """Rows covered by one launch: as many as keep the (T, rows) statistics within
+    ``workspace_bytes``, in whole cluster row blocks, at least one block."""
+    block = config.tile_m * config.cluster_m
+    per_row = _cdiv(vocab, config.tile_n) * (16 if with_logit_sum else 12)
+    rows = max(block, workspace_bytes // per_row // block * block)
+    return min(rows, num_rows)
+
+
+def fused_forward_statistics(
+    input: torch.Tensor,  # (N, H) bf16/fp16, contiguous
+    weight: torch.Tensor,  # (V, H) same dtype, contiguous
+    target: torch.Tensor,  # (N,) int64/int32; values outside [0, V) (ignore_index) have no target logit
+    bias: Optional[torch.Tensor] = None,  # (V,) any float dtype
+    softcap: Optional[float] = None,
+    with_logit_sum: bool = False,
+    *,
+    config: Optional[FusedForwardConfig] = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> dict:
+    """Per-row statistics of the logits ``z' = softcap(input @ weight^T + bias)`` without
+    materialising them. Returns a dict of tensors on the input's device:
+
+    - ``lse`` (N,) fp32: logsumexp of z',
+    - ``target_logit`` (N,) fp32: z'[n, target[n]]; 0 where target[n] is outside [0, V),
+    - ``predicted`` (N,) int64: argmax of z' (first index wins ties),
+    - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
+
+    Runs on the current CUDA stream, with no host synchronisation.
+    """
+    _validate(input, weight, target, bias, softcap)
+    config = DEFAULT_CONFIG if config is None else config
+    config.validate()
+    num_rows, hidden = input.shape
+    vocab = weight.shape[0]
+    dev = input.device
+    out = {
+        "lse": torch.empty(num_rows, dtype=torch.float32, device=dev),
+        "target_logit": torch.zeros(num_rows, dtype=torch.float32, device=dev),
+        "predicted": torch.empty(num_rows, dtype=torch.int64, device=dev),
+    }
+    if with_logit_sum:
+        out["logit_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
+    if num_rows == 0:
+        return out
+    if vocab > INT32_MAX // 2:
+        raise ValueError(f"weight has {vocab} rows; the kernel indexes columns with int32")
+
+    key = FusedForwardKey(
+        dtype=input.dtype,
+        vocab=vocab,
+        hidden=hidden,
+        target_int64=target.dtype == torch.int64,
+        has_bias=bias is not None,
+        has_softcap=softcap is not None,
+        with_logit_sum=bool(with_logit_sum),
+    )
+    fn = compile_fused_forward(key, config)
+    bias32 = None
+    if bias is not None:
+        bias32 = bias.to(torch.float32).contiguous()
+    target = target.contiguous()
+    c = float(softcap) if softcap is not None else 1.0
+    T = _cdiv(vocab, config.tile_n)
+    chunk = rows_per_launch(num_rows, vocab, with_logit_sum, config, workspace_bytes)
+    # One workspace for every launch: stream order makes reusing it safe.
+    ws_max = torch.empty(T * chunk, dtype=torch.float32, device=dev)
+    ws_sumexp = torch.empty(T * chunk, dtype=torch.float32, device=dev)
+    ws_arg = torch.empty(T * chunk, dtype=torch.int32, device=dev)
+    ws_sum = torch.empty(T * chunk, dtype=torch.float32, device=dev) if with_logit_sum else None
+    with torch.cuda.device(dev):
+        stream = _stream(dev)
+        for r0 in range(0, num_rows, chunk):
+            rows = min(chunk, num_rows - r0)
+            tmax = ws_max[: T * rows].view(T, rows)
+            tse = ws_sumexp[: T * rows].view(T, rows)
+            targ = ws_arg[: T * rows].view(T, rows)
+            tsum = ws_sum[: T * rows].view(T, rows) if ws_sum is not None else None
+            x = input[r0 : r0 + rows]
+            y = target[r0 : r0 + rows]
+            fn(
+                _ptr(x, _TORCH_TO_CUTE[input.dtype], 16),
+                _ptr(weight, _TORCH_TO_CUTE[input.dtype], 16),
+                _ptr(y, Int64 if key.target_int64 else Int32, y.element_size()),
+                _ptr(bias32, Float32, 4),
+                _ptr(tmax, Float32, 4),
+                _ptr(tse, Float32, 4),
+                _ptr(targ, Int32, 4),
+                _ptr(tsum, Float32, 4),
+                _ptr(out["target_logit"][r0 : r0 + rows], Float32, 4),
+                Int32(rows),
+                Float32(c),
+                Float32(1.0 / c),
+                stream,
+            )
+            combine_tile_statistics(
+                tmax, tse, targ, tsum,
+                lse_out=out["lse"][r0 : r0 + rows],
+                predicted_out=out["predicted"][r0 : r0 + rows],
+                logit_sum_out=out["logit_sum"][r0 : r0 + rows] if with_logit_sum else None,
+            )
+    return out
+
+
+def combine_tile_statistics(
+    tile_max: torch.Tensor,  # (T, rows) fp32; overwritten
+    tile_sumexp: torch.Tensor,  # (T, rows) fp32
+    tile_argmax: torch.Tensor,  # (T, rows) int32
+    tile_sum: Optional[torch.Tensor],  # (T, rows) fp32 or None
+    *,
+    lse_out: torch.Tensor,  # (rows,) fp32
+    predicted_out: torch.Tensor,  # (rows,) int64
+    logit_sum_out: Optional[torch.Tensor],  # (rows,) fp32
+) -> None:
+    """Row statistics from per-tile ones: ``M = max_t m_t``, ``lse = M + log(sum_t s_t
+    exp(m_t - M))``; the argmax is the smallest column among the tiles achieving ``M``
+    (tile columns increase with ``t``, so that is the first tile's). ``tile_max`` is used
+    as scratch for the rescaled sums."""
+    row_max = tile_max.amax(dim=0)  # (rows,)
+    at_max = tile_max == row_max
+    predicted_out.copy_(torch.where(at_max, tile_argmax, INT32_MAX).amin(dim=0))
+    del at_max
+    scaled = tile_max.sub_(row_max).exp_().mul_(tile_sumexp)
+    torch.add(row_max, scaled.sum(dim=0).log_(), out=lse_out)
+    if logit_sum_out is not None:
+        logit_sum_out.copy_(tile_sum.sum(dim=0, dtype=torch.float64))

@@ -1,0 +1,286 @@
+"""The fused forward Hopper kernel (GEMM + per-tile softmax statistics) against float64.
+
+CPU part (needs nvidia-cutlass-dsl, no GPU): every shipped launch shape compiles for
+sm_90a, the accumulator view the epilogue reduces over has the structure it assumes
+(each row of a tile held by one quad, the same columns for every row of a thread), and
+argument validation raises clear errors.
+
+GPU part (sm_90): ``lse``, ``target_logit`` and ``logit_sum`` must satisfy
+``err(ours) <= 3 * err(torch) + eps`` where ``err(torch)`` is the error of the same
+quantity computed from ``F.linear`` logits in the input dtype (what an eager model
+does); ``predicted`` must be the float64 argmax, up to near-ties that fp32 accumulation
+may legitimately flip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+HAS_DSL = importlib.util.find_spec("cutlass") is not None
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+if HAS_DSL and not torch.cuda.is_available():
+    # Without a device the DSL compiles for the architecture named here.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+needs_sm90 = pytest.mark.skipif(not (HAS_DSL and HAS_SM90), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 GPU")
+
+if HAS_DSL:
+    import cutlass
+    import cutlass.cute as cute
+
+    from flce.backends.cutedsl import fused_forward as ff
+
+K = 3.0
+EPS = 1e-4
+IGNORE = -100
+
+# Launch shapes shipped or tried by scripts/device/fused_forward_check.py.
+CONFIGS = [
+    dict(),  # default: 128 x 256, 4 stages, no cluster
+    dict(cluster_m=2),  # W tile multicast to the two CTAs of a cluster
+    dict(tile_n=128),  # 1002 tiles at V=128256: more statistics, smaller epilogue
+    dict(tile_n=256, cluster_n=2),  # X multicast; T=125 at V=32000 leaves CTAs past V
+]
+
+
+# ---------------------------------------------------------------------- CPU
+@needs_dsl
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize(
+    "features",
+    [
+        dict(),
+        dict(has_bias=True, has_softcap=True, with_logit_sum=True, target_int64=False),
+    ],
+    ids=["plain", "all"],
+)
+def test_compiles_for_sm90a(config, features, monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    d = dict(dtype=torch.bfloat16, vocab=32000, hidden=4096, target_int64=True, has_bias=False, has_softcap=False,
+             with_logit_sum=False)
+    d.update(features)
+    fn = ff.compile_fused_forward(ff.FusedForwardKey(**d), ff.FusedForwardConfig(**config))
+    assert fn is not None
+
+
+@needs_dsl
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab,hidden", [(151936, 5120), (128256, 2048)])
+def test_compiles_other_shapes(dtype, vocab, hidden, monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    key = ff.FusedForwardKey(dtype=dtype, vocab=vocab, hidden=hidden, target_int64=True, has_bias=True,
+                             has_softcap=False, with_logit_sum=True)
+    assert ff.compile_fused_forward(key, ff.DEFAULT_CONFIG) is not None
+
+
+def _check_acc_view(tv, view_layout, bm: int, bn: int) -> None:
+    """Plain Python over static layouts: (thread, value) -> tile coordinate."""
+    rows_of = {}
+    for tid in range(2 * bm):
+        cols0 = None
+        for r in range(cute.size(view_layout, mode=[0])):
+            ms = set()
+            cols = []
+            for c in range(cute.size(view_layout, mode=[1])):
+                idx = tv((tid, view_layout((r, c))))
+                m, n = idx % bm, idx // bm
+                ms.add(m)
+                cols.append(n)
+                rows_of.setdefault(m, {})[n] = tid
+            assert len(ms) == 1, "a mode-0 index must be one row"
+            cols0 = cols if cols0 is None else cols0
+            assert cols == cols0, "every row of a thread must have the same columns"
+    assert len(rows_of) == bm and all(len(c) == bn for c in rows_of.values()), "the tile must be covered once"
+    for cols in rows_of.values():
+        owners = set(cols.values())
+        assert len(owners) == 4 and len({t // 4 for t in owners}) == 1, "a row must live in one quad"
+
+
+if HAS_DSL:
+
+    @cute.jit
+    def _trace_acc_view(p: cute.Pointer, bm: cutlass.Constexpr, bn: cutlass.Constexpr):
+        mX = cute.make_tensor(p, cute.make_layout((256, 64), stride=(64, 1)))
+        major = ff.utils.LayoutEnum.from_tensor(mX).sm90_mma_major_mode()
+        tiled_mma = ff.sm90_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, major, major,
+                                                         cutlass.Float32, (bm // 64, 1, 1), tiler_mn=(64, bn))
+        part = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((bm, bn)))
+        frag = cute.make_rmem_tensor(part.shape, cutlass.Float32)
+        _check_acc_view(tiled_mma.tv_layout_C_tiled, ff._acc_mn_view(frag).layout, bm, bn)
+
+
+@needs_dsl
+@pytest.mark.parametrize("bm,bn", [(128, 256), (128, 128), (64, 256), (128, 192)])
+def test_accumulator_row_view(bm, bn, monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    _trace_acc_view(ff._null_ptr(cutlass.BFloat16, 16), bm, bn)
+
+
+@needs_dsl
+def test_validation_errors():
+    x = torch.zeros(4, 100, dtype=torch.bfloat16)
+    w = torch.zeros(10, 100, dtype=torch.bfloat16)
+    y = torch.zeros(4, dtype=torch.int64)
+    with pytest.raises(ValueError, match="hidden size H=100"):
+        ff.fused_forward_statistics(x, w, y)
+    with pytest.raises(TypeError, match="input must be bfloat16 or float16"):
+        ff.fused_forward_statistics(x.float(), w.float(), y)
+    with pytest.raises(TypeError, match="weight must have the dtype"):
+        ff.fused_forward_statistics(torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(10, 64), y)
+    with pytest.raises(ValueError, match="weight has hidden size"):
+        ff.fused_forward_statistics(torch.zeros(4, 64, dtype=torch.bfloat16), w, y)
+    with pytest.raises(ValueError, match="must be a multiple"):
+        ff.FusedForwardKernel(ff.FusedForwardKey(torch.bfloat16, 10, 100, True, False, False, False), ff.DEFAULT_CONFIG)
+    with pytest.raises(ValueError, match="tile_n"):
+        ff.FusedForwardConfig(tile_n=96).validate()
+    with pytest.raises(ValueError, match="cluster"):
+        ff.FusedForwardConfig(cluster_m=4, cluster_n=2).validate()
+
+
+@needs_dsl
+def test_rows_per_launch_budget():
+    cfg = ff.DEFAULT_CONFIG
+    # N=8192, V=128256: 501 tiles x 12 bytes a row; 16 MiB -> 2688 rows (21 row blocks).
+    rows = ff.rows_per_launch(8192, 128256, False, cfg, ff.DEFAULT_WORKSPACE_BYTES)
+    assert rows % cfg.tile_m == 0 and rows * 501 * 12 <= ff.DEFAULT_WORKSPACE_BYTES
+    assert ff.rows_per_launch(100, 128256, True, cfg, 1) == 100
+
+
+@needs_dsl
+def test_combine_matches_dense():
+    """The host combination of per-tile statistics, on CPU tensors built from dense logits."""
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab, bn = 37, 1000, 128
+    z = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 4
+    z[:, 517] = z[:, 3] = z.max() + 1  # a cross-tile tie: the first column must win
+    tiles = z.split(bn, dim=1)
+    tmax = torch.stack([t.amax(1) for t in tiles]).float()
+    tse = torch.stack([(t - t.amax(1, keepdim=True)).exp().sum(1) for t in tiles]).float()
+    targ = torch.stack([t.argmax(1) + i * bn for i, t in enumerate(tiles)]).int()
+    tsum = torch.stack([t.sum(1) for t in tiles]).float()
+    lse = torch.empty(rows)
+    pred = torch.empty(rows, dtype=torch.int64)
+    zsum = torch.empty(rows)
+    ff.combine_tile_statistics(tmax, tse, targ, tsum, lse_out=lse, predicted_out=pred, logit_sum_out=zsum)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(z, 1), rtol=0, atol=1e-5)
+    assert torch.equal(pred, torch.full((rows,), 3))
+    torch.testing.assert_close(zsum.double(), z.sum(1), rtol=1e-5, atol=1e-3)
+
+
+# ---------------------------------------------------------------------- GPU
+def make_problem(n, vocab, hidden, dtype, seed, bias=False):
+    """Logits of O(3) with one +8 peak per row (a peaked softmax); a tenth of the targets
+    are ignore_index, a third are the peak class."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, hidden, generator=gen)
+    x = torch.randn(n, hidden, generator=gen) * (3.0 / math.sqrt(hidden))
+    peak = torch.randint(0, vocab, (n,), generator=gen)
+    wp = w[peak]
+    x += 8.0 * wp / (wp * wp).sum(1, keepdim=True)
+    y = torch.randint(0, vocab, (n,), generator=gen)
+    y[::3] = peak[::3]
+    y[torch.rand(n, generator=gen) < 0.1] = IGNORE
+    b = torch.randn(vocab, generator=gen) * 0.5 if bias else None
+    dev = torch.device("cuda")
+    return (x.to(dtype).to(dev), w.to(dtype).to(dev), y.to(dev), None if b is None else b.to(dtype).to(dev))
+
+
+def reference(x, w, y, b, softcap, dtype=torch.float64):
+    """Row statistics from dense logits computed in ``dtype`` (float64: the reference; the
+    input dtype: what torch itself achieves)."""
+    if dtype == torch.float64:
+        z = x.double() @ w.double().t()
+        if b is not None:
+            z = z + b.double()
+    else:
+        z = F.linear(x, w, b).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    valid = (y >= 0) & (y < w.shape[0])
+    zt = torch.where(valid, z.gather(1, y.clamp(0, w.shape[0] - 1)[:, None])[:, 0], torch.zeros_like(z[:, 0]))
+    return dict(lse=torch.logsumexp(z, 1), target_logit=zt, logit_sum=z.sum(1), z=z)
+
+
+def check_against_reference(out, x, w, y, b, softcap, with_logit_sum=True):
+    ref = reference(x, w, y, b, softcap)
+    base = reference(x, w, y, b, softcap, dtype=x.dtype)
+    names = ["lse", "target_logit"] + (["logit_sum"] if with_logit_sum else [])
+    for name in names:
+        ours = (out[name].double() - ref[name]).abs().max().item()
+        torch_err = (base[name].double() - ref[name]).abs().max().item()
+        scale = 1.0 if name != "logit_sum" else ref[name].abs().max().item() + 1.0
+        assert ours <= K * torch_err + EPS * scale, f"{name}: ours {ours:.3g} vs torch {torch_err:.3g}"
+    z = ref["z"]
+    pred = out["predicted"]
+    assert pred.dtype == torch.int64
+    zmax = z.max(1).values
+    z_at_pred = z.gather(1, pred.clamp(0, z.shape[1] - 1)[:, None])[:, 0]
+    assert bool(((pred >= 0) & (pred < z.shape[1])).all()), "predicted out of range"
+    assert bool((z_at_pred >= zmax - 1e-3 * (1 + zmax.abs())).all()), "predicted is not a maximum"
+    assert (pred == z.argmax(1)).double().mean().item() >= 0.99
+    ignored = (y < 0) | (y >= w.shape[0])
+    assert bool((out["target_logit"][ignored] == 0).all()), "ignored rows must keep target_logit 0"
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [32000, 151936])  # neither a multiple of 256: last tile partial
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 15.0])
+def test_matches_float64(dtype, vocab, bias, softcap):
+    # N=1000: not a multiple of 128, the last row block is partial.
+    x, w, y, b = make_problem(1000, vocab, 2048, dtype, seed=vocab + bias, bias=bias)
+    out = ff.fused_forward_statistics(x, w, y, bias=b, softcap=softcap, with_logit_sum=True)
+    check_against_reference(out, x, w, y, b, softcap)
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [4096, 5120])
+def test_llama_vocab_small_n(hidden):
+    # V=128256 (Llama 3), a small odd N, the hidden sizes that matter.
+    x, w, y, b = make_problem(257, 128256, hidden, torch.bfloat16, seed=hidden)
+    out = ff.fused_forward_statistics(x, w, y)
+    assert "logit_sum" not in out
+    check_against_reference(out, x, w, y, b, None, with_logit_sum=False)
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+def test_launch_shapes(config):
+    x, w, y, b = make_problem(1000, 32000, 2048, torch.bfloat16, seed=7, bias=True)
+    out = ff.fused_forward_statistics(x, w, y, bias=b, softcap=30.0, with_logit_sum=True,
+                                      config=ff.FusedForwardConfig(**config))
+    check_against_reference(out, x, w, y, b, 30.0)
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_several_launches_and_int32_target():
+    # A budget of a few row blocks forces several launches over slices of the rows.
+    x, w, y, b = make_problem(1000, 32000, 2048, torch.bfloat16, seed=11)
+    budget = 3 * 128 * 125 * 16
+    out = ff.fused_forward_statistics(x, w, y.int(), with_logit_sum=True, workspace_bytes=budget)
+    check_against_reference(out, x, w, y, b, None)
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_empty_and_tiny():
+    x, w, y, b = make_problem(1, 1000, 64, torch.bfloat16, seed=3)
+    out = ff.fused_forward_statistics(x, w, y, with_logit_sum=True)
+    check_against_reference(out, x, w, y, b, None)
+    out = ff.fused_forward_statistics(x[:0], w, y[:0])
+    assert out["lse"].shape == (0,)
