@@ -230,6 +230,25 @@ class RowOutputs:
             predicted=rows(torch.int64) if options.return_predicted_tokens else None,
         )
 
+    def store(
+        self,
+        valid: torch.Tensor,  # (N,) bool: target != ignore_index
+        target: torch.Tensor,  # (N,)
+        ce: torch.Tensor,  # (N,) fp32 st * ce
+        z_loss: torch.Tensor,  # (N,) fp32 st * zl
+        argmax: Optional[torch.Tensor],  # (N,) int64 argmax of z' (first index); None if unused
+    ) -> None:
+        """Writes whole-row results with the contract's values on ignored rows: loss,
+        z-loss and correct 0, predicted -1."""
+        zero = torch.zeros((), dtype=torch.float32, device=ce.device)
+        self.loss.copy_(torch.where(valid, ce, zero))
+        if self.z_loss is not None:
+            self.z_loss.copy_(torch.where(valid, z_loss, zero))
+        if self.correct is not None:
+            self.correct.copy_(((argmax == target) & valid).float())
+        if self.predicted is not None:
+            self.predicted.copy_(torch.where(valid, argmax, torch.full_like(argmax, -1)))
+
     def chunk_kwargs(self, start: int, end: int) -> dict:
         def part(t):
             return None if t is None else t[start:end]
@@ -429,6 +448,41 @@ def reduce_rows(rows: RowOutputs, options: LossOptions, scalars: ChunkScalars, s
     return Reduced(loss, z_loss, accuracy, rows.predicted)
 
 
+def rows_from_forward_statistics(
+    statistics: dict,  # (N,) tensors: lse, target_logit, predicted, and logit_sum with smoothing
+    target: torch.Tensor,  # (N,)
+    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    options: LossOptions,
+    scalars: ChunkScalars,
+    vocab: int,
+) -> RowOutputs:
+    """Per-row outputs from whole-row statistics of ``z'`` (a loss-only call through
+    ``flce.backends.cutedsl.fused_forward``, whose GEMM never stores the logits):
+    ``lse``, ``target_logit = z'_y`` (any value on ignored rows), ``predicted`` (argmax,
+    first index) and, with label smoothing, ``logit_sum = sum_i z'_i``.
+
+    The loss is ``loss_rows``'s, whose formulas hold for any reference point ``m`` of a row
+    as long as ``log_s = lse - m``; here ``m = lse``: ``log_s = 0``, the shifted target
+    ``z'_y - lse`` and the shifted smoothing sum ``sum_i (z'_i - lse) = logit_sum - V * lse``.
+    Without a weighted logit sum, label smoothing with class weights cannot be computed
+    from these statistics (the caller runs ``run_chunks`` for it).
+    """
+    lse = statistics["lse"]
+    rows = RowOutputs.allocate(lse.shape[0], options, lse.device)
+    if scalars.label_smoothing > 0 and ce_weight is not None:
+        raise ValueError("label smoothing with class weights needs sum_i w_i z'_i, which these statistics lack")
+    valid = target != scalars.ignore_index
+    safe_target = torch.where(valid, target, torch.zeros_like(target)).long()
+    shifted_smooth = None
+    if scalars.label_smoothing > 0:
+        shifted_smooth = statistics["logit_sum"] - scalars.weight_sum * lse
+    w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
+    ce, zl, _ = loss_rows(torch.zeros_like(lse), statistics["target_logit"] - lse, shifted_smooth, lse, w_y, scalars,
+                          scalars.label_smoothing / vocab)
+    rows.store(valid, target, ce, zl, statistics["predicted"])
+    return rows
+
+
 def run_vocab_blocks(
     input: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
@@ -523,14 +577,7 @@ def run_vocab_blocks(
     shifted_smooth = None if smooth_sum is None else smooth_sum - row_max * scalars.weight_sum
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
     ce, zl, token_scale = loss_rows(log_s, target_logit - row_max, shifted_smooth, lse, w_y, scalars, eps)
-    zero = torch.zeros((), **f32)
-    rows.loss.copy_(torch.where(valid, ce, zero))
-    if rows.z_loss is not None:
-        rows.z_loss.copy_(torch.where(valid, zl, zero))
-    if rows.correct is not None:
-        rows.correct.copy_(((best == target) & valid).float())
-    if rows.predicted is not None:
-        rows.predicted.copy_(torch.where(valid, best, torch.full_like(best, -1)))
+    rows.store(valid, target, ce, zl, best)
     if not (grad_input or grad_weight or grad_bias):
         return rows, Gradients(None, None, None)
 

@@ -2,8 +2,11 @@
 
 Both validate at the boundary (``flce.options``), pick a backend (``flce.dispatch``),
 read the batch statistics with one host sync (``flce.driver.batch_statistics``) and run
-the shared chunked driver. With nothing requiring grad they run the loss-only path and
-no gradient work at all.
+the shared chunked driver. With nothing requiring grad (or under ``torch.no_grad`` /
+inference mode) they run the loss-only path and no gradient work at all; with the
+``cutedsl`` backend on Hopper that path computes the per-row outputs from the fused
+forward statistics kernel where it supports the call (``_Plan.run_loss_only``), with no
+logits buffer.
 
 Backward for ``mean``/``sum``: the gradients are computed during the forward (the
 logits exist only there) and scaled by the upstream gradient in backward. The first
@@ -16,12 +19,14 @@ per-token upstream gradient folded into each row before the dW/db sums.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional, Union
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from flce.backends.base import BackendSpec, ChunkScalars
+from flce.backends.cutedsl import fused_forward_applicable
 from flce.dispatch import resolve_backend
 from flce.driver import (
     BatchStatistics,
@@ -31,6 +36,7 @@ from flce.driver import (
     scale_gradients_,
     default_chunk_size,
     reduce_rows,
+    rows_from_forward_statistics,
     run_chunks,
     run_vocab_blocks,
 )
@@ -66,6 +72,59 @@ class _Plan:
 
     def finish_gradients(self, grads) -> None:
         """Hook run on the final gradients of a backward (the single-device loss has none)."""
+
+    def run_loss_only(self, input, weight, target, bias, ce_weight) -> RowOutputs:
+        """Per-row outputs of a call that needs no gradient: from the fused forward
+        statistics (one GEMM whose epilogue reduces each logits tile; no logits buffer)
+        where ``fused_forward_applicable`` allows it, else from the driver without its
+        gradient work. Both give the same rows for ``reduce_rows``."""
+        if self.uses_fused_forward(input, weight, ce_weight):
+            return _fused_forward_rows(self, input, weight, target, bias, ce_weight)
+        rows, _ = self.run_chunks(input, weight, target, bias, ce_weight,
+                                  grad_input=False, grad_weight=False, grad_bias=False)
+        return rows
+
+    def uses_fused_forward(self, input, weight, ce_weight) -> bool:
+        """``fused_forward_applicable`` for this plan and these operands."""
+        # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
+        weight_tma_ready = weight.is_contiguous() and (
+            weight.dtype != self.compute_dtype or weight.data_ptr() % 16 == 0
+        )
+        applicable, _ = fused_forward_applicable(
+            self.options, None if self.backend is None else self.backend.name, _cuda_capability(input.device),
+            self.compute_dtype, input.shape[1], weight.shape[0], ce_weight is not None, weight_tma_ready,
+        )
+        return applicable
+
+
+@lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _cuda_capability(device: torch.device) -> Optional[tuple[int, int]]:
+    if device.type != "cuda":
+        return None
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _fused_forward_rows(plan: _Plan, input, weight, target, bias, ce_weight) -> RowOutputs:
+    """``flce.driver.rows_from_forward_statistics`` of ``fused_forward_statistics``, with the
+    operands in the compute dtype as the driver's GEMM takes them (the bias rounded to it,
+    as the driver's ``addmm`` rounds it)."""
+    from flce.backends.cutedsl.fused_forward import fused_forward_statistics
+
+    dtype = plan.compute_dtype
+    x = input.to(dtype)
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        # TMA needs a row-major, 16-byte aligned X; a copy of it is small next to the logits.
+        x = x.clone(memory_format=torch.contiguous_format)
+    y = target if target.dtype in (torch.int64, torch.int32) else target.long()
+    statistics = fused_forward_statistics(
+        x, weight.to(dtype), y, bias=None if bias is None else bias.to(dtype), softcap=plan.options.softcap,
+        with_logit_sum=plan.options.label_smoothing > 0,
+    )
+    return rows_from_forward_statistics(statistics, target, ce_weight, plan.options, plan.scalars, weight.shape[0])
 
 
 def _no_autocast(device: torch.device):
@@ -187,9 +246,7 @@ def fused_linear_cross_entropy_with_options(
         outputs = FusedLinearCrossEntropyFunction.apply(input_2d, weight, bias, target_1d, ce_weight, plan)
     else:
         with _no_autocast(input.device):
-            rows, _ = plan.run_chunks(
-                input_2d, weight, target_1d, bias, ce_weight, grad_input=False, grad_weight=False, grad_bias=False
-            )
+            rows = plan.run_loss_only(input_2d, weight, target_1d, bias, ce_weight)
         reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
         outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
     return _package(options, tuple(target.shape), *outputs)

@@ -65,7 +65,7 @@ class Case:
     reduction: str = "mean"
     feature: str = "plain"
     bias: bool = False
-    grads: tuple[str, ...] = ("input", "weight", "bias")
+    grads: tuple[str, ...] = ("input", "weight", "bias")  # (): nothing requires grad, the loss-only path
     ignore_index: int = -100
     ignored_fraction: float = 0.2
     chunk_size: Optional[int] = None
@@ -162,7 +162,8 @@ def _run_reference(t: Tensors, case: Case, logits_dtype, math_dtype, grad_names)
         leaves["input"], leaves["weight"], t.target, leaves["bias"], logits_dtype=logits_dtype,
         ce_weight=t.ce_weight, math_dtype=math_dtype, **opts,
     )
-    (result.loss * t.upstream.to(result.loss.dtype)).sum().backward()
+    if grad_names:  # none for a loss-only case (nothing requires grad)
+        (result.loss * t.upstream.to(result.loss.dtype)).sum().backward()
     grads = {name: leaves[name].grad for name in grad_names if leaves[name] is not None}
     return result, grads
 

@@ -43,8 +43,8 @@ IGNORE = -100
 
 # Launch shapes shipped or tried by scripts/device/fused_forward_check.py.
 CONFIGS = [
-    dict(),  # default: 128 x 256, 4 stages, no cluster
-    dict(cluster_m=2),  # W tile multicast to the two CTAs of a cluster
+    dict(),  # the field defaults: 128 x 256, 4 stages, no cluster
+    dict(cluster_m=2),  # DEFAULT_CONFIG: W tile multicast to the two CTAs of a cluster
     dict(tile_n=128),  # 1002 tiles at V=128256: more statistics, smaller epilogue
     dict(tile_n=256, cluster_n=2),  # X multicast; T=125 at V=32000 leaves CTAs past V
 ]
@@ -150,9 +150,10 @@ def test_validation_errors():
 @needs_dsl
 def test_rows_per_launch_budget():
     cfg = ff.DEFAULT_CONFIG
-    # N=8192, V=128256: 501 tiles x 12 bytes a row; 16 MiB -> 2688 rows (21 row blocks).
+    # N=8192, V=128256: 501 tiles x 12 bytes a row; 16 MiB -> 2560 rows (10 blocks of a
+    # 2 x 128-row cluster).
     rows = ff.rows_per_launch(8192, 128256, False, cfg, ff.DEFAULT_WORKSPACE_BYTES)
-    assert rows % cfg.tile_m == 0 and rows * 501 * 12 <= ff.DEFAULT_WORKSPACE_BYTES
+    assert rows == 2560 and rows % (cfg.tile_m * cfg.cluster_m) == 0 and rows * 501 * 12 <= ff.DEFAULT_WORKSPACE_BYTES
     assert ff.rows_per_launch(100, 128256, True, cfg, 1) == 100
 
 

@@ -12,9 +12,61 @@ from typing import Optional
 import torch
 
 from flce.backends.base import BackendSpec, lazy_chunk_kernel
+from flce.options import LossOptions
 
 MIN_CAPABILITY = (9, 0)
 INSTALL_HINT = "pip install 'flce[cutedsl]'"
+FUSED_FORWARD_BLOCK_K = 64  # fused_forward.BLOCK_K, without importing cutlass
+FUSED_FORWARD_MAX_VOCAB = (2**31 - 1) // 2  # the kernel's int32 column indices
+
+
+def fused_forward_applicable(
+    options: LossOptions,
+    backend: Optional[str],
+    capability: Optional[tuple[int, int]],
+    compute_dtype: torch.dtype,
+    hidden: int,
+    vocab: int,
+    has_ce_weight: bool,
+    weight_tma_ready: bool,
+) -> tuple[bool, str]:
+    """Whether a loss-only call (no gradient anywhere) computes its per-row outputs from
+    ``fused_forward.fused_forward_statistics`` (one GEMM whose epilogue keeps a few numbers
+    per row; no logits buffer at all) instead of the chunked driver. ``(True, "")``, or
+    ``(False, reason)``: the caller then runs the chunked driver, which supports everything.
+
+    ``backend`` is the resolved backend's name (None for ``vocab_chunk_size``'s split-row
+    kernels), ``capability`` the CUDA device's compute capability (None off CUDA), and
+    ``weight_tma_ready`` whether the weight, once in ``compute_dtype``, is contiguous and
+    16-byte aligned.
+    """
+    # The user chose (or auto dispatch picked) the CuTe DSL backend: on this device and
+    # installation the fused kernel's dependencies are then known to be present.
+    if backend != "cutedsl":
+        return False, f"backend is {backend!r}, not 'cutedsl'"
+    # vocab_chunk_size asks for the vocabulary-block scheme explicitly; it is honoured.
+    if options.vocab_chunk_size is not None:
+        return False, "vocab_chunk_size selects the vocabulary-block driver"
+    # WGMMA and TMA multicast are sm_90a instructions: Hopper only, not later architectures.
+    if capability is None or capability[0] != 9:
+        return False, f"the fused kernel is built for sm_90a (Hopper), device has {capability}"
+    # WGMMA operands are bf16/fp16; fp32 inputs would run as tf32, less exact than the
+    # driver's fp32 GEMM.
+    if compute_dtype not in (torch.bfloat16, torch.float16):
+        return False, f"compute dtype {compute_dtype} is not bfloat16/float16"
+    # The main loop has no K remainder: H must be whole 64-element (128-byte) TMA tiles.
+    if hidden <= 0 or hidden % FUSED_FORWARD_BLOCK_K:
+        return False, f"H={hidden} is not a positive multiple of {FUSED_FORWARD_BLOCK_K}"
+    if vocab > FUSED_FORWARD_MAX_VOCAB:
+        return False, f"V={vocab} exceeds the kernel's int32 column indices"
+    # Label smoothing with class weights needs sum_i w_i z'_i; the kernel sums z'_i only.
+    if options.label_smoothing > 0 and has_ce_weight:
+        return False, "label smoothing with class weights needs a weighted logit sum"
+    # TMA reads the weight in place, which needs it row-major and aligned; the chunked
+    # driver takes any layout without copying the V x H weight.
+    if not weight_tma_ready:
+        return False, "the weight is not contiguous and 16-byte aligned"
+    return True, ""
 
 
 

@@ -3,8 +3,8 @@
 One CTA, or a thread-block cluster of 2-8 CTAs each owning a contiguous slice, handles
 one row of logits. Pass 1 streams the row through a multi-stage ``cp.async``
 shared-memory pipeline (128-bit copies where alignment allows) and keeps, per thread,
-an fp32 online softmax in base 2 (running max ``mL = max(z') * log2(e)`` and normaliser
-``d = sum 2^(z' log2(e) - mL)``), the label-smoothing sum and the argmax. A CTA
+an fp32 online softmax (running max ``m = max(z')`` and normaliser
+``d = sum 2^((z' - m) log2(e))``), the label-smoothing sum and the argmax. A CTA
 reduction (then, in a cluster, an exchange through distributed shared memory) gives
 the row's statistics, from which every thread derives the row scalars of
 ``flce.backends.base`` (loss, z-loss, token scale and the gradient coefficients).
@@ -15,8 +15,13 @@ pass 2 re-reads only the rest from global memory, newest tile first, while the L
 cache still holds it. With the default launch shapes, slices fit whole and the logits
 are read from global memory exactly once (one read, one write per logit).
 
-Every exp2 argument is a single FMA, ``z' * log2(e) - mL``, against the same rounded
-``mL`` in both passes, so the rounding of ``mL`` cancels out of ``p`` and ``lse``.
+Every exp2 argument is ``(z' - m) * log2(e)``: the difference to the row max first, so
+it is exactly 0 at the max and exact (Sterbenz) for the logits near it, the ones that
+carry the probability. Folding log2(e) into one FMA, ``z' * log2(e) - m * log2(e)``,
+saves an instruction but leaves the rounding of ``m * log2(e)`` (about ``|m| * 2^-24``)
+in every exponent: ``p_y`` of a confident row then misses 1 by many ulps, and the
+gradient ``p_y - 1`` with it. The kernel is bound by memory traffic, not by that
+instruction. The gradient uses the grouped form of ``flce.backends.base``.
 """
 
 from __future__ import annotations
@@ -44,9 +49,10 @@ from flce.backends.base import ChunkScalars
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-# Initial running max (in log2 units): finite, so that exp2(mL_a - mL_b) between two
-# untouched states is exp2(0) * 0 = 0 rather than NaN, and far below any real logit.
-NEG_BIG = -3.0e38
+# Initial running max: finite (also times log2(e)), so that exp2((m_a - m_b) log2 e)
+# between two untouched states is exp2(0) * 0 = 0 rather than NaN, and far below any
+# real logit.
+NEG_BIG = -1.0e38
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 CTA_SMEM_BUDGET = 113 * 1024  # two CTAs per SM (228 KiB per SM, 1 KiB reserved per CTA)
 ROW_SMEM_BYTES = 72 * 1024  # a row (slice) held whole in shared memory (3 CTAs per SM)
@@ -159,6 +165,25 @@ def _argmax_combine(best_v: Float32, best_i: Int32, v_o: Float32, i_o: Int32):
         if i_o < best_i:
             best_i = i_o
     return cute.arch.fmax(best_v, v_o), best_i
+
+
+@cute.jit
+def _softcapped(t: Float32, softcap: Float32) -> Float32:
+    """``softcap * t`` rounded on its own, as ``fma(softcap, t, +0)``: a plain product
+    may be contracted into a different FMA at each use (``z' - m``, ``m - z'_y``, the
+    smoothing sum), so the max, the target logit and the exponents would see differently
+    rounded copies of one z' (a one-class row's loss would be a rounding residue, not 0)."""
+    return cute.math.fma(softcap, t, Float32(0.0))
+
+
+@cute.jit
+def _combine_softmax(m: Float32, d: Float32, m_o: Float32, d_o: Float32):
+    """Merges two online-softmax states (max, sum of exp2((z' - max) log2 e))."""
+    m_new = cute.arch.fmax(m, m_o)
+    d_new = d * cute.math.exp2((m - m_new) * LOG2_E, fastmath=True) + d_o * cute.math.exp2(
+        (m_o - m_new) * LOG2_E, fastmath=True
+    )
+    return m_new, d_new
 
 
 class ChunkCrossEntropy:
@@ -331,7 +356,7 @@ class ChunkCrossEntropy:
             cute.arch.cluster_arrive_relaxed()
 
         # ---------------- pass 1: online softmax, smoothing sum, argmax
-        mL = Float32(NEG_BIG)
+        m = Float32(NEG_BIG)
         d = Float32(0.0)
         sxs = Float32(0.0)
         best_v = Float32(-Float32.inf)
@@ -351,8 +376,8 @@ class ChunkCrossEntropy:
                 if vidx < v_end:
                     frag = cute.make_rmem_tensor((VEC,), self.dtype)
                     cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
-                    mL, d, sxs, best_v, best_i = self._softmax_step(
-                        frag, vidx, mL, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
+                    m, d, sxs, best_v, best_i = self._softmax_step(
+                        frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
                     )
                 rd_slot = self._advance(rd_slot)
                 wr_slot = self._advance(wr_slot)
@@ -364,19 +389,17 @@ class ChunkCrossEntropy:
                 if vidx < v_end:
                     frag = cute.make_rmem_tensor((VEC,), self.dtype)
                     cute.autovec_copy(gRow[None, vidx], frag)
-                    mL, d, sxs, best_v, best_i = self._softmax_step(
-                        frag, vidx, mL, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
+                    m, d, sxs, best_v, best_i = self._softmax_step(
+                        frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
                     )
                 vidx = vidx + T
 
         # ---------------- CTA reduction (every thread ends with the row's statistics)
         for i in cutlass.range_constexpr(5):
             off = 1 << i
-            mL_o = cute.arch.shuffle_sync_bfly(mL, offset=off)
+            m_o = cute.arch.shuffle_sync_bfly(m, offset=off)
             d_o = cute.arch.shuffle_sync_bfly(d, offset=off)
-            m_new = cute.arch.fmax(mL, mL_o)
-            d = d * cute.math.exp2(mL - m_new, fastmath=True) + d_o * cute.math.exp2(mL_o - m_new, fastmath=True)
-            mL = m_new
+            m, d = _combine_softmax(m, d, m_o, d_o)
             if const_expr(key.has_smoothing):
                 sxs = sxs + cute.arch.shuffle_sync_bfly(sxs, offset=off)
             if const_expr(self.need_argmax):
@@ -384,23 +407,19 @@ class ChunkCrossEntropy:
                 i_o = cute.arch.shuffle_sync_bfly(best_i, offset=off)
                 best_v, best_i = _argmax_combine(best_v, best_i, v_o, i_o)
         if lane == 0:
-            sRed[warp, 0] = mL
+            sRed[warp, 0] = m
             sRed[warp, 1] = d
             sRed[warp, 2] = sxs
             sRed[warp, 3] = best_v
             sArg[warp] = best_i
         cute.arch.barrier()
-        mL = sRed[0, 0]
+        m = sRed[0, 0]
         d = sRed[0, 1]
         sxs = sRed[0, 2]
         best_v = sRed[0, 3]
         best_i = sArg[0]
         for w in cutlass.range_constexpr(1, self.num_warps):
-            mL_o = sRed[w, 0]
-            d_o = sRed[w, 1]
-            m_new = cute.arch.fmax(mL, mL_o)
-            d = d * cute.math.exp2(mL - m_new, fastmath=True) + d_o * cute.math.exp2(mL_o - m_new, fastmath=True)
-            mL = m_new
+            m, d = _combine_softmax(m, d, sRed[w, 0], sRed[w, 1])
             if const_expr(key.has_smoothing):
                 sxs = sxs + sRed[w, 2]
             if const_expr(self.need_argmax):
@@ -414,42 +433,39 @@ class ChunkCrossEntropy:
             cute.arch.cluster_wait()
             if tid < CN:
                 peer = tid
-                _store_to_peer(sClu.iterator + rank, mL, peer)  # sClu[rank, 0] of the peer
+                _store_to_peer(sClu.iterator + rank, m, peer)  # sClu[rank, 0] of the peer
                 _store_to_peer(sClu.iterator + (rank + CN), d, peer)  # [rank, 1]
                 _store_to_peer(sClu.iterator + (rank + 2 * CN), sxs, peer)  # [rank, 2]
                 _store_to_peer(sClu.iterator + (rank + 3 * CN), best_v, peer)  # [rank, 3]
                 _store_to_peer(sCluArg.iterator + rank, best_i, peer)  # [rank]
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
-            mL = sClu[0, 0]
+            m = sClu[0, 0]
             d = sClu[0, 1]
             sxs = sClu[0, 2]
             best_v = sClu[0, 3]
             best_i = sCluArg[0]
             for c in cutlass.range_constexpr(1, CN):
-                mL_o = sClu[c, 0]
-                d_o = sClu[c, 1]
-                m_new = cute.arch.fmax(mL, mL_o)
-                d = d * cute.math.exp2(mL - m_new, fastmath=True) + d_o * cute.math.exp2(mL_o - m_new, fastmath=True)
-                mL = m_new
+                m, d = _combine_softmax(m, d, sClu[c, 0], sClu[c, 1])
                 if const_expr(key.has_smoothing):
                     sxs = sxs + sClu[c, 2]
                 if const_expr(self.need_argmax):
                     best_v, best_i = _argmax_combine(best_v, best_i, sClu[c, 3], sCluArg[c])
 
         # ---------------- row scalars (same formulas as flce.backends.base)
-        lse = (mL + cute.math.log2(d)) * LN_2
+        log_d = cute.math.log2(d) * LN_2
+        lse = m + log_d
         zp_y = z_y
         if const_expr(key.has_softcap):
-            zp_y = softcap * cute.math.tanh(z_y * inv_softcap)
+            zp_y = _softcapped(cute.math.tanh(z_y * inv_softcap), softcap)
         one_m_ls = Float32(1.0) - label_smoothing
-        ce = one_m_ls * w_y * (lse - zp_y)
+        ce = one_m_ls * w_y * ((m - zp_y) + log_d)  # m - z'_y first: exact near the max
         if const_expr(key.has_smoothing):
-            ce = ce + eps * (weight_sum * lse - sxs)
+            ce = ce + eps * (cute.math.fma(weight_sum, lse, Float32(0.0)) - sxs)  # see _softcapped
         zl = z_scale * lse * lse
         st = Float32(1.0)
         if const_expr(key.token_scaling):
-            st = cute.math.exp2(cute.math.fma(zp_y, Float32(LOG2_E), -mL), fastmath=True) / d
+            st = cute.math.exp2((zp_y - m) * LOG2_E, fastmath=True) / d
         if tid == 0:
             if rank == 0:
                 mLoss[row] = st * ce if valid else Float32(0.0)
@@ -469,11 +485,12 @@ class ChunkCrossEntropy:
             row_scale = st if valid else Float32(0.0)
             if const_expr(key.has_row_scale):
                 row_scale = row_scale * mRowScale[row]
-            p_coef = ce_grad_scale * (one_m_ls * w_y + eps * weight_sum) + z_grad_scale * Float32(2.0) * z_scale * lse
-            coef_p = row_scale * p_coef / d  # times 2^(z' log2e - mL)
-            coef_eps = row_scale * ce_grad_scale * eps  # times w_i
-            coef_y = row_scale * ce_grad_scale * one_m_ls * w_y  # at i == y
-            neg_mL = -mL
+            # grad_i = coef_y (p_i - [i == y]) + coef_eps (W p_i - w_i) + coef_z p_i
+            inv_d = Float32(1.0) / d
+            coef_y = row_scale * ce_grad_scale * one_m_ls * w_y
+            coef_eps = row_scale * ce_grad_scale * eps
+            coef_z = row_scale * z_grad_scale * Float32(2.0) * z_scale * lse
+            coefs = (m, inv_d, coef_y, coef_eps, coef_z, weight_sum)
             if const_expr(self.use_async):
                 NS = NT - R  # tiles re-read from global memory, newest first
                 if const_expr(NS > 0):
@@ -493,7 +510,7 @@ class ChunkCrossEntropy:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
                             self._grad_step(
-                                frag, vidx, gRow, mWeight, y, neg_mL, coef_p, coef_eps, coef_y, softcap, inv_softcap
+                                frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
                             )
                         rd_slot = R + ((rd_slot - R + 1) & (self.stages - 1))
                         wr_slot = R + ((wr_slot - R + 1) & (self.stages - 1))
@@ -506,7 +523,7 @@ class ChunkCrossEntropy:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, t], frag)
                             self._grad_step(
-                                frag, vidx, gRow, mWeight, y, neg_mL, coef_p, coef_eps, coef_y, softcap, inv_softcap
+                                frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
                             )
                         vidx = vidx + T
             else:
@@ -516,7 +533,7 @@ class ChunkCrossEntropy:
                         frag = cute.make_rmem_tensor((VEC,), self.dtype)
                         cute.autovec_copy(gRow[None, vidx], frag)
                         self._grad_step(
-                            frag, vidx, gRow, mWeight, y, neg_mL, coef_p, coef_eps, coef_y, softcap, inv_softcap
+                            frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
                         )
                     vidx = vidx + T
 
@@ -549,7 +566,7 @@ class ChunkCrossEntropy:
         self,
         frag: cute.Tensor,  # (vec,) logits dtype, registers
         vidx: Int32,
-        mL: Float32,
+        m: Float32,
         d: Float32,
         sxs: Float32,
         best_v: Float32,
@@ -577,7 +594,7 @@ class ChunkCrossEntropy:
                 best_i = vidx * VEC + j_first
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
-                x[j] = softcap * cute.math.tanh(x[j] * inv_softcap)
+                x[j] = _softcapped(cute.math.tanh(x[j] * inv_softcap), softcap)
         if const_expr(key.has_smoothing):
             if const_expr(key.has_weight):
                 w = cute.make_rmem_tensor((VEC,), Float32)
@@ -590,12 +607,11 @@ class ChunkCrossEntropy:
         vmax = x[0]
         for j in cutlass.range_constexpr(1, VEC):
             vmax = cute.arch.fmax(vmax, x[j])
-        m_new = cute.arch.fmax(mL, vmax * LOG2_E)
-        neg_m = -m_new
+        m_new = cute.arch.fmax(m, vmax)
         acc = Float32(0.0)
         for j in cutlass.range_constexpr(VEC):
-            acc = acc + cute.math.exp2(cute.math.fma(x[j], Float32(LOG2_E), neg_m), fastmath=True)
-        d = cute.math.fma(d, cute.math.exp2(mL - m_new, fastmath=True), acc)
+            acc = acc + cute.math.exp2((x[j] - m_new) * LOG2_E, fastmath=True)
+        d = cute.math.fma(d, cute.math.exp2((m - m_new) * LOG2_E, fastmath=True), acc)
         return m_new, d, sxs, best_v, best_i
 
     @cute.jit
@@ -606,40 +622,45 @@ class ChunkCrossEntropy:
         gRow: cute.Tensor,  # (vec, V/vec) this row in global memory
         mWeight: cute.Tensor,  # (vec, V/vec) fp32
         y: Int32,
-        neg_mL: Float32,
-        coef_p: Float32,
-        coef_eps: Float32,
-        coef_y: Float32,
+        coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
         softcap: Float32,
         inv_softcap: Float32,
     ):
         key = self.key
         VEC = self.vec
+        m, inv_d, coef_y, coef_eps, coef_z, weight_sum = coefs
         x = cute.make_rmem_tensor((VEC,), Float32)
         x.store(frag.load().to(Float32))
         t = cute.make_rmem_tensor((VEC,), Float32)
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
                 t[j] = cute.math.tanh(x[j] * inv_softcap)
-                x[j] = softcap * t[j]
+                x[j] = _softcapped(t[j], softcap)
+        p = cute.make_rmem_tensor((VEC,), Float32)
+        for j in cutlass.range_constexpr(VEC):
+            p[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True) * inv_d
+        # Each group of the grouped form is formed before it is scaled, so that it cancels
+        # exactly where the true value is ~0 (p_y ~ 1 on a confident row, V = 1).
         g = cute.make_rmem_tensor((VEC,), Float32)
         for j in cutlass.range_constexpr(VEC):
-            g[j] = cute.math.exp2(cute.math.fma(x[j], Float32(LOG2_E), neg_mL), fastmath=True) * coef_p
-        if const_expr(key.has_smoothing):
-            if const_expr(key.has_weight):
-                w = cute.make_rmem_tensor((VEC,), Float32)
-                cute.autovec_copy(mWeight[None, vidx], w)
-                for j in cutlass.range_constexpr(VEC):
-                    g[j] = cute.math.fma(-coef_eps, w[j], g[j])
-            else:
-                for j in cutlass.range_constexpr(VEC):
-                    g[j] = g[j] - coef_eps
+            g[j] = p[j]
         y_off = y - vidx * VEC
         if y_off >= 0:
             if y_off < VEC:
                 for j in cutlass.range_constexpr(VEC):
                     if y_off == j:
-                        g[j] = g[j] - coef_y
+                        g[j] = p[j] - Float32(1.0)
+        for j in cutlass.range_constexpr(VEC):
+            g[j] = cute.math.fma(coef_z, p[j], coef_y * g[j])
+        if const_expr(key.has_smoothing):
+            if const_expr(key.has_weight):
+                w = cute.make_rmem_tensor((VEC,), Float32)
+                cute.autovec_copy(mWeight[None, vidx], w)
+                for j in cutlass.range_constexpr(VEC):
+                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], -w[j]), g[j])
+            else:
+                for j in cutlass.range_constexpr(VEC):
+                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], Float32(-1.0)), g[j])
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
                 g[j] = g[j] * (Float32(1.0) - t[j] * t[j])

@@ -34,9 +34,17 @@ The statistics are stored tile-major, ``(T, rows)``, so that the lanes of a warp
 ``r .. r+7``) write neighbouring words. ``fused_forward_statistics`` combines them in
 torch: ``lse = M + log(sum_t s_t exp(m_t - M))`` with ``M = max_t m_t``. Their size is
 ``T * rows * 12`` bytes (16 with the logit sum); launches cover at most as many rows as
-fit in ``workspace_bytes`` (16 MiB by default: at N = 8192, V = 128256, BN = 256 the
-kernel runs three times over 2688 + 2688 + 2816 rows), which keeps the peak extra memory
-at about 1.5x that budget plus the O(N) outputs.
+fit in ``workspace_bytes``, in whole cluster row blocks (16 MiB by default: at N = 8192,
+V = 128256 and the default 128 x 256 tile with ``cluster_m = 2`` the kernel runs four
+times, over 2560 + 2560 + 2560 + 512 rows), which keeps the peak extra memory at about
+1.5x that budget plus the O(N) outputs.
+
+Default launch shape (``DEFAULT_CONFIG``): 128 x 256 tiles, clusters of two CTAs along M
+that share each W tile through TMA multicast, so W is read from L2 once per pair of row
+blocks. Measured on an H200 (bf16, CUDA events, median of 20, a single run; H = 4096,
+N = 8192): 13.4 ms against 12.56 ms for ``torch.mm`` of the same logits at V = 128256
+(1.068x), 2.96 ms against 3.06 ms at V = 32000 (0.967x), with 21-24 MiB of extra memory;
+the same tile without a cluster took 1.09x and 1.05x of ``torch.mm``.
 """
 
 from __future__ import annotations
@@ -83,7 +91,8 @@ class FusedForwardConfig:
     """Launch shape: a ``tile_m x tile_n`` CTA tile (``tile_m / 64`` MMA warpgroups, each
     owning 64 rows), ``stages`` of the TMA ring (0: as many as fit in shared memory) and
     a ``cluster_m x cluster_n`` thread-block cluster: CTAs of one cluster column share the
-    W tile (multicast), CTAs of one cluster row share the X tile."""
+    W tile (multicast), CTAs of one cluster row share the X tile. The field defaults are
+    the plain 1 x 1 cluster shape; ``DEFAULT_CONFIG`` is the measured-best one."""
 
     tile_m: int = 128
     tile_n: int = 256
@@ -105,7 +114,9 @@ class FusedForwardConfig:
             raise ValueError(f"stages must be 0 (auto) or >= 2, got {self.stages}")
 
 
-DEFAULT_CONFIG = FusedForwardConfig()
+# The fastest shape measured (module docstring): each W tile is multicast to the two CTAs
+# of an M cluster, which halves the reads of W, the larger operand of a 128 x 256 tile.
+DEFAULT_CONFIG = FusedForwardConfig(cluster_m=2)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -719,7 +730,9 @@ def fused_forward_statistics(
     - ``predicted`` (N,) int64: argmax of z' (first index wins ties),
     - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
 
-    Runs on the current CUDA stream, with no host synchronisation.
+    ``config`` defaults to ``DEFAULT_CONFIG`` (128 x 256 tiles, ``cluster_m = 2``: the
+    fastest measured, see the module docstring). Runs on the current CUDA stream, with no
+    host synchronisation.
     """
     _validate(input, weight, target, bias, softcap)
     config = DEFAULT_CONFIG if config is None else config

@@ -59,6 +59,16 @@ def _tanh_and_derivative(x):
 
 
 @triton.jit
+def _softcapped(t, softcap):
+    """``softcap * t`` rounded on its own, as ``fma(softcap, t, +0)``: a plain product
+    may be contracted by the compiler into a different FMA at each use (``z' - m``,
+    ``m - z'_y``, the smoothing sum), so that the max, the target logit and the exponents
+    would see differently rounded copies of one z' (on a one-class row the loss then
+    comes out as a rounding residue instead of exactly 0)."""
+    return tl.fma(softcap, t, 0.0)
+
+
+@triton.jit
 def _fp32_to_bf16_rtne(x):
     """Round-to-nearest-even fp32 -> bf16 on the bits (finite inputs). Used only under
     Triton's interpreter, whose fp32 -> bf16 cast truncates; compiled kernels use the
@@ -100,7 +110,7 @@ def _write_gradient_row(
         z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
             t, softcap_derivative = _tanh_and_derivative(z * inv_softcap)
-            z = softcap * t
+            z = _softcapped(t, softcap)
         p = tl.exp2((z - m) * L2E) * inv_s
         g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
         if HAS_SMOOTHING:
@@ -167,7 +177,7 @@ def _ce_chunk_kernel(
         y_in_range = (y >= 0) & (y < V)
         z_y = tl.load(row_ptr + y, mask=y_in_range, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z_y = softcap * _tanh(z_y * inv_softcap)
+            z_y = _softcapped(_tanh(z_y * inv_softcap), softcap)
         if HAS_WEIGHT:
             w_y = tl.load(weight_ptr + y, mask=y_in_range, other=0.0)
         else:
@@ -183,7 +193,7 @@ def _ce_chunk_kernel(
             mask = offs < V
             z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                z = softcap * _tanh(z * inv_softcap)
+                z = _softcapped(_tanh(z * inv_softcap), softcap)
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
                     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
@@ -208,7 +218,9 @@ def _ce_chunk_kernel(
         lse = m + log_s
         ce = one_minus_ls * w_y * ((m - z_y) + log_s)
         if HAS_SMOOTHING:
-            ce += eps * (weight_sum * lse - smooth_sum)
+            # W * lse rounded on its own (fma with +0): contracted with the subtraction, it
+            # would not cancel against the equally rounded sum on a one-class row.
+            ce += eps * (tl.fma(weight_sum, lse, 0.0) - smooth_sum)
         zl = lse_square_scale * lse * lse
         if USE_TOKEN_SCALING:
             token_scale = tl.exp2((z_y - m) * L2E) / s  # p_y, detached

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce.backends.triton.ce import _tanh, _write_gradient_row
+from flce.backends.triton.ce import _softcapped, _tanh, _write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
 
 
@@ -49,7 +49,7 @@ def _partial_statistics_kernel(
     owned = (y >= 0) & (y < V)
     z_y = tl.load(row_ptr + y, mask=owned, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        z_y = softcap * _tanh(z_y * inv_softcap)
+        z_y = _softcapped(_tanh(z_y * inv_softcap), softcap)
 
     m = -float("inf")
     s = 0.0
@@ -61,7 +61,7 @@ def _partial_statistics_kernel(
         mask = offs < V
         z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcap * _tanh(z * inv_softcap)
+            z = _softcapped(_tanh(z * inv_softcap), softcap)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:
                 w = tl.load(weight_ptr + offs, mask=mask, other=0.0)

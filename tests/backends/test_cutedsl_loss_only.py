@@ -1,0 +1,401 @@
+"""The loss-only path through the fused forward statistics (``cutedsl`` backend, Hopper).
+
+A call that needs no gradient computes its per-row outputs from
+``fused_forward_statistics`` (lse, z'_y, argmax, sum z') where
+``flce.backends.cutedsl.fused_forward_applicable`` allows it, else from the chunked
+driver; both must mean the same thing.
+
+CPU part (runs in CI): the selection function's every condition; the row formulas of
+``flce.driver.rows_from_forward_statistics`` against the torch backend's chunk kernel on
+the same logits; and the whole public call with the kernel replaced by a dense stand-in
+computing the same statistics (and asserting the kernel's operand requirements), judged
+by the parity harness against float64, with the fallbacks.
+
+GPU part (sm_90 and nvidia-cutlass-dsl): the public call with ``backend="cutedsl"`` goes
+through the real kernel and passes the parity harness for each supported feature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import sys
+import types
+
+import pytest
+import torch
+
+import flce
+from flce import functional
+from flce.backends.cutedsl import fused_forward_applicable
+from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
+from flce.dispatch import get_backend
+from flce.driver import RowOutputs, batch_statistics, chunk_scalars, reduce_rows, rows_from_forward_statistics
+from flce.options import LossOptions
+from flce.reference import fused_linear_cross_entropy_reference
+from flce.testing import Case, run_case
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+HOPPER = (9, 0)
+
+# Every option the fused statistics support at once, without and with class weights (the
+# weighted set has no label smoothing: that pair needs a weighted logit sum).
+ALL_UNWEIGHTED = (
+    ("label_smoothing", 0.2), ("lse_square_scale", 1e-3), ("return_z_loss", True), ("softcap", 4.0),
+    ("use_token_scaling", True), ("return_token_accuracy", True), ("return_predicted_tokens", True),
+)
+ALL_WEIGHTED = (
+    ("ce_weight", True), ("lse_square_scale", 1e-3), ("return_z_loss", True), ("softcap", 4.0),
+    ("use_token_scaling", True), ("return_token_accuracy", True), ("return_predicted_tokens", True),
+)
+FUSED_FEATURES = {
+    "plain": (),
+    "label_smoothing": (("label_smoothing", 0.1),),
+    "z_loss": (("lse_square_scale", 1e-3), ("return_z_loss", True)),
+    "softcap": (("softcap", 4.0),),
+    "ce_weight": (("ce_weight", True),),
+    "token_scaling": (("use_token_scaling", True),),
+    "accuracy": (("return_token_accuracy", True), ("return_predicted_tokens", True)),
+    "all_unweighted": ALL_UNWEIGHTED,
+    "all_weighted": ALL_WEIGHTED,
+}
+SMOOTHING_WITH_WEIGHTS = (("label_smoothing", 0.1), ("ce_weight", True), ("return_token_accuracy", True))
+
+
+# ---------------------------------------------------------------------- selection (CPU)
+def _applicable(options=None, backend="cutedsl", capability=HOPPER, dtype=BF16, hidden=4096,
+                vocab=128256, has_ce_weight=False, weight_tma_ready=True):
+    return fused_forward_applicable(options or LossOptions(), backend, capability, dtype, hidden, vocab, has_ce_weight,
+                                    weight_tma_ready)
+
+
+def test_selection_accepts_every_supported_feature():
+    assert _applicable() == (True, "")
+    assert _applicable(dtype=FP16, hidden=64, vocab=1)[0]
+    assert _applicable(LossOptions(label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4, reduction="none",
+                                   use_token_scaling=True, return_token_accuracy=True,
+                                   return_predicted_tokens=True, return_z_loss=True))[0]
+    # Class weights are gathered on the host: fine without smoothing.
+    assert _applicable(LossOptions(lse_square_scale=1e-4), has_ce_weight=True)[0]
+    # A token chunk size bounds the driver's logits buffer; the fused kernel has none.
+    assert _applicable(LossOptions(chunk_size=7))[0]
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (dict(backend="triton"), "not 'cutedsl'"),
+        (dict(backend="torch"), "not 'cutedsl'"),
+        (dict(backend=None), "not 'cutedsl'"),  # vocab_chunk_size's split-row kernels
+        (dict(options=LossOptions(vocab_chunk_size=4096)), "vocab_chunk_size"),
+        (dict(capability=None), "sm_90a"),
+        (dict(capability=(8, 0)), "sm_90a"),
+        (dict(capability=(10, 0)), "sm_90a"),  # Blackwell has no WGMMA
+        (dict(dtype=FP32), "bfloat16/float16"),
+        (dict(hidden=4000), "multiple of 64"),
+        (dict(hidden=0), "multiple of 64"),
+        (dict(vocab=2**30), "int32"),
+        (dict(options=LossOptions(label_smoothing=0.1), has_ce_weight=True), "weighted logit sum"),
+        (dict(weight_tma_ready=False), "contiguous"),
+    ],
+)
+def test_selection_falls_back(change, reason):
+    ok, why = _applicable(**change)
+    assert not ok and reason in why
+
+
+@pytest.mark.skipif(importlib.util.find_spec("cutlass") is None, reason="nvidia-cutlass-dsl is not installed")
+def test_selection_constants_match_the_kernel():
+    from flce.backends import cutedsl
+    from flce.backends.cutedsl import fused_forward as ff
+
+    assert cutedsl.FUSED_FORWARD_BLOCK_K == ff.BLOCK_K
+    assert cutedsl.FUSED_FORWARD_MAX_VOCAB == ff.INT32_MAX // 2
+
+
+# ---------------------------------------------------------------------- row formulas (CPU)
+def _dense_statistics(z: torch.Tensor, target: torch.Tensor) -> dict:
+    """What the kernel returns, from given logits ``z'`` (fp32)."""
+    vocab = z.shape[1]
+    in_range = (target >= 0) & (target < vocab)
+    target_logit = z.gather(1, target.clamp(0, vocab - 1).long()[:, None])[:, 0]
+    return dict(lse=torch.logsumexp(z, 1), target_logit=torch.where(in_range, target_logit, torch.zeros_like(
+        target_logit)), predicted=z.argmax(1), logit_sum=z.sum(1))
+
+
+def _scalars(options: LossOptions, target, ce_weight, vocab):
+    stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
+    return stats, chunk_scalars(options, stats)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature", list(FUSED_FEATURES))
+@pytest.mark.parametrize("ignore_index", [-100, 5])  # 5: a real class id, and the target of some rows
+def test_rows_match_the_chunk_kernel(reduction, feature, ignore_index):
+    """Same logits, two formulas: the statistics path and the torch chunk kernel."""
+    gen = torch.Generator().manual_seed(len(feature) + ignore_index)
+    rows, vocab = 57, 301
+    z = torch.randn(rows, vocab, generator=gen) * 3
+    z[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=gen)] += 6  # peaked rows
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    target[::5] = ignore_index
+    target[1::7] = 5
+    opts = dict(FUSED_FEATURES[feature])
+    ce_weight = (torch.rand(vocab, generator=gen) + 0.5) if opts.pop("ce_weight", False) else None
+    options = LossOptions(reduction=reduction, ignore_index=ignore_index, **opts)
+    stats, scalars = _scalars(options, target, ce_weight, vocab)
+
+    softcapped = z if options.softcap is None else options.softcap * torch.tanh(z / options.softcap)
+    ours = rows_from_forward_statistics(_dense_statistics(softcapped, target), target, ce_weight, options, scalars,
+                                        vocab)
+    expected = RowOutputs.allocate(rows, options, z.device)
+    torch_chunk(z.clone(), target, ce_weight, scalars, **expected.chunk_kwargs(0, rows), row_grad_scale=None,
+                compute_grad=False)
+    for name in ("loss", "z_loss", "correct", "predicted"):
+        got, want = getattr(ours, name), getattr(expected, name)
+        assert (got is None) == (want is None), name
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=name)
+    got, want = reduce_rows(ours, options, scalars, stats), reduce_rows(expected, options, scalars, stats)
+    torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=2e-5)
+
+
+def test_rows_refuse_smoothing_with_weights():
+    options = LossOptions(label_smoothing=0.1)
+    target = torch.tensor([0, 1])
+    weight = torch.ones(3)
+    _, scalars = _scalars(options, target, weight, 3)
+    with pytest.raises(ValueError, match="class weights"):
+        rows_from_forward_statistics(_dense_statistics(torch.zeros(2, 3), target), target, weight, options, scalars,
+                                     3)
+
+
+# ---------------------------------------------------------------------- the whole call on CPU
+def _kernel_stand_in(input, weight, target, bias=None, softcap=None, with_logit_sum=False):
+    """``fused_forward_statistics`` computed densely, with the operand requirements the
+    real kernel's TMA and WGMMA impose asserted, so the caller's preparation is checked."""
+    assert input.dtype in (BF16, FP16) and weight.dtype == input.dtype
+    for t in (input, weight):
+        assert t.is_contiguous() and t.data_ptr() % 16 == 0
+    assert input.shape[1] % 64 == 0
+    assert target.dtype in (torch.int64, torch.int32)
+    assert bias is None or bias.dtype == input.dtype  # rounded to the compute dtype, as the driver does
+    z = input.float() @ weight.float().t()
+    if bias is not None:
+        z = z + bias.float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    out = _dense_statistics(z, target)
+    if not with_logit_sum:
+        del out["logit_sum"]
+    return out
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Makes the CPU look like a Hopper GPU with the cutedsl backend: the chunked driver
+    runs the torch chunk kernel, the fused path the dense stand-in. -> list of calls."""
+    spec = dataclasses.replace(get_backend("torch"), name="cutedsl")
+    monkeypatch.setattr(functional, "resolve_backend", lambda backend, device: spec)
+    monkeypatch.setattr(functional, "_cuda_capability", lambda device: HOPPER)
+    stand_in = types.ModuleType("flce.backends.cutedsl.fused_forward")
+    stand_in.fused_forward_statistics = _kernel_stand_in
+    monkeypatch.setitem(sys.modules, "flce.backends.cutedsl.fused_forward", stand_in)
+    return _count_fused_calls(monkeypatch)
+
+
+def _count_fused_calls(monkeypatch) -> list:
+    calls = []
+    real = functional._fused_forward_rows
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "_fused_forward_rows", counted)
+    return calls
+
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("feature", list(FUSED_FEATURES))
+def test_cpu_stand_in_matches_float64(fused_on_cpu, dtype, reduction, feature):
+    # N = 93: a ragged count of rows; H = 64: the smallest the kernel takes; V = 1031 prime.
+    case = Case(n_rows=93, hidden=64, vocab=1031, dtype=dtype, reduction=reduction, feature=feature,
+                options=FUSED_FEATURES[feature], bias=feature.startswith("all"), grads=(), seed=len(feature))
+    outcome = run_case(case, "cutedsl", CPU)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert len(fused_on_cpu) == 1
+
+
+def _problem(n=45, h=64, v=211, dtype=BF16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    w = (torch.randn(v, h, generator=gen) * 0.5).to(dtype)
+    b = torch.randn(v, generator=gen).to(dtype)
+    y = torch.randint(0, v, (n,), generator=gen)
+    y[::4] = -100
+    return x, w, b, y
+
+
+ALL_OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0, use_token_scaling=True,
+                   return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
+def test_cpu_every_loss_only_mode_uses_it(fused_on_cpu, mode):
+    x, w, b, y = _problem()
+    leaves = [t.clone().requires_grad_(mode != "nothing_requires_grad") for t in (x, w, b)]
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, torch.enable_grad)
+    with context():
+        out = flce.fused_linear_cross_entropy(*leaves[:2], y, bias=leaves[2], backend="cutedsl", **ALL_OPTIONS)
+    assert len(fused_on_cpu) == 1
+    assert not out.loss.requires_grad
+    # The chunked driver (gradients requested) gives the same outputs, up to its logits
+    # being rounded to bf16 where the fused GEMM keeps them in fp32.
+    chunked = flce.fused_linear_cross_entropy(x.clone().requires_grad_(), w, y, bias=b, backend="cutedsl",
+                                              **ALL_OPTIONS)
+    assert len(fused_on_cpu) == 1
+    torch.testing.assert_close(out.loss, chunked.loss.detach(), rtol=1e-2, atol=0)
+    torch.testing.assert_close(out.z_loss, chunked.z_loss, rtol=1e-2, atol=0)
+
+
+def test_cpu_gradients_never_use_it(fused_on_cpu):
+    x, w, _, y = _problem()
+    loss = flce.fused_linear_cross_entropy(x.requires_grad_(), w, y, backend="cutedsl")
+    loss.backward()
+    assert len(fused_on_cpu) == 0 and x.grad is not None
+
+
+def test_cpu_autocast_and_odd_layouts(fused_on_cpu):
+    x, w, b, y = _problem()
+    # fp32 parameters under autocast: the compute dtype is bf16, the weight is cast (as the
+    # driver casts it) and the fused path applies.
+    with torch.no_grad(), torch.autocast("cpu", dtype=BF16):
+        flce.fused_linear_cross_entropy(x.float(), w.float(), y, bias=b.float(), backend="cutedsl")
+    assert len(fused_on_cpu) == 1
+    # (B, T, H) input that is not contiguous: flattening copies it, the path still applies.
+    x3 = torch.cat([x, x]).view(2, 45, 64).transpose(0, 1)
+    with torch.no_grad():
+        out = flce.fused_linear_cross_entropy(x3, w, y.repeat(2).view(2, 45).t(), backend="cutedsl", reduction="none")
+    assert len(fused_on_cpu) == 2 and out.shape == (45, 2)
+    # A 2-D input that is not row-major, and one that is but not 16-byte aligned: copied.
+    with torch.no_grad():
+        flce.fused_linear_cross_entropy(x.t().contiguous().t(), w, y, backend="cutedsl")
+        shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view_as(x).copy_(x)
+        assert shifted.data_ptr() % 16
+        flce.fused_linear_cross_entropy(shifted, w, y, backend="cutedsl")
+    assert len(fused_on_cpu) == 4
+    # int16 targets are widened for the kernel; ignore_index a real class id.
+    with torch.no_grad():
+        flce.fused_linear_cross_entropy(x, w, y.clamp(min=0).to(torch.int16), ignore_index=0, backend="cutedsl")
+    assert len(fused_on_cpu) == 5
+
+
+@pytest.mark.parametrize(
+    "why",
+    ["smoothing_with_weights", "fp32", "hidden_not_multiple_of_64", "weight_not_contiguous",
+     "fp32_weight_not_contiguous_autocast", "not_hopper"],
+)
+def test_cpu_falls_back_silently_and_correctly(fused_on_cpu, monkeypatch, why):
+    x, w, _, y = _problem()
+    kwargs = dict(reduction="sum", return_token_accuracy=True, label_smoothing=0.1)
+    ce_weight = None
+    autocast = contextlib.nullcontext()
+    if why == "smoothing_with_weights":
+        ce_weight = torch.rand(w.shape[0]) + 0.5
+    elif why == "fp32":
+        x, w = x.float(), w.float()
+    elif why == "hidden_not_multiple_of_64":
+        x, w = x[:, :40].contiguous(), w[:, :40].contiguous()
+    elif why == "weight_not_contiguous":
+        w = w.t().contiguous().t()
+    elif why == "fp32_weight_not_contiguous_autocast":
+        # Casting to bf16 keeps the transposed strides: the kernel could not read it.
+        x, w = x.float(), w.float().t().contiguous().t()
+        autocast = torch.autocast("cpu", dtype=BF16)
+    elif why == "not_hopper":
+        monkeypatch.setattr(functional, "_cuda_capability", lambda device: (10, 0))
+    with torch.no_grad(), autocast:
+        out = flce.fused_linear_cross_entropy(x, w, y, ce_weight=ce_weight, backend="cutedsl", **kwargs)
+    assert len(fused_on_cpu) == 0
+    ref = fused_linear_cross_entropy_reference(x.double(), w.double(), y, None, ce_weight=ce_weight,
+                                               reduction="sum", label_smoothing=0.1)
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=2e-2, atol=0)
+
+
+def test_cpu_all_rows_ignored_and_no_rows(fused_on_cpu):
+    x, w, _, y = _problem()
+    with torch.no_grad():
+        out = flce.fused_linear_cross_entropy(x, w, torch.full_like(y, -100), backend="cutedsl", **ALL_OPTIONS)
+        assert out.loss.item() == 0.0 and out.z_loss.item() == 0.0 and out.token_accuracy.item() == 0.0
+        assert bool((out.predicted_tokens == -1).all())
+        empty = flce.fused_linear_cross_entropy(x[:0], w, y[:0], backend="cutedsl", reduction="none")
+    assert empty.shape == (0,)
+
+
+# ---------------------------------------------------------------------- GPU
+HAS_DSL = importlib.util.find_spec("cutlass") is not None
+HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+needs_hopper = pytest.mark.skipif(not (HAS_DSL and HAS_HOPPER),
+                                  reason="needs nvidia-cutlass-dsl and a CUDA sm_90 (Hopper) GPU")
+CUDA = torch.device("cuda")
+
+# The kernel is compiled (a few seconds) once per dtype, V and (bias, softcap, logit sum)
+# combination, so the grid is chosen: every feature at bf16, V = 32000 (Llama 2); fp16 and
+# V = 151936 (Qwen) with no option and with all the unweighted ones (bias, softcap and the
+# logit sum compiled in). N = 200: not a multiple of the 128-row tile; H = 128: two K tiles.
+# Reductions only change the host-side reduce_rows, shared with the driver.
+GPU_CASES = (
+    [(BF16, 32000, feature) for feature in FUSED_FEATURES]
+    + [(dtype, vocab, feature) for dtype, vocab in ((FP16, 32000), (BF16, 151936), (FP16, 151936))
+       for feature in ("plain", "all_unweighted")]
+)
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,vocab,feature", GPU_CASES, ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_loss_only_matches_float64(monkeypatch, dtype, vocab, feature, reduction):
+    calls = _count_fused_calls(monkeypatch)
+    case = Case(n_rows=200, hidden=128, vocab=vocab, dtype=dtype, reduction=reduction, feature=feature,
+                options=FUSED_FEATURES[feature], bias=feature.startswith("all"), grads=(), seed=vocab % 97)
+    outcome = run_case(case, "cutedsl", CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert len(calls) == 1
+
+
+@needs_hopper
+@pytest.mark.gpu
+def test_gpu_no_grad_uses_it_and_agrees_with_the_driver(monkeypatch):
+    calls = _count_fused_calls(monkeypatch)
+    x, w, b, y = (t.cuda() for t in _problem(n=300, h=128, v=32000))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    with torch.no_grad():
+        fused = flce.fused_linear_cross_entropy(*leaves[:2], y, bias=leaves[2], backend="cutedsl", **ALL_OPTIONS)
+    assert len(calls) == 1
+    with torch.inference_mode():
+        flce.fused_linear_cross_entropy(x, w, y, bias=b, backend="cutedsl", **ALL_OPTIONS)
+    assert len(calls) == 2
+    chunked = flce.fused_linear_cross_entropy(*leaves[:2], y, bias=leaves[2], backend="cutedsl", **ALL_OPTIONS)
+    assert len(calls) == 2  # gradients: the chunked driver
+    # The fused GEMM keeps fp32 logits where the driver rounds them to bf16: close, not equal.
+    torch.testing.assert_close(fused.loss, chunked.loss.detach(), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(fused.z_loss, chunked.z_loss, rtol=1e-2, atol=1e-5)
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_smoothing_with_weights_falls_back(monkeypatch, reduction):
+    calls = _count_fused_calls(monkeypatch)
+    case = Case(n_rows=200, hidden=128, vocab=32000, dtype=BF16, reduction=reduction, feature="all",
+                options=SMOOTHING_WITH_WEIGHTS, grads=(), seed=5)
+    outcome = run_case(case, "cutedsl", CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert len(calls) == 0
