@@ -10,7 +10,9 @@ logits buffer.
 
 Backward for ``mean``/``sum``: the gradients are computed during the forward (the
 logits exist only there) and scaled by the upstream gradient in backward. The first
-backward takes ownership of them and scales them in place; a repeated backward
+backward takes ownership of them and scales them in place (``scale_gradients_``: on CUDA
+the pass is skipped on the device when the upstream gradient is exactly 1, with no host
+sync); a repeated backward
 (``retain_graph=True``) recomputes them, so scaling never compounds. For
 ``reduction="none"`` the fused loss recomputes the chunks in backward with the
 per-token upstream gradient folded into each row before the dW/db sums.
