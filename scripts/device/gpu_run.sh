@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call, most important first; every step writes under OUTDIR and has its own
 # time limit, so a slow step cannot cost the results of the ones before it.
-#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/gpu_run.sh $OUT
+#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/gpu_run.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: gpu_run.sh OUTDIR}
 mkdir -p "$out"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Vocab-parallel FLCE over NCCL on a machine with several GPUs (one device call):
-#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/multi_gpu.sh $OUT
+#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/multi_gpu.sh OUTDIR
 # Leaves the machine's NCCL variables (NVLink multicast off) as they are.
 set -uo pipefail
 out=${1:?usage: multi_gpu.sh OUTDIR}

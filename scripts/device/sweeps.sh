@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark sweeps of the README and the results folder in one device call (under
 # 10 minutes on an H200); each step has its own time limit and log under OUTDIR:
-#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/sweeps.sh $OUT
+#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/sweeps.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: sweeps.sh OUTDIR}
 mkdir -p "$out"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The single-GPU validation in one device call (under 10 minutes on an H200), most
 # important first (the sweeps are scripts/device/sweeps.sh); each step has its own time limit and log under OUTDIR:
-#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/validate_all.sh $OUT
+#   source .device/activate.sh && export PYTHONPATH=$PWD/src:$PYTHONPATH && bash scripts/device/validate_all.sh OUTDIR
 set -uo pipefail
 out=${1:?usage: validate_all.sh OUTDIR}
 mkdir -p "$out"
