@@ -5,7 +5,7 @@ read the batch statistics with one host sync (``flce.driver.batch_statistics``) 
 the shared chunked driver. With nothing requiring grad (or under ``torch.no_grad`` /
 inference mode) they run the loss-only path and no gradient work at all; with the
 ``cutedsl`` backend on Hopper that path computes the per-row outputs from the fused
-forward statistics kernel where it supports the call (``_Plan.run_loss_only``), with no
+forward statistics kernel where it supports the call (``_Plan.run_chunks``), with no
 logits buffer.
 
 Backward for ``mean``/``sum``: the gradients are computed during the forward (the
@@ -32,15 +32,16 @@ from flce.backends.cutedsl import fused_forward_applicable
 from flce.dispatch import resolve_backend
 from flce.driver import (
     BatchStatistics,
+    Gradients,
     RowOutputs,
     batch_statistics,
     chunk_scalars,
-    scale_gradients_,
     default_chunk_size,
     reduce_rows,
     rows_from_forward_statistics,
     run_chunks,
     run_vocab_blocks,
+    scale_gradients_,
 )
 from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
 from flce.output import CrossEntropyOutput
@@ -65,7 +66,13 @@ class _Plan:
 
     def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
         """The driver with this plan's decisions -> (RowOutputs, Gradients): token chunks
-        (``flce.driver.run_chunks``), or token x vocabulary blocks with ``vocab_chunk_size``."""
+        (``flce.driver.run_chunks``), or token x vocabulary blocks with ``vocab_chunk_size``.
+        A call that asks for no gradient (the loss-only path, the forward of
+        ``reduction="none"``, the compiled forward op) takes its rows from the fused forward
+        statistics instead (one GEMM whose epilogue reduces each logits tile; no logits
+        buffer) where ``fused_forward_applicable`` allows it."""
+        if not any(flags.values()) and self.uses_fused_forward(input, weight, ce_weight):
+            return _fused_forward_rows(self, input, weight, target, bias, ce_weight), Gradients(None, None, None)
         if self.split_kernels is not None:
             return run_vocab_blocks(input, weight, target, bias, ce_weight, self.options, self.split_kernels,
                                     self.compute_dtype, self.scalars, **flags)
@@ -74,17 +81,6 @@ class _Plan:
 
     def finish_gradients(self, grads) -> None:
         """Hook run on the final gradients of a backward (the single-device loss has none)."""
-
-    def run_loss_only(self, input, weight, target, bias, ce_weight) -> RowOutputs:
-        """Per-row outputs of a call that needs no gradient: from the fused forward
-        statistics (one GEMM whose epilogue reduces each logits tile; no logits buffer)
-        where ``fused_forward_applicable`` allows it, else from the driver without its
-        gradient work. Both give the same rows for ``reduce_rows``."""
-        if self.uses_fused_forward(input, weight, ce_weight):
-            return _fused_forward_rows(self, input, weight, target, bias, ce_weight)
-        rows, _ = self.run_chunks(input, weight, target, bias, ce_weight,
-                                  grad_input=False, grad_weight=False, grad_bias=False)
-        return rows
 
     def uses_fused_forward(self, input, weight, ce_weight) -> bool:
         """``fused_forward_applicable`` for this plan and these operands."""
@@ -248,7 +244,9 @@ def fused_linear_cross_entropy_with_options(
         outputs = FusedLinearCrossEntropyFunction.apply(input_2d, weight, bias, target_1d, ce_weight, plan)
     else:
         with _no_autocast(input.device):
-            rows = plan.run_loss_only(input_2d, weight, target_1d, bias, ce_weight)
+            rows, _ = plan.run_chunks(
+                input_2d, weight, target_1d, bias, ce_weight, grad_input=False, grad_weight=False, grad_bias=False
+            )
         reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
         outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
     return _package(options, tuple(target.shape), *outputs)

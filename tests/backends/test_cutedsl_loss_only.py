@@ -271,6 +271,23 @@ def test_cpu_gradients_never_use_it(fused_on_cpu):
     assert len(fused_on_cpu) == 0 and x.grad is not None
 
 
+def test_cpu_per_token_forward_uses_it_and_backward_recomputes(fused_on_cpu):
+    """reduction="none" computes no gradient in its forward (the backward recomputes the
+    chunks with the per-token upstream gradient), so that forward takes the fused route."""
+    x, w, _, y = _problem()
+    x_fused = x.clone().requires_grad_()
+    loss = flce.fused_linear_cross_entropy(x_fused, w, y, backend="cutedsl", reduction="none")
+    assert len(fused_on_cpu) == 1
+    upstream = torch.linspace(0.5, 1.5, loss.numel())
+    (loss * upstream).sum().backward()
+    assert len(fused_on_cpu) == 1  # the backward ran the chunked driver
+    x_ref = x.clone().requires_grad_()
+    ref = flce.fused_linear_cross_entropy(x_ref, w, y, backend="torch", reduction="none")
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-2, atol=0)
+    torch.testing.assert_close(x_fused.grad, x_ref.grad)
+
+
 def test_cpu_autocast_and_odd_layouts(fused_on_cpu):
     x, w, b, y = _problem()
     # fp32 parameters under autocast: the compute dtype is bf16, the weight is cast (as the
