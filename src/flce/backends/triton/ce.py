@@ -79,6 +79,57 @@ def _fp32_to_bf16_rtne(x):
 
 
 @triton.jit
+def _row_statistics(
+    row_ptr,  # one row of logits (V,)
+    weight_ptr,  # (V,) fp32 class weights of the row's columns (HAS_WEIGHT)
+    V,
+    softcap,
+    inv_softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    SUM_WEIGHTS: tl.constexpr,  # also sum the class weights (a shard's share of W)
+    WRITE_ARGMAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One streaming pass over a row: ``(m, s, smooth_sum, weight_sum, best_idx)`` with
+    ``m = max z'``, ``s = sum exp2((z' - m) log2 e)``, ``smooth_sum = sum w_i z'_i``
+    (HAS_SMOOTHING), ``weight_sum = sum w_i`` (SUM_WEIGHTS) and the first index of the max
+    (WRITE_ARGMAX); the quantities not asked for stay 0."""
+    L2E: tl.constexpr = 1.4426950408889634
+    offs0 = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    smooth_sum = 0.0
+    weight_sum = 0.0
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        offs = start + offs0
+        mask = offs < V
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = _softcapped(_tanh(z * inv_softcap), softcap)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+                smooth_sum += tl.sum(w * z, axis=0)
+                if SUM_WEIGHTS:
+                    weight_sum += tl.sum(w, axis=0)
+            else:
+                smooth_sum += tl.sum(z, axis=0)
+        z = tl.where(mask, z, -float("inf"))
+        block_max = tl.max(z, axis=0)
+        if WRITE_ARGMAX:
+            block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
+            # strict >: an earlier block keeps a tie (first index wins)
+            best_idx = tl.where(block_max > m, block_idx, best_idx)
+        m_new = tl.maximum(m, block_max)
+        s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
+        m = m_new
+    return m, s, smooth_sum, weight_sum, best_idx
+
+
+@triton.jit
 def _write_gradient_row(
     row_ptr,  # one row of logits (V,), overwritten with dL/dlogits
     weight_ptr,  # (V,) fp32 class weights of the row's columns (HAS_WEIGHT)
@@ -184,31 +235,10 @@ def _ce_chunk_kernel(
             w_y = 1.0
 
         # ---- pass 1: online softmax (max m in z' units, sum of exp2((z' - m) log2 e)) ----
-        m = -float("inf")
-        s = 0.0
-        smooth_sum = 0.0  # sum_i w_i z'_i (HAS_SMOOTHING only)
-        best_idx = 0  # first index of the running max (WRITE_ARGMAX only)
-        for start in range(0, V, BLOCK_V):
-            offs = start + offs0
-            mask = offs < V
-            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_SOFTCAP:
-                z = _softcapped(_tanh(z * inv_softcap), softcap)
-            if HAS_SMOOTHING:
-                if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
-                    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-                    smooth_sum += tl.sum(w * z, axis=0)
-                else:
-                    smooth_sum += tl.sum(z, axis=0)
-            z = tl.where(mask, z, -float("inf"))
-            block_max = tl.max(z, axis=0)
-            if WRITE_ARGMAX:
-                block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
-                # strict >: an earlier block keeps a tie (first index wins)
-                best_idx = tl.where(block_max > m, block_idx, best_idx)
-            m_new = tl.maximum(m, block_max)
-            s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
-            m = m_new
+        m, s, smooth_sum, _, best_idx = _row_statistics(
+            row_ptr, weight_ptr, V, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, False,
+            WRITE_ARGMAX, BLOCK_V,
+        )
 
         # Differences to the row max are taken before scaling by log2(e): z' - m is exact
         # for the terms that matter, where exp2(z' * log2e - m * log2e) would add the

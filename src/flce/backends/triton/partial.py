@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce.backends.triton.ce import _softcapped, _tanh, _write_gradient_row
+from flce.backends.triton.ce import _row_statistics, _softcapped, _tanh, _write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
 
 
@@ -41,8 +41,6 @@ def _partial_statistics_kernel(
     WRITE_ARGMAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    L2E: tl.constexpr = 1.4426950408889634
-    offs0 = tl.arange(0, BLOCK_V)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride  # 64-bit: M * V_r may exceed 2^31
     y = tl.load(target_ptr + row)
@@ -51,32 +49,11 @@ def _partial_statistics_kernel(
     if HAS_SOFTCAP:
         z_y = _softcapped(_tanh(z_y * inv_softcap), softcap)
 
-    m = -float("inf")
-    s = 0.0
-    smooth_sum = 0.0  # sum_i w_i z'_i, made relative to m at the end
-    weight_sum = 0.0
-    best_idx = 0
-    for start in range(0, V, BLOCK_V):
-        offs = start + offs0
-        mask = offs < V
-        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = _softcapped(_tanh(z * inv_softcap), softcap)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-                smooth_sum += tl.sum(w * z, axis=0)
-                weight_sum += tl.sum(w, axis=0)
-            else:
-                smooth_sum += tl.sum(z, axis=0)
-        z = tl.where(mask, z, -float("inf"))
-        block_max = tl.max(z, axis=0)
-        if WRITE_ARGMAX:
-            block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
-            best_idx = tl.where(block_max > m, block_idx, best_idx)  # strict: the first index wins
-        m_new = tl.maximum(m, block_max)
-        s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
-        m = m_new
+    # smooth_sum = sum_i w_i z'_i is made relative to m below, with this shard's sum of w.
+    m, s, smooth_sum, weight_sum, best_idx = _row_statistics(
+        row_ptr, weight_ptr, V, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, True, WRITE_ARGMAX,
+        BLOCK_V,
+    )
 
     tl.store(max_out + row, m)
     tl.store(sum_out + row, s)
