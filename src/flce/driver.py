@@ -408,12 +408,15 @@ def scale_gradients_(gradients: Sequence[Optional[torch.Tensor]], grad_loss: tor
     """
     from flce.backends.triton import availability as triton_availability
 
-    for gradient in gradients:
-        if gradient is None:
-            continue
-        if gradient.is_contiguous() and triton_availability(gradient.device)[0]:
-            from flce.backends.triton.scale import scale_unless_one_
-
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return
+    if triton_availability(present[0].device)[0]:
+        from flce.backends.triton.scale import scale_unless_one_
+    else:
+        scale_unless_one_ = None
+    for gradient in present:
+        if scale_unless_one_ is not None and gradient.is_contiguous():
             scale_unless_one_(gradient, grad_loss)
         else:
             gradient.mul_(grad_loss.to(gradient.dtype))

@@ -10,6 +10,8 @@ itself and returns at once when it is 1: the skip costs one small launch.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -36,12 +38,16 @@ def _scale_unless_one_kernel(
             tl.store(values_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
 
 
+@lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _program_count(device: torch.device, n: int) -> int:
     blocks = triton.cdiv(n, BLOCK)
     if device.type != "cuda":  # the interpreter: one program per block is simplest
         return max(1, blocks)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(blocks, sms * PROGRAMS_PER_SM))
+    return max(1, min(blocks, _multiprocessors(device) * PROGRAMS_PER_SM))
 
 
 def scale_unless_one_(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
