@@ -6,27 +6,16 @@
 set -uo pipefail
 out=${1:?usage: final_check.sh OUTDIR}
 mkdir -p "$out"
+source "$(dirname "$0")/common.sh"
 export PYTHONUNBUFFERED=1 FLCE_GPU_FUZZ_EXAMPLES=${FLCE_GPU_FUZZ_EXAMPLES:-150}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
-date -u +%Y-%m-%dT%H:%M:%SZ >> "$out/gpu.txt"
+record_gpu "$out"
 python3 -m flce.cli info > "$out/info.txt" 2>&1
-tests() {  # tests NAME PYTEST-ARGS...  (in the background)
-  local name=$1; shift
-  ( timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@" > "$out/$name.log" 2>&1
-    echo "$name rc=$?" >> "$out/steps.txt" ) &
-}
-tests t_cutedsl_ce tests/backends/test_cutedsl_ce.py
-tests t_fuzz tests/gpu/test_gpu_fuzz.py
-tests t_reliability_fused tests/test_reliability.py tests/backends/test_cutedsl_fused_forward.py \
+pytest_in_background t_cutedsl_ce 150 tests/backends/test_cutedsl_ce.py
+pytest_in_background t_fuzz 150 tests/gpu/test_gpu_fuzz.py
+pytest_in_background t_reliability_fused 150 tests/test_reliability.py tests/backends/test_cutedsl_fused_forward.py \
   tests/backends/test_cutedsl_loss_only.py tests/gpu/test_gpu_vocab_parallel.py
-tests t_parity_cutedsl tests/gpu/test_gpu_parity.py -k "cutedsl"
+pytest_in_background t_parity_cutedsl 150 tests/gpu/test_gpu_parity.py -k "cutedsl"
 wait
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - start))s" >> "$out/steps.txt"
-}
 step bench_ref 90 python3 -m flce.cli bench --rounds 5 --warmup 2 --out "$out/ref"
 step bench_vocab 110 python3 -m flce.cli bench --sweep vocab --rounds 3 --warmup 1 \
   --methods flce:triton,flce:cutedsl,torch:eager,liger,cce --out "$out/vocab"

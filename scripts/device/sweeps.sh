@@ -5,15 +5,9 @@
 set -uo pipefail
 out=${1:?usage: sweeps.sh OUTDIR}
 mkdir -p "$out"
+source "$(dirname "$0")/common.sh"
 export PYTHONUNBUFFERED=1
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s-${start}s" >> "$out/steps.txt"
-}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
-date -u +%Y-%m-%dT%H:%M:%SZ >> "$out/gpu.txt"
+record_gpu "$out"
 step bench_vocab 150 python3 -m flce.cli bench --sweep vocab --rounds 3 --warmup 1 \
   --methods flce:triton,flce:cutedsl,torch:eager,liger,cce --out "$out/vocab"
 step bench_tokens 130 python3 -m flce.cli bench --sweep tokens --rounds 3 --warmup 1 \

@@ -6,15 +6,11 @@ set -uo pipefail
 out=${1:?usage: tests_parallel.sh OUTDIR [SECONDS]}
 limit=${2:-280}
 mkdir -p "$out"
+source "$(dirname "$0")/common.sh"
 export PYTHONUNBUFFERED=1 FLCE_GPU_FUZZ_EXAMPLES=${FLCE_GPU_FUZZ_EXAMPLES:-200}
-run() {  # run NAME PYTEST-ARGS...
-  local name=$1; shift
-  ( timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfE --durations=15 "$@" > "$out/$name.log" 2>&1
-    echo "$name rc=$?" >> "$out/steps.txt" ) &
-}
-run tests_gpu_parity tests/gpu --deselect tests/gpu/test_gpu_fuzz.py
-run tests_backends tests/backends
-run tests_reliability_compile tests/test_reliability.py tests/test_compile.py
-run tests_fuzz tests/gpu/test_gpu_fuzz.py
+pytest_in_background tests_gpu_parity "$limit" tests/gpu --deselect tests/gpu/test_gpu_fuzz.py
+pytest_in_background tests_backends "$limit" tests/backends
+pytest_in_background tests_reliability_compile "$limit" tests/test_reliability.py tests/test_compile.py
+pytest_in_background tests_fuzz "$limit" tests/gpu/test_gpu_fuzz.py
 wait
 for f in "$out"/tests_*.log; do echo "$(basename "$f"): $(grep -E '[0-9]+ (passed|failed)' "$f" | tail -1)"; done

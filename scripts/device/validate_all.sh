@@ -5,15 +5,9 @@
 set -uo pipefail
 out=${1:?usage: validate_all.sh OUTDIR}
 mkdir -p "$out"
+source "$(dirname "$0")/common.sh"
 export PYTHONUNBUFFERED=1 FLCE_GPU_FUZZ_EXAMPLES=${FLCE_GPU_FUZZ_EXAMPLES:-200}
-step() {  # step NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$out/$name.log" 2>&1
-  echo "$name rc=$? ${SECONDS}s-${start}s" >> "$out/steps.txt"
-}
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv > "$out/gpu.txt" 2>&1
-date -u +%Y-%m-%dT%H:%M:%SZ >> "$out/gpu.txt"
+record_gpu "$out"
 step info 20 python3 -m flce.cli info
 step tests_gpu 210 python3 -m pytest tests/gpu tests/backends tests/test_reliability.py tests/test_compile.py \
   -q -p no:cacheprovider -rfE --deselect tests/gpu/test_gpu_fuzz.py
