@@ -100,9 +100,32 @@ def test_vocabulary_blocks_which_tensors_require_grad(grads):
     _assert_passes(Case(feature="all", reduction="mean", bias=True, grads=grads, chunk_size=10, vocab_chunk_size=7))
 
 
-def test_vocabulary_blocks_refuse_backends_without_split_row_kernels():
+def test_vocabulary_blocks_refuse_a_split_row_backend_that_cannot_run_here():
+    # cutedsl has split-row kernels, but they need an sm_90+ CUDA GPU: on the CPU the
+    # request is refused with the backend's own reason, not silently rerouted.
     import flce
+    from flce.dispatch import BackendUnavailableError
 
     x, w, t = torch.randn(4, 8), torch.randn(11, 8), torch.randint(0, 11, (4,))
-    with pytest.raises(ValueError, match="cutedsl backend has no kernel"):
+    ok, why = availability("cutedsl", CPU)
+    assert not ok
+    with pytest.raises(BackendUnavailableError, match="vocab_chunk_size: backend 'cutedsl' cannot run on cpu") as info:
         flce.fused_linear_cross_entropy(x, w, t, vocab_chunk_size=4, backend="cutedsl")
+    assert why in str(info.value)
+
+
+def test_split_row_kernels_of_each_backend(monkeypatch):
+    # Where a backend is usable (faked here: the device check is the backend's own), its
+    # split-row kernels are the ones returned; nothing is launched.
+    import flce.dispatch
+    from flce.split_rows import CuteSplitRowKernels, TorchSplitRowKernels, TritonSplitRowKernels, split_row_kernels
+
+    monkeypatch.setattr(flce.dispatch, "availability", lambda name, device: (True, ""))
+    monkeypatch.delenv("FLCE_BACKEND", raising=False)  # None: the auto choice, Triton on CUDA
+    cuda = torch.device("cuda")
+    for backend, cls in (("cutedsl", CuteSplitRowKernels), ("triton", TritonSplitRowKernels),
+                         ("torch", TorchSplitRowKernels), (None, TritonSplitRowKernels)):
+        kernels = split_row_kernels(backend, cuda, "test")
+        assert type(kernels) is cls
+    cute = CuteSplitRowKernels()
+    assert cute.name == "cutedsl" and cute.extra_bytes_per_logit == 0

@@ -92,7 +92,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 # Backends with split-row kernels (flce.split_rows), checked with vocab_chunk_size too.
-SPLIT_ROW_BACKENDS = ("torch", "triton")
+SPLIT_ROW_BACKENDS = ("torch", "triton", "cutedsl")
 
 
 def build_parser() -> argparse.ArgumentParser:

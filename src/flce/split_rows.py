@@ -3,13 +3,15 @@ relative to the block's own max; later, given the whole row's max and sum, the g
 
 Used where no single kernel sees a whole row: the vocab-parallel loss (blocks on
 different ranks, ``flce.parallel``) and the vocabulary-blocked driver mode (blocks one
-after another, ``flce.driver.run_vocab_blocks``). Each backend that has them: ``torch``
-(PyTorch ops on an fp32 copy) and ``triton`` (``flce.backends.triton.partial``: one read
-for the statistics, one read and an in-place write for the gradient).
+after another, ``flce.driver.run_vocab_blocks``). Every backend has them: ``torch``
+(PyTorch ops on an fp32 copy), ``triton`` (``flce.backends.triton.partial``) and
+``cutedsl`` (``flce.backends.cutedsl.partial``, sm_90+); the last two read the block once
+for the statistics, and once more with an in-place write for the gradient.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,49 +68,65 @@ class TorchSplitRowKernels:
         logits.copy_(grad)
 
 
-class TritonSplitRowKernels:
-    """``flce.backends.triton.partial``, in place: no fp32 copy of the block."""
+class _InPlaceSplitRowKernels:
+    """Kernels that work in place on the block, with no fp32 copy of it: ``_module``
+    holds ``partial_statistics`` and ``partial_gradient`` (the contract of
+    ``flce.backends.triton.partial``), imported on first use."""
 
-    name = "triton"
+    name: str
+    _module: str
     extra_bytes_per_logit = 0
 
-    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax):
-        from flce.backends.triton.partial import partial_statistics
+    def _kernels(self):
+        return importlib.import_module(self._module)
 
+    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax):
         return BlockStatistics(
-            *partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
+            *self._kernels().partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
         )
 
     def gradient(self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale,
                  scalars: ChunkScalars, eps: float) -> None:
-        from flce.backends.triton.partial import partial_gradient
-
         ce_scale = scalars.ce_grad_scale
         onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
         smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
         s = scalars.lse_square_scale
         z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
-        partial_gradient(logits, grad_target.contiguous(), ce_local, row_max.contiguous(),
-                         inv_sum.contiguous(), onehot_coef.contiguous(), smooth_coef, z_coef,
-                         scalars.weight_sum, scalars.softcap)
+        self._kernels().partial_gradient(
+            logits, grad_target.contiguous(), ce_local, row_max.contiguous(), inv_sum.contiguous(),
+            onehot_coef.contiguous(), smooth_coef, z_coef, scalars.weight_sum, scalars.softcap,
+        )
+
+
+class TritonSplitRowKernels(_InPlaceSplitRowKernels):
+    """``flce.backends.triton.partial``, in place: no fp32 copy of the block."""
+
+    name = "triton"
+    _module = "flce.backends.triton.partial"
+
+
+class CuteSplitRowKernels(_InPlaceSplitRowKernels):
+    """``flce.backends.cutedsl.partial`` (CuTe DSL, sm_90+), in place: no fp32 copy of the block."""
+
+    name = "cutedsl"
+    _module = "flce.backends.cutedsl.partial"
 
 
 def split_row_kernels(backend: Optional[str], device: torch.device, caller: str):
     """The split-row kernels of ``backend`` (None: ``FLCE_BACKEND``, else Triton on CUDA
-    when usable, else PyTorch). Raises for a backend without them or unusable here."""
+    when usable, else PyTorch). Raises ``BackendUnavailableError`` (with the reason) for
+    a requested backend that cannot run here."""
     from flce.dispatch import BackendUnavailableError, availability, requested_backend
 
     name = requested_backend(backend)
-    if name == "cutedsl":
-        raise ValueError(
-            f"{caller}: the cutedsl backend has no kernel for rows split into vocabulary blocks yet; "
-            "use backend='triton' or 'torch' (or None)"
-        )
     if name is None:
         name = "triton" if device.type == "cuda" and availability("triton", device)[0] else "torch"
-    if name == "triton":
-        ok, why = availability("triton", device)
+    if name in _IN_PLACE:
+        ok, why = availability(name, device)
         if not ok:
-            raise BackendUnavailableError(f"backend 'triton' cannot run on {device}: {why}")
-        return TritonSplitRowKernels()
+            raise BackendUnavailableError(f"{caller}: backend {name!r} cannot run on {device}: {why}")
+        return _IN_PLACE[name]()
     return TorchSplitRowKernels()
+
+
+_IN_PLACE = {"triton": TritonSplitRowKernels, "cutedsl": CuteSplitRowKernels}

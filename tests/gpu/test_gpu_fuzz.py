@@ -25,7 +25,7 @@ def test_fuzz_gpu_backend(backend):
         pytest.skip(f"{backend}: {why}")
 
     @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(case=cases(vocab_blocks=backend != "cutedsl"))  # cutedsl has no split-row kernels
+    @given(case=cases())  # vocab_chunk_size too: every backend has split-row kernels
     def check(case):
         outcome = run_case(case, backend, CUDA)
         assert outcome.passed, f"{case}: {outcome.failures} {outcome.errors}"

@@ -1,5 +1,5 @@
 """The vocab-parallel loss on one GPU (a process group of size 1, so no collective runs):
-the Triton and PyTorch split-row kernels against the single-device loss."""
+the Triton, CuTe DSL and PyTorch split-row kernels against the single-device loss."""
 
 import datetime
 import socket
@@ -32,7 +32,7 @@ def group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "cutedsl", "torch"])
 @pytest.mark.parametrize("features", [{}, dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=20.0,
                                                 use_token_scaling=True)], ids=["plain", "all"])
 def test_single_gpu_group_equals_single_device_loss(group, backend, features):

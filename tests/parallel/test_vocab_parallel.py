@@ -573,8 +573,12 @@ def test_group_of_one_local_refusals(single_group):
         call(x, w, t, vocab_start=2)
     with pytest.raises(ValueError, match="reduction must be one of"):
         call(x, w, t, reduction="avg")
-    with pytest.raises(ValueError, match="cutedsl backend has no kernel"):
+    from flce.dispatch import BackendUnavailableError, availability
+
+    # cutedsl's split-row kernels need an sm_90+ CUDA GPU: refused here with the reason.
+    with pytest.raises(BackendUnavailableError, match="backend 'cutedsl' cannot run on cpu") as info:
         call(x, w, t, backend="cutedsl")
+    assert availability("cutedsl", torch.device("cpu"))[1] in str(info.value)
     mesh = init_device_mesh("cpu", (1,))
     with pytest.raises(TypeError, match="input is a DTensor"):
         call(distribute_tensor(x, mesh, [Replicate()]), w, t)

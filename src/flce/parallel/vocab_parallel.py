@@ -36,7 +36,8 @@ and the mean divisor ``sum_t w_{y_t}``. Backward: one ``all_reduce(SUM)`` of ``d
 (N, H) in the input's dtype; ``dW_r`` and ``db_r`` stay local.
 
 The local GEMMs are cuBLAS (``torch.mm``/``addmm``); the per-chunk CE math runs in the
-split-row kernels of ``backend`` (``flce.split_rows``: Triton, in place, or PyTorch).
+split-row kernels of ``backend`` (``flce.split_rows``: Triton or CuTe DSL, in place, or
+PyTorch).
 With a process group of size 1 no collective runs and the result equals
 ``flce.fused_linear_cross_entropy`` (up to fp32 rounding).
 
@@ -97,7 +98,7 @@ class _ParallelPlan:
     need_argmax: bool
     stats: BatchStatistics
     scalars: ChunkScalars
-    local_kernels: object  # flce.split_rows.TorchSplitRowKernels or TritonSplitRowKernels
+    local_kernels: object  # flce.split_rows.TorchSplitRowKernels, TritonSplitRowKernels or CuteSplitRowKernels
 
     # The interface flce.functional.FusedLinearCrossEntropyFunction runs a plan through.
     def run_chunks(self, input, weight, target, bias, ce_weight, **flags):
@@ -599,10 +600,11 @@ def vocab_parallel_fused_linear_cross_entropy(
             ``(V_r,)`` class weights of this shard's classes.
         chunk_size: rows per chunk (must be equal on all ranks); ``None`` sizes chunks
             from the memory budget on the largest shard, as the single-GPU driver does.
-        backend: the per-shard kernels: ``"triton"`` (one read for the statistics, one
-            read + write for the gradient, in place), ``"torch"`` (PyTorch ops on an fp32
-            copy), or ``None``: ``FLCE_BACKEND``, else Triton on CUDA when usable, else
-            PyTorch. ``"cutedsl"`` has no split-row kernel yet and is refused.
+        backend: the per-shard kernels: ``"triton"`` or ``"cutedsl"`` (sm_90+) (one read
+            for the statistics, one read + write for the gradient, in place), ``"torch"``
+            (PyTorch ops on an fp32 copy), or ``None``: ``FLCE_BACKEND``, else Triton on
+            CUDA when usable, else PyTorch. A requested backend that cannot run here
+            raises ``BackendUnavailableError`` with the reason.
         Other options: as ``flce.fused_linear_cross_entropy`` (``CONTRACT.md``).
 
     Returns:

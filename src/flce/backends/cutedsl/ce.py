@@ -105,6 +105,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def row_threads(num_vec: int) -> int:
+    """Threads per CTA for a row of ``num_vec`` vectors: 256 (8 warps) once the row has
+    >= 256 vectors; a short row gets one thread per vector (at least a warp)."""
+    return 256 if num_vec >= 256 else max(32, _pow2_ceil(num_vec))
+
+
 @lru_cache(maxsize=None)
 def default_config(key: KernelKey) -> KernelConfig:
     """Launch heuristics, from H200 timings at N=8192, V=128256 (scripts/device/cutedsl_smoke.py --sweep).
@@ -122,7 +128,7 @@ def default_config(key: KernelKey) -> KernelConfig:
       in flight) and the rest of ``CTA_SMEM_BUDGET`` (two CTAs per SM) resident.
     """
     num_vec = key.vocab // key.vec
-    threads = 256 if num_vec >= 256 else max(32, _pow2_ceil(num_vec))
+    threads = row_threads(num_vec)
     esize = torch.empty((), dtype=key.dtype).element_size()
     tile_bytes = threads * key.vec * esize
     async_copy = key.vec * esize >= 4
@@ -186,10 +192,24 @@ def _combine_softmax(m: Float32, d: Float32, m_o: Float32, d_o: Float32):
     return m_new, d_new
 
 
-class ChunkCrossEntropy:
-    """The kernel for one ``KernelKey`` and ``KernelConfig``; rows are dynamic."""
+class RowStream:
+    """What every row kernel of this backend shares: the launch geometry of one row (or
+    row slice) of ``vocab`` logits read as ``vec``-element vectors, the per-thread
+    ``cp.async`` ring, pass 1 (online softmax, smoothing sum, argmax), the CTA reduction
+    and the gradient step. Used by ``ChunkCrossEntropy`` and by the split-row kernels of
+    ``flce.backends.cutedsl.partial``.
 
-    def __init__(self, key: KernelKey, config: KernelConfig):
+    ``key`` is any frozen key with the fields ``dtype``, ``vocab``, ``vec``,
+    ``has_weight``, ``has_smoothing`` and ``has_softcap``. ``keep_resident``: the
+    gradient follows in the same kernel, so tiles may stay in shared memory for it.
+    """
+
+    # The argmax is taken on the raw logits: softcap is strictly increasing, so it is the
+    # same column, without the ties that a saturated fp32 tanh could create. The split-row
+    # kernels take it on z' instead (their callers merge blocks by the max of z').
+    argmax_of_softcapped = False
+
+    def __init__(self, key, config: KernelConfig, *, keep_resident: bool, need_argmax: bool):
         assert config.stages & (config.stages - 1) == 0, "stages must be a power of two"
         self.key = key
         self.dtype = _TORCH_TO_CUTE[key.dtype]
@@ -208,17 +228,294 @@ class ChunkCrossEntropy:
         self.use_async = key.vec * self.esize >= 4
         self.stages = config.stages
         self.prefetch = config.stages - 1  # tiles in flight ahead of the one consumed
-        resident = min(config.resident, self.num_tiles) if (self.use_async and key.compute_grad) else 0
+        resident = min(config.resident, self.num_tiles) if (self.use_async and keep_resident) else 0
         # Stay inside the 227 KiB a CTA may have on sm_90 (minus the reduction scratch).
         tile_bytes = config.threads * key.vec * self.esize
         self.resident = max(0, min(resident, (SMEM_LIMIT - 1024) // tile_bytes - config.stages))
         ring = 0 if self.resident >= self.num_tiles else self.stages
         self.num_slots = self.resident + ring if self.use_async else 0
-        self.need_argmax = key.write_correct or key.write_predicted
+        self.need_argmax = need_argmax
 
     def smem_bytes(self) -> int:
         buf = self.num_slots * self.threads * self.vec * self.esize
         return buf + 6 * (self.num_warps + self.cluster) * 4 + 128
+
+    def _stream_smem(self, smem):
+        """The cp.async ring of ``smem`` and its copy atom; ``(None, None)`` when the
+        vectors are too narrow for cp.async (they are then loaded straight into registers)."""
+        sBuf = None
+        copy_atom = None
+        if const_expr(self.use_async):
+            # (vec, threads, slots): thread t only ever touches [None, t, *], so the ring
+            # needs no CTA barriers, only each thread's own cp.async groups.
+            VEC, T = self.vec, self.threads
+            sBuf = smem.allocate_tensor(
+                self.dtype,
+                cute.make_layout((VEC, T, self.num_slots), stride=(1, VEC, VEC * T)),
+                byte_alignment=16,
+            )
+            copy_bits = self.vec * self.esize * 8
+            cache_mode = cpasync.LoadCacheMode.GLOBAL if copy_bits == 128 else cpasync.LoadCacheMode.ALWAYS
+            copy_atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cache_mode), self.dtype, num_bits_per_copy=copy_bits
+            )
+        return sBuf, copy_atom
+
+    @cute.jit
+    def _pass1(
+        self,
+        gRow: cute.Tensor,  # (vec, V/vec) the row in global memory
+        sBuf,  # (vec, threads, slots) the cp.async ring, or None
+        copy_atom,
+        v0,  # this CTA's slice of the row: vectors [v0, v_end)
+        v_end,
+        tid: Int32,
+        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        softcap: Float32,
+        inv_softcap: Float32,
+    ):
+        """Streams the slice once; per thread ``(m, d, smoothing sum, argmax value, argmax
+        column)``. Tile ``k`` of the slice is vectors ``v0 + k * threads + [0, threads)``;
+        the first ``resident`` tiles stay in their shared-memory slots afterwards."""
+        T = self.threads
+        VEC = self.vec
+        NT = self.num_tiles
+        P = self.prefetch
+        m = Float32(NEG_BIG)
+        d = Float32(0.0)
+        sxs = Float32(0.0)
+        best_v = Float32(-Float32.inf)
+        best_i = Int32(self.num_vec * VEC)
+        if const_expr(self.use_async):
+            for k in cutlass.range_constexpr(P):
+                if const_expr(k < NT):
+                    self._issue(copy_atom, gRow, sBuf, v0 + k * T + tid, v_end, self._slot_static(k), tid)
+                cute.arch.cp_async_commit_group()
+            rd_slot = Int32(0)
+            wr_slot = Int32(self._slot_static(P))
+            vidx = v0 + tid
+            for _ in cutlass.range(NT, unroll=1):
+                self._issue(copy_atom, gRow, sBuf, vidx + P * T, v_end, wr_slot, tid)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(P)
+                if vidx < v_end:
+                    frag = cute.make_rmem_tensor((VEC,), self.dtype)
+                    cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
+                    m, d, sxs, best_v, best_i = self._softmax_step(
+                        frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
+                    )
+                rd_slot = self._advance(rd_slot)
+                wr_slot = self._advance(wr_slot)
+                vidx = vidx + T
+            cute.arch.cp_async_wait_group(0)
+        else:
+            vidx = v0 + tid
+            for _ in cutlass.range(NT, unroll=1):
+                if vidx < v_end:
+                    frag = cute.make_rmem_tensor((VEC,), self.dtype)
+                    cute.autovec_copy(gRow[None, vidx], frag)
+                    m, d, sxs, best_v, best_i = self._softmax_step(
+                        frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
+                    )
+                vidx = vidx + T
+        return m, d, sxs, best_v, best_i
+
+    @cute.jit
+    def _reduce_cta(
+        self,
+        m: Float32,
+        d: Float32,
+        sxs: Float32,
+        best_v: Float32,
+        best_i: Int32,
+        sRed: cute.Tensor,  # (warps, 5) fp32 shared scratch
+        sArg: cute.Tensor,  # (warps,) int32 shared scratch
+        lane: Int32,
+        warp: Int32,
+    ):
+        """Warp shuffles, then one exchange through shared memory: every thread ends with
+        the statistics of the whole CTA, combined in the same order (bit-identical)."""
+        key = self.key
+        for i in cutlass.range_constexpr(5):
+            off = 1 << i
+            m_o = cute.arch.shuffle_sync_bfly(m, offset=off)
+            d_o = cute.arch.shuffle_sync_bfly(d, offset=off)
+            m, d = _combine_softmax(m, d, m_o, d_o)
+            if const_expr(key.has_smoothing):
+                sxs = sxs + cute.arch.shuffle_sync_bfly(sxs, offset=off)
+            if const_expr(self.need_argmax):
+                v_o = cute.arch.shuffle_sync_bfly(best_v, offset=off)
+                i_o = cute.arch.shuffle_sync_bfly(best_i, offset=off)
+                best_v, best_i = _argmax_combine(best_v, best_i, v_o, i_o)
+        if lane == 0:
+            sRed[warp, 0] = m
+            sRed[warp, 1] = d
+            sRed[warp, 2] = sxs
+            sRed[warp, 3] = best_v
+            sArg[warp] = best_i
+        cute.arch.barrier()
+        m = sRed[0, 0]
+        d = sRed[0, 1]
+        sxs = sRed[0, 2]
+        best_v = sRed[0, 3]
+        best_i = sArg[0]
+        for w in cutlass.range_constexpr(1, self.num_warps):
+            m, d = _combine_softmax(m, d, sRed[w, 0], sRed[w, 1])
+            if const_expr(key.has_smoothing):
+                sxs = sxs + sRed[w, 2]
+            if const_expr(self.need_argmax):
+                v_o = sRed[w, 3]
+                i_o = sArg[w]
+                best_v, best_i = _argmax_combine(best_v, best_i, v_o, i_o)
+        return m, d, sxs, best_v, best_i
+
+    # ------------------------------------------------------------------ helpers
+    def _slot_static(self, tile: int) -> int:
+        """Shared-memory slot of pass-1 tile ``tile`` (trace-time ints)."""
+        if tile < self.resident:
+            return tile
+        return self.resident + ((tile - self.resident) & (self.stages - 1))
+
+    @cute.jit
+    def _advance(self, slot: Int32) -> Int32:
+        """Next pass-1 slot: resident slots in order, then the power-of-two ring
+        (``& (stages - 1)``, no modulo)."""
+        nxt = slot + 1
+        if const_expr(self.resident == 0):
+            nxt = nxt & (self.stages - 1)
+        else:
+            nxt = nxt if nxt < self.resident else self.resident + ((nxt - self.resident) & (self.stages - 1))
+        return nxt
+
+    @cute.jit
+    def _issue(self, copy_atom, gRow: cute.Tensor, sBuf: cute.Tensor, vidx: Int32, v_end, slot: Int32, tid: Int32):
+        """cp.async of vector ``vidx`` of the row into this thread's ``slot`` (if below ``v_end``)."""
+        if vidx < v_end:
+            cute.copy(copy_atom, gRow[None, vidx], sBuf[None, tid, slot])
+
+    @cute.jit
+    def _argmax_step(self, x: cute.Tensor, vidx: Int32, best_v: Float32, best_i: Int32):
+        """Merges vector ``vidx`` (``x``: (vec,) fp32 registers) into the running argmax;
+        a strictly larger value replaces it, so the first column of a tie wins."""
+        VEC = self.vec
+        vmax = x[0]
+        for j in cutlass.range_constexpr(1, VEC):
+            vmax = cute.arch.fmax(vmax, x[j])
+        if vmax > best_v:
+            j_first = Int32(VEC - 1)
+            for j in cutlass.range_constexpr(VEC - 2, -1, -1):
+                if x[j] == vmax:
+                    j_first = Int32(j)
+            best_v = vmax
+            best_i = vidx * VEC + j_first
+        return best_v, best_i
+
+    @cute.jit
+    def _softmax_step(
+        self,
+        frag: cute.Tensor,  # (vec,) logits dtype, registers
+        vidx: Int32,
+        m: Float32,
+        d: Float32,
+        sxs: Float32,
+        best_v: Float32,
+        best_i: Int32,
+        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        softcap: Float32,
+        inv_softcap: Float32,
+    ):
+        key = self.key
+        VEC = self.vec
+        x = cute.make_rmem_tensor((VEC,), Float32)
+        x.store(frag.load().to(Float32))
+        if const_expr(self.need_argmax and not self.argmax_of_softcapped):
+            best_v, best_i = self._argmax_step(x, vidx, best_v, best_i)
+        if const_expr(key.has_softcap):
+            for j in cutlass.range_constexpr(VEC):
+                x[j] = _softcapped(cute.math.tanh(x[j] * inv_softcap), softcap)
+        if const_expr(self.need_argmax and self.argmax_of_softcapped):
+            best_v, best_i = self._argmax_step(x, vidx, best_v, best_i)
+        if const_expr(key.has_smoothing):
+            if const_expr(key.has_weight):
+                w = cute.make_rmem_tensor((VEC,), Float32)
+                cute.autovec_copy(mWeight[None, vidx], w)
+                for j in cutlass.range_constexpr(VEC):
+                    sxs = cute.math.fma(w[j], x[j], sxs)
+            else:
+                for j in cutlass.range_constexpr(VEC):
+                    sxs = sxs + x[j]
+        vmax = x[0]
+        for j in cutlass.range_constexpr(1, VEC):
+            vmax = cute.arch.fmax(vmax, x[j])
+        m_new = cute.arch.fmax(m, vmax)
+        acc = Float32(0.0)
+        for j in cutlass.range_constexpr(VEC):
+            acc = acc + cute.math.exp2((x[j] - m_new) * LOG2_E, fastmath=True)
+        d = cute.math.fma(d, cute.math.exp2((m - m_new) * LOG2_E, fastmath=True), acc)
+        return m_new, d, sxs, best_v, best_i
+
+    @cute.jit
+    def _grad_step(
+        self,
+        frag: cute.Tensor,  # (vec,) logits dtype, registers
+        vidx: Int32,
+        gRow: cute.Tensor,  # (vec, V/vec) this row in global memory
+        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        y: Int32,
+        coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
+        softcap: Float32,
+        inv_softcap: Float32,
+    ):
+        key = self.key
+        VEC = self.vec
+        m, inv_d, coef_y, coef_eps, coef_z, weight_sum = coefs
+        x = cute.make_rmem_tensor((VEC,), Float32)
+        x.store(frag.load().to(Float32))
+        t = cute.make_rmem_tensor((VEC,), Float32)
+        if const_expr(key.has_softcap):
+            for j in cutlass.range_constexpr(VEC):
+                t[j] = cute.math.tanh(x[j] * inv_softcap)
+                x[j] = _softcapped(t[j], softcap)
+        p = cute.make_rmem_tensor((VEC,), Float32)
+        for j in cutlass.range_constexpr(VEC):
+            p[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True) * inv_d
+        # Each group of the grouped form is formed before it is scaled, so that it cancels
+        # exactly where the true value is ~0 (p_y ~ 1 on a confident row, V = 1).
+        g = cute.make_rmem_tensor((VEC,), Float32)
+        for j in cutlass.range_constexpr(VEC):
+            g[j] = p[j]
+        y_off = y - vidx * VEC
+        if y_off >= 0:
+            if y_off < VEC:
+                for j in cutlass.range_constexpr(VEC):
+                    if y_off == j:
+                        g[j] = p[j] - Float32(1.0)
+        for j in cutlass.range_constexpr(VEC):
+            g[j] = cute.math.fma(coef_z, p[j], coef_y * g[j])
+        if const_expr(key.has_smoothing):
+            if const_expr(key.has_weight):
+                w = cute.make_rmem_tensor((VEC,), Float32)
+                cute.autovec_copy(mWeight[None, vidx], w)
+                for j in cutlass.range_constexpr(VEC):
+                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], -w[j]), g[j])
+            else:
+                for j in cutlass.range_constexpr(VEC):
+                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], Float32(-1.0)), g[j])
+        if const_expr(key.has_softcap):
+            for j in cutlass.range_constexpr(VEC):
+                g[j] = g[j] * (Float32(1.0) - t[j] * t[j])
+        out = cute.make_rmem_tensor((VEC,), self.dtype)
+        out.store(g.load().to(self.dtype))
+        cute.autovec_copy(out, gRow[None, vidx])
+
+
+class ChunkCrossEntropy(RowStream):
+    """The kernel for one ``KernelKey`` and ``KernelConfig``; rows are dynamic."""
+
+    def __init__(self, key: KernelKey, config: KernelConfig):
+        super().__init__(
+            key, config, keep_resident=key.compute_grad, need_argmax=key.write_correct or key.write_predicted
+        )
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -322,21 +619,7 @@ class ChunkCrossEntropy:
         sArg = smem.allocate_tensor(Int32, cute.make_layout((self.num_warps,)), byte_alignment=16)  # (warps,)
         sClu = smem.allocate_tensor(Float32, cute.make_layout((CN, 5)), byte_alignment=16)  # (cluster, 5)
         sCluArg = smem.allocate_tensor(Int32, cute.make_layout((CN,)), byte_alignment=16)  # (cluster,)
-        sBuf = None
-        copy_atom = None
-        if const_expr(self.use_async):
-            # (vec, threads, slots): thread t only ever touches [None, t, *], so the ring
-            # needs no CTA barriers, only each thread's own cp.async groups.
-            sBuf = smem.allocate_tensor(
-                self.dtype,
-                cute.make_layout((VEC, T, self.num_slots), stride=(1, VEC, VEC * T)),
-                byte_alignment=16,
-            )
-            copy_bits = VEC * self.esize * 8
-            cache_mode = cpasync.LoadCacheMode.GLOBAL if copy_bits == 128 else cpasync.LoadCacheMode.ALWAYS
-            copy_atom = cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cache_mode), self.dtype, num_bits_per_copy=copy_bits
-            )
+        sBuf, copy_atom = self._stream_smem(smem)
 
         # Row target; ignored rows use class 0 for every gather (their results are zeroed).
         y_raw = Int64(mTarget[row])
@@ -356,76 +639,10 @@ class ChunkCrossEntropy:
             cute.arch.cluster_arrive_relaxed()
 
         # ---------------- pass 1: online softmax, smoothing sum, argmax
-        m = Float32(NEG_BIG)
-        d = Float32(0.0)
-        sxs = Float32(0.0)
-        best_v = Float32(-Float32.inf)
-        best_i = Int32(NV * VEC)
-        if const_expr(self.use_async):
-            for k in cutlass.range_constexpr(P):
-                if const_expr(k < NT):
-                    self._issue(copy_atom, gRow, sBuf, v0 + k * T + tid, v_end, self._slot_static(k), tid)
-                cute.arch.cp_async_commit_group()
-            rd_slot = Int32(0)
-            wr_slot = Int32(self._slot_static(P))
-            vidx = v0 + tid
-            for _ in cutlass.range(NT, unroll=1):
-                self._issue(copy_atom, gRow, sBuf, vidx + P * T, v_end, wr_slot, tid)
-                cute.arch.cp_async_commit_group()
-                cute.arch.cp_async_wait_group(P)
-                if vidx < v_end:
-                    frag = cute.make_rmem_tensor((VEC,), self.dtype)
-                    cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
-                    m, d, sxs, best_v, best_i = self._softmax_step(
-                        frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
-                    )
-                rd_slot = self._advance(rd_slot)
-                wr_slot = self._advance(wr_slot)
-                vidx = vidx + T
-            cute.arch.cp_async_wait_group(0)
-        else:
-            vidx = v0 + tid
-            for _ in cutlass.range(NT, unroll=1):
-                if vidx < v_end:
-                    frag = cute.make_rmem_tensor((VEC,), self.dtype)
-                    cute.autovec_copy(gRow[None, vidx], frag)
-                    m, d, sxs, best_v, best_i = self._softmax_step(
-                        frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap
-                    )
-                vidx = vidx + T
+        m, d, sxs, best_v, best_i = self._pass1(gRow, sBuf, copy_atom, v0, v_end, tid, mWeight, softcap, inv_softcap)
 
         # ---------------- CTA reduction (every thread ends with the row's statistics)
-        for i in cutlass.range_constexpr(5):
-            off = 1 << i
-            m_o = cute.arch.shuffle_sync_bfly(m, offset=off)
-            d_o = cute.arch.shuffle_sync_bfly(d, offset=off)
-            m, d = _combine_softmax(m, d, m_o, d_o)
-            if const_expr(key.has_smoothing):
-                sxs = sxs + cute.arch.shuffle_sync_bfly(sxs, offset=off)
-            if const_expr(self.need_argmax):
-                v_o = cute.arch.shuffle_sync_bfly(best_v, offset=off)
-                i_o = cute.arch.shuffle_sync_bfly(best_i, offset=off)
-                best_v, best_i = _argmax_combine(best_v, best_i, v_o, i_o)
-        if lane == 0:
-            sRed[warp, 0] = m
-            sRed[warp, 1] = d
-            sRed[warp, 2] = sxs
-            sRed[warp, 3] = best_v
-            sArg[warp] = best_i
-        cute.arch.barrier()
-        m = sRed[0, 0]
-        d = sRed[0, 1]
-        sxs = sRed[0, 2]
-        best_v = sRed[0, 3]
-        best_i = sArg[0]
-        for w in cutlass.range_constexpr(1, self.num_warps):
-            m, d = _combine_softmax(m, d, sRed[w, 0], sRed[w, 1])
-            if const_expr(key.has_smoothing):
-                sxs = sxs + sRed[w, 2]
-            if const_expr(self.need_argmax):
-                v_o = sRed[w, 3]
-                i_o = sArg[w]
-                best_v, best_i = _argmax_combine(best_v, best_i, v_o, i_o)
+        m, d, sxs, best_v, best_i = self._reduce_cta(m, d, sxs, best_v, best_i, sRed, sArg, lane, warp)
         if const_expr(CN > 1):
             # Thread p sends this CTA's statistics to slot [rank] of cluster peer p; after
             # the cluster barrier every CTA combines the CN slots in rank order, so all CTAs
@@ -536,137 +753,6 @@ class ChunkCrossEntropy:
                             frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
                         )
                     vidx = vidx + T
-
-    # ------------------------------------------------------------------ helpers
-    def _slot_static(self, tile: int) -> int:
-        """Shared-memory slot of pass-1 tile ``tile`` (trace-time ints)."""
-        if tile < self.resident:
-            return tile
-        return self.resident + ((tile - self.resident) & (self.stages - 1))
-
-    @cute.jit
-    def _advance(self, slot: Int32) -> Int32:
-        """Next pass-1 slot: resident slots in order, then the power-of-two ring
-        (``& (stages - 1)``, no modulo)."""
-        nxt = slot + 1
-        if const_expr(self.resident == 0):
-            nxt = nxt & (self.stages - 1)
-        else:
-            nxt = nxt if nxt < self.resident else self.resident + ((nxt - self.resident) & (self.stages - 1))
-        return nxt
-
-    @cute.jit
-    def _issue(self, copy_atom, gRow: cute.Tensor, sBuf: cute.Tensor, vidx: Int32, v_end, slot: Int32, tid: Int32):
-        """cp.async of vector ``vidx`` of the row into this thread's ``slot`` (if below ``v_end``)."""
-        if vidx < v_end:
-            cute.copy(copy_atom, gRow[None, vidx], sBuf[None, tid, slot])
-
-    @cute.jit
-    def _softmax_step(
-        self,
-        frag: cute.Tensor,  # (vec,) logits dtype, registers
-        vidx: Int32,
-        m: Float32,
-        d: Float32,
-        sxs: Float32,
-        best_v: Float32,
-        best_i: Int32,
-        mWeight: cute.Tensor,  # (vec, V/vec) fp32
-        softcap: Float32,
-        inv_softcap: Float32,
-    ):
-        key = self.key
-        VEC = self.vec
-        x = cute.make_rmem_tensor((VEC,), Float32)
-        x.store(frag.load().to(Float32))
-        if const_expr(self.need_argmax):
-            # On the raw logits: softcap is strictly increasing, so the argmax is the same
-            # column, without the ties that a saturated fp32 tanh could create.
-            vmax_raw = x[0]
-            for j in cutlass.range_constexpr(1, VEC):
-                vmax_raw = cute.arch.fmax(vmax_raw, x[j])
-            if vmax_raw > best_v:
-                j_first = Int32(VEC - 1)
-                for j in cutlass.range_constexpr(VEC - 2, -1, -1):
-                    if x[j] == vmax_raw:
-                        j_first = Int32(j)
-                best_v = vmax_raw
-                best_i = vidx * VEC + j_first
-        if const_expr(key.has_softcap):
-            for j in cutlass.range_constexpr(VEC):
-                x[j] = _softcapped(cute.math.tanh(x[j] * inv_softcap), softcap)
-        if const_expr(key.has_smoothing):
-            if const_expr(key.has_weight):
-                w = cute.make_rmem_tensor((VEC,), Float32)
-                cute.autovec_copy(mWeight[None, vidx], w)
-                for j in cutlass.range_constexpr(VEC):
-                    sxs = cute.math.fma(w[j], x[j], sxs)
-            else:
-                for j in cutlass.range_constexpr(VEC):
-                    sxs = sxs + x[j]
-        vmax = x[0]
-        for j in cutlass.range_constexpr(1, VEC):
-            vmax = cute.arch.fmax(vmax, x[j])
-        m_new = cute.arch.fmax(m, vmax)
-        acc = Float32(0.0)
-        for j in cutlass.range_constexpr(VEC):
-            acc = acc + cute.math.exp2((x[j] - m_new) * LOG2_E, fastmath=True)
-        d = cute.math.fma(d, cute.math.exp2((m - m_new) * LOG2_E, fastmath=True), acc)
-        return m_new, d, sxs, best_v, best_i
-
-    @cute.jit
-    def _grad_step(
-        self,
-        frag: cute.Tensor,  # (vec,) logits dtype, registers
-        vidx: Int32,
-        gRow: cute.Tensor,  # (vec, V/vec) this row in global memory
-        mWeight: cute.Tensor,  # (vec, V/vec) fp32
-        y: Int32,
-        coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
-        softcap: Float32,
-        inv_softcap: Float32,
-    ):
-        key = self.key
-        VEC = self.vec
-        m, inv_d, coef_y, coef_eps, coef_z, weight_sum = coefs
-        x = cute.make_rmem_tensor((VEC,), Float32)
-        x.store(frag.load().to(Float32))
-        t = cute.make_rmem_tensor((VEC,), Float32)
-        if const_expr(key.has_softcap):
-            for j in cutlass.range_constexpr(VEC):
-                t[j] = cute.math.tanh(x[j] * inv_softcap)
-                x[j] = _softcapped(t[j], softcap)
-        p = cute.make_rmem_tensor((VEC,), Float32)
-        for j in cutlass.range_constexpr(VEC):
-            p[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True) * inv_d
-        # Each group of the grouped form is formed before it is scaled, so that it cancels
-        # exactly where the true value is ~0 (p_y ~ 1 on a confident row, V = 1).
-        g = cute.make_rmem_tensor((VEC,), Float32)
-        for j in cutlass.range_constexpr(VEC):
-            g[j] = p[j]
-        y_off = y - vidx * VEC
-        if y_off >= 0:
-            if y_off < VEC:
-                for j in cutlass.range_constexpr(VEC):
-                    if y_off == j:
-                        g[j] = p[j] - Float32(1.0)
-        for j in cutlass.range_constexpr(VEC):
-            g[j] = cute.math.fma(coef_z, p[j], coef_y * g[j])
-        if const_expr(key.has_smoothing):
-            if const_expr(key.has_weight):
-                w = cute.make_rmem_tensor((VEC,), Float32)
-                cute.autovec_copy(mWeight[None, vidx], w)
-                for j in cutlass.range_constexpr(VEC):
-                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], -w[j]), g[j])
-            else:
-                for j in cutlass.range_constexpr(VEC):
-                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], Float32(-1.0)), g[j])
-        if const_expr(key.has_softcap):
-            for j in cutlass.range_constexpr(VEC):
-                g[j] = g[j] * (Float32(1.0) - t[j] * t[j])
-        out = cute.make_rmem_tensor((VEC,), self.dtype)
-        out.store(g.load().to(self.dtype))
-        cute.autovec_copy(out, gRow[None, vidx])
 
 
 # ---------------------------------------------------------------------- host wrapper
