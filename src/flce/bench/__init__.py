@@ -2,7 +2,9 @@
 
 Modules: ``methods`` (the competitors and their inputs), ``timing`` (events,
 host clock, peak memory), ``runner`` (the interleaved sweep), ``report``
-(terminal table, JSON, CSV, plots, README Markdown).
+(terminal table, JSON, CSV, plots, README Markdown); ``ce_kernel`` and
+``host_overhead`` (``flce bench --kernel ce``: the CE kernel's bandwidth, the
+host time per call).
 """
 
 from typing import Any

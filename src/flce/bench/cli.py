@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flce.bench import report
+from flce.bench import ce_kernel, host_overhead, report
 from flce.bench.methods import DTYPES, FEATURES, MODES, LossOptions, Method, Shape, all_methods, select_methods
 from flce.bench.runner import BenchConfig, Result, run_sweep
 
@@ -36,6 +36,16 @@ DEFAULT_ROUNDS = (10, 5)
 DEFAULT_WARMUP = (3, 1)
 # Longer than the ~37 ms that back-to-back GEMMs took to settle at the H200's power limit.
 DEFAULT_HEAT_MS = 100.0
+
+# --kernel ce: the issue's shape on a GPU, in both dtypes; off the GPU one that runs in seconds.
+KERNELS = ("ce",)
+KERNEL_GPU_SHAPES = ((8192,), (128256,))
+KERNEL_CPU_SHAPES = ((64,), (1000,))
+KERNEL_GPU_DTYPES = ("bf16", "fp32")
+KERNEL_CPU_DTYPES = ("fp32",)
+# A call is a few ms of pure memory traffic, so more rounds cost little and steady the median.
+DEFAULT_KERNEL_ROUNDS = (20, 5)
+DEFAULT_OVERHEAD_CALLS = host_overhead.DEFAULT_CALLS
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -108,6 +118,25 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="WORLD",
         help="benchmark the vocab-parallel loss over WORLD processes, one per GPU (NCCL; gloo with "
         "--device cpu), against the single-device loss; skipped with a reason when fewer GPUs exist",
+    )
+    k = parser.add_argument_group(
+        "the cross-entropy kernel alone (--kernel ce)",
+        "Times the loss + gradient of given (N, V) logits (--tokens, --vocab; default N=8192, V=128256, "
+        "bf16 and fp32 on a GPU, a tiny fp32 case on the CPU): flce's chunk kernels called directly and "
+        "flce.cross_entropy, Liger's CuTe and Triton CE (primitive and autograd), F.cross_entropy, and "
+        "a copy of the logits as the HBM yardstick. GB/s counts one read of the logits and one write of "
+        "the gradient (2*N*V*itemsize) for every method; % of copy compares with the copy. Then the host "
+        "overhead: microseconds per call of the public flce calls at N=8, V=1024, H=64, fwd and fwd+bwd, "
+        "against eager PyTorch. Accepts --dtype, --features, --reduction, --ignore-fraction, "
+        "--methods (--list-methods lists them), --rounds (default 20 on a GPU), --warmup, --heat-ms (default 0), "
+        "--seed, --device and --out (bench-kernel-ce.json).",
+    )
+    k.add_argument("--kernel", choices=KERNELS, help="benchmark this kernel alone instead of the fused loss")
+    k.add_argument(
+        "--overhead-calls",
+        type=int,
+        help=f"calls per timed batch of the host-overhead measurement (default {DEFAULT_OVERHEAD_CALLS[0]} on a "
+        f"GPU, {DEFAULT_OVERHEAD_CALLS[1]} on the CPU; 0 skips it)",
     )
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, help="directory for the JSON, CSV and PNG files")
@@ -286,6 +315,11 @@ def run_tensor_parallel(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``flce bench``; returns the exit code (0 when some method was measured)."""
+    if args.kernel is not None:
+        return run_kernel_bench(args)
+    if args.overhead_calls is not None:
+        print("flce bench: error: --overhead-calls applies to --kernel ce only", file=sys.stderr)
+        return 2
     if args.tp is not None:
         return run_tensor_parallel(args)
     try:
@@ -300,7 +334,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     env = report.environment(config.device)
     title = _title(config, env)
-    total = len(config.shapes) * config.steps_per_shape(len(methods))
+    total = len(config.shapes) * config.steps_per_case(len(methods))
     env["gpu_state_before"] = report.gpu_state(config.device)
     with progress_reporter(total) as tick:
         results: list[Result] = run_sweep(config, methods, tick)
@@ -319,6 +353,172 @@ def run_bench(args: argparse.Namespace) -> int:
         stem = f"bench-{args.mode}-{payload['config']['dtype']}" + (f"-{args.sweep}" if args.sweep else "")
         for path in write_outputs(args.out, stem, payload, not args.no_plots, title):
             print(f"wrote {path}")
+    measured = [r for r in results if r.ok and not r.is_floor]
+    return 0 if measured else 1
+
+
+# ----------------------------------------------------------------------------- --kernel ce
+
+
+def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
+    """Options of the fused-loss benchmark that mean nothing for a kernel on given logits."""
+    conflicts = [
+        flag
+        for flag, given in (
+            ("--sweep", args.sweep is not None),
+            ("--hidden", args.hidden is not None),
+            ("--chunk-size", args.chunk_size is not None),
+            ("--tp", args.tp is not None),
+            ("--no-plots", args.no_plots),
+        )
+        if given
+    ]
+    if args.mode != "full":
+        conflicts.append("--mode (the kernel always computes the loss and the gradient)")
+    return conflicts
+
+
+def resolve_kernel_config(args: argparse.Namespace) -> ce_kernel.KernelBenchConfig:
+    """The frozen configuration of ``--kernel ce``; ValueError on inconsistent options."""
+    conflicts = _kernel_conflicts(args)
+    if conflicts:
+        raise ValueError(f"--kernel {args.kernel} does not take {', '.join(conflicts)}")
+    device = _device(args)
+    on_gpu = device.type == "cuda"
+    tokens, vocab = KERNEL_GPU_SHAPES if on_gpu else KERNEL_CPU_SHAPES
+    dtype_names = (args.dtype,) if args.dtype else (KERNEL_GPU_DTYPES if on_gpu else KERNEL_CPU_DTYPES)
+    rounds = args.rounds if args.rounds is not None else DEFAULT_KERNEL_ROUNDS[not on_gpu]
+    warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[not on_gpu]
+    if rounds < 1 or warmup < 0:
+        raise ValueError("--rounds must be >= 1 and --warmup >= 0")
+    if not 0.0 <= args.ignore_fraction < 1.0:
+        raise ValueError("--ignore-fraction must be in [0, 1)")
+    if args.overhead_calls is not None and args.overhead_calls < 0:
+        raise ValueError("--overhead-calls must be >= 0 (0 skips the host-overhead measurement)")
+    return ce_kernel.KernelBenchConfig(
+        shapes=tuple((n, v) for n in (args.tokens or tokens) for v in (args.vocab or vocab)),
+        dtypes=tuple(DTYPES[name] for name in dtype_names),
+        loss=LossOptions.from_features(args.features, reduction=args.reduction),
+        rounds=rounds,
+        warmup=warmup,
+        device=device,
+        seed=args.seed,
+        ignore_fraction=args.ignore_fraction,
+        # Off by default: the GEMM heat-up steadies matrix throughput, not memory bandwidth.
+        heat_ms=(args.heat_ms or 0.0) if on_gpu else 0.0,
+    )
+
+
+def _overhead_config(
+    args: argparse.Namespace, config: ce_kernel.KernelBenchConfig, methods: Sequence[ce_kernel.KernelMethod]
+) -> host_overhead.OverheadConfig | None:
+    """Host overhead in the run's first dtype, for the flce backends among the selected methods."""
+    on_gpu = config.device.type == "cuda"
+    calls = DEFAULT_OVERHEAD_CALLS[not on_gpu] if args.overhead_calls is None else args.overhead_calls
+    if calls == 0:
+        return None
+    names = {m.name for m in methods}
+    backends = tuple(
+        b for b in ce_kernel.FLCE_KERNEL_BACKENDS if {f"flce:{b}", f"flce:{b}:kernel"} & names
+    )
+    return host_overhead.OverheadConfig(
+        dtype=config.dtypes[0], device=config.device, backends=backends, calls=calls, seed=config.seed
+    )
+
+
+def kernel_config_dict(
+    config: ce_kernel.KernelBenchConfig,
+    methods: Sequence[ce_kernel.KernelMethod],
+    overhead: host_overhead.OverheadConfig | None,
+) -> dict[str, Any]:
+    return {
+        "kernel": "ce",
+        "shapes": [{"n": n, "v": v} for n, v in config.shapes],
+        "dtypes": [ce_kernel.dtype_name(d) for d in config.dtypes],
+        "features": list(config.loss.enabled()),
+        "reduction": config.loss.reduction,
+        "ignore_fraction": config.ignore_fraction,
+        "rounds": config.rounds,
+        "warmup": config.warmup,
+        "seed": config.seed,
+        "device": str(config.device),
+        "timer": "cuda events" if config.device.type == "cuda" else "time.perf_counter",
+        "heat_ms": config.heat_ms,
+        "traffic": "2 * N * V * itemsize bytes (one read of the logits, one write of the gradient)",
+        "between_calls": "logits restored from a pristine copy"
+        + (", L2 overwritten" if config.device.type == "cuda" else "")
+        + " (untimed)",
+        "methods": [m.name for m in methods],
+        "host_overhead": None
+        if overhead is None
+        else {
+            "shape": {"n": overhead.shape.n, "v": overhead.shape.v, "h": overhead.shape.h},
+            "dtype": ce_kernel.dtype_name(overhead.dtype),
+            "backends": list(overhead.backends),
+            "calls_per_batch": overhead.calls,
+            "batches": overhead.batches,
+            "warmup_calls": min(overhead.warmup, overhead.calls),
+            "timer": "time.perf_counter around each batch, device synchronized at its ends",
+        },
+    }
+
+
+def run_kernel_bench(args: argparse.Namespace) -> int:
+    """``flce bench --kernel ce``: the CE kernel's bandwidth, then the host overhead per call."""
+    try:
+        config = resolve_kernel_config(args)
+        methods = select_methods(ce_kernel.all_kernel_methods(), args.methods)
+    except ValueError as exc:
+        print(f"flce bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.list_methods:
+        for m in ce_kernel.all_kernel_methods():
+            print(f"{m.name:28s} {m.label}")
+        return 0
+    overhead = _overhead_config(args, config, methods)
+    env = report.environment(config.device)
+    env["gpu_state_before"] = report.gpu_state(config.device)
+    total = len(config.cases()) * config.steps_per_case(len(methods))
+    with progress_reporter(total) as tick:
+        results = ce_kernel.run_kernel_sweep(config, methods, tick)
+    overhead_rows = []
+    if overhead is not None:
+        print("measuring the host overhead per call ...", flush=True)
+        overhead_rows = host_overhead.overhead_rows(host_overhead.measure_host_overhead(overhead), overhead)
+    env["gpu_state_after"] = report.gpu_state(config.device)
+    payload = {
+        "schema": ce_kernel.SCHEMA,
+        "command": command_line(),
+        "argv": list(sys.argv),
+        "date_utc": report.utc_now(),
+        "environment": env,
+        "config": kernel_config_dict(config, methods, overhead),
+        "results": ce_kernel.result_rows(results),
+        "host_overhead": overhead_rows,
+    }
+    where = env.get("gpu") or str(config.device)
+    features = ",".join(config.loss.enabled()) or "no features"
+    report.print_grid(
+        f"flce bench --kernel ce: loss + gradient of given logits, {features}, on {where} "
+        "(GB/s of 2·N·V·itemsize bytes)",
+        ce_kernel.KERNEL_TABLE_HEADER,
+        ce_kernel.table_cells(payload["results"]),
+        report.footnotes(payload["results"], ce_kernel.case_text),
+        left_columns=2,
+    )
+    if overhead is not None:
+        shape = overhead.shape
+        report.print_grid(
+            f"host overhead per call at N={shape.n} V={shape.v} H={shape.h} {ce_kernel.dtype_name(overhead.dtype)} "
+            f"(median of {overhead.batches} batches of {overhead.calls} calls)",
+            host_overhead.OVERHEAD_TABLE_HEADER,
+            host_overhead.overhead_cells(overhead_rows),
+            host_overhead.overhead_notes(overhead_rows),
+            left_columns=3,
+        )
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {report.write_json(args.out / 'bench-kernel-ce.json', payload)}")
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
 

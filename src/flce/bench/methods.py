@@ -324,21 +324,24 @@ def _flce_check(backend: str, chunk_size: int | None) -> CheckFn:
     return check
 
 
+def flce_loss_kwargs(opts: LossOptions, backend: str | None) -> dict[str, Any]:
+    """Keyword arguments of the public flce functions for the run's loss options."""
+    return {
+        "ignore_index": opts.ignore_index,
+        "lse_square_scale": opts.lse_square_scale,
+        "label_smoothing": opts.label_smoothing,
+        "reduction": opts.reduction,
+        "softcap": opts.softcap,
+        "backend": backend,
+    }
+
+
 def _flce_make(backend: str, chunk_size: int | None, vocab_blocks: int | None = None) -> MakeLossFn:
     def make(case: Case, inputs: Inputs) -> LossFn:
         fn, why = _flce_function()
         if fn is None:
             raise RuntimeError(why)
-        opts = case.loss
-        kwargs: dict[str, Any] = {
-            "ce_weight": inputs.ce_weight,
-            "ignore_index": opts.ignore_index,
-            "lse_square_scale": opts.lse_square_scale,
-            "label_smoothing": opts.label_smoothing,
-            "reduction": opts.reduction,
-            "softcap": opts.softcap,
-            "backend": backend,
-        }
+        kwargs: dict[str, Any] = {"ce_weight": inputs.ce_weight, **flce_loss_kwargs(case.loss, backend)}
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
         if vocab_blocks is not None:
@@ -368,7 +371,7 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
                 )
             )
     # The exact low-memory mode: the vocabulary in LOW_MEMORY_VOCAB_BLOCKS blocks as well.
-    for backend in ("triton", "torch"):
+    for backend in ("triton", "cutedsl", "torch"):
         methods.append(
             Method(
                 name=f"flce:{backend}[vblocks={LOW_MEMORY_VOCAB_BLOCKS}]",
@@ -381,9 +384,11 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
     return methods
 
 
-# Vocabulary blocks of the low-memory method: the fp32 dW block is 1/8 of a V x H fp32
-# buffer (0.25 GiB at V=128256, H=4096) while each block GEMM (16k columns) stays large.
-LOW_MEMORY_VOCAB_BLOCKS = 8
+# Vocabulary blocks of the low-memory method. With every row in one chunk each dW block is
+# written directly, so the extra memory is dW + dX (+ its fp32 accumulator) + one block of
+# logits: 1/16 of them is 0.12 GiB at N=8192, V=128256, while each block GEMM
+# (8016 columns x 8192 rows) stays large enough to run at full speed.
+LOW_MEMORY_VOCAB_BLOCKS = 16
 
 
 # ----------------------------------------------------------------------------- PyTorch baselines
@@ -398,13 +403,23 @@ def eager_loss(
 ) -> torch.Tensor:
     """The Hugging Face recipe: materialized logits, upcast to fp32, then cross_entropy;
     softcap and z-loss are applied to the fp32 logits as extra elementwise passes."""
-    logits = F.linear(x, w).float()
+    return eager_cross_entropy(F.linear(x, w).float(), target, ce_weight, opts)
+
+
+def eager_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ce_weight: torch.Tensor | None,
+    opts: LossOptions,
+) -> torch.Tensor:
+    """``F.cross_entropy`` on given logits in their own dtype, with softcap and z-loss as
+    extra elementwise passes (``eager_loss`` passes fp32 logits)."""
     if opts.softcap is not None:
         logits = opts.softcap * torch.tanh(logits / opts.softcap)
     loss = F.cross_entropy(
         logits,
         target,
-        weight=ce_weight,
+        weight=None if ce_weight is None else ce_weight.to(logits.dtype),  # F.cross_entropy wants one dtype
         ignore_index=opts.ignore_index,
         label_smoothing=opts.label_smoothing,
         reduction=opts.reduction,

@@ -12,7 +12,7 @@ import json
 import platform
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -178,59 +178,91 @@ def _table_cells(row: dict[str, Any]) -> list[str]:
 TABLE_HEADER = ("method", "median ms", "min–max ms", "peak extra GiB", "TFLOP/s", "× floor")
 
 
-def _footnotes(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """Skip reasons and warnings, one line per method and message, with the shapes
-    they apply to (``all shapes`` when every shape of the run)."""
-    all_shapes = {shape_text(r, "×") for r in rows}
+def footnotes(
+    rows: Sequence[dict[str, Any]],
+    place: Callable[[dict[str, Any]], str] | None = None,
+    everywhere: str = "all shapes",
+) -> list[str]:
+    """Skip reasons and warnings, one line per method and message, with the places
+    (shapes, by default) they apply to (``everywhere`` when every place of the run)."""
+    place = place or (lambda row: shape_text(row, "×"))
+    all_places = {place(r) for r in rows}
     where: dict[tuple[str, str], list[str]] = defaultdict(list)
     for row in rows:
-        shape = shape_text(row, "×")
+        at = place(row)
         if row["status"] != "ok":
-            where[(row["method"], f"skipped: {row['reason']}")].append(shape)
+            where[(row["method"], f"skipped: {row['reason']}")].append(at)
         for note in row.get("notes") or []:
-            where[(row["method"], f"note: {note}")].append(shape)
+            where[(row["method"], f"note: {note}")].append(at)
     lines = []
-    for (method, message), shapes in where.items():
-        at = "all shapes" if len(all_shapes) > 1 and set(shapes) == all_shapes else ", ".join(shapes)
+    for (method, message), places in where.items():
+        at = everywhere if len(all_places) > 1 and set(places) == all_places else ", ".join(places)
         lines.append(f"{method} @ {at}: {message}")
     return lines
 
 
+def grouped_cells(
+    rows: Sequence[dict[str, Any]],
+    group: Callable[[dict[str, Any]], Sequence[str]],
+    cells: Callable[[dict[str, Any]], Sequence[str]],
+) -> list[list[str]]:
+    """Table cells of the measured rows: the ``group`` cells (the shape, say), written on
+    a group's first row and left blank below it (``print_grid`` starts a section there),
+    then the row's own ``cells``."""
+    out = []
+    last = None
+    for row in rows:
+        if row["status"] != "ok":
+            continue
+        key = list(group(row))
+        out.append([*(key if key != last else [""] * len(key)), *cells(row)])
+        last = key
+    return out
+
+
 def print_table(rows: Sequence[dict[str, Any]], title: str) -> None:
     """The measured results as a table (rich when installed), then skips and notes."""
-    measured = [r for r in rows if r["status"] == "ok"]
+    cells = grouped_cells(rows, lambda row: [shape_text(row, "×")], _table_cells)
+    print_grid(title, ("N × V × H", *TABLE_HEADER), cells, footnotes(rows), left_columns=2)
+
+
+def print_grid(
+    title: str,
+    header: Sequence[str],
+    cells: Sequence[Sequence[str]],
+    notes: Sequence[str] = (),
+    left_columns: int = 1,
+) -> None:
+    """Rows of text cells under ``header`` (rich when installed, plain columns without),
+    then ``notes`` line by line. A row whose first cell is not empty starts a new section
+    (callers leave it empty when it repeats the row above); the first ``left_columns``
+    columns are left-aligned, the numbers after them right-aligned."""
     try:
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
     except ImportError:
-        _print_plain_table(measured, title)
-        for line in _footnotes(rows):
+        _print_plain_grid(title, header, cells)
+        for line in notes:
             print(line)
         return
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
     table = Table(title=title)
-    table.add_column("N × V × H", no_wrap=True)
-    for name in TABLE_HEADER:
-        table.add_column(name, no_wrap=True, justify="left" if name == "method" else "right")
-    last = None
-    for row in measured:
-        shape = shape_text(row, "×")
-        if last is not None and shape != last:
+    for i, name in enumerate(header):
+        table.add_column(name, no_wrap=True, justify="left" if i < left_columns else "right")
+    for i, row in enumerate(cells):
+        if i and row[0]:
             table.add_section()
-        cells = [shape if shape != last else "", *_table_cells(row)]
-        table.add_row(*(Text(c) for c in cells))
-        last = shape
+        table.add_row(*(Text(c) for c in row))
     console.print(table)
-    for line in _footnotes(rows):
+    for line in notes:
         console.print(line, highlight=False, markup=False)
 
 
-def _print_plain_table(rows: Sequence[dict[str, Any]], title: str) -> None:
-    header = ("N × V × H", *TABLE_HEADER)
-    lines = [header] + [(shape_text(r, "×"), *_table_cells(r)) for r in rows]
+def _print_plain_grid(title: str, header: Sequence[str], cells: Sequence[Sequence[str]]) -> None:
+    lines = [tuple(header)] + [tuple(row) for row in cells]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     print(title)
     for line in lines:

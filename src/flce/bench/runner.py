@@ -28,12 +28,10 @@ from flce.bench.timing import (
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """Everything a sweep needs, resolved from the command line."""
+class SweepSettings:
+    """What every sweep shares (the fused loss's and the CE kernel's): the loss options,
+    the inputs' seed and ignored fraction, and how ``measure_runs`` measures."""
 
-    mode: str
-    dtype: torch.dtype
-    shapes: tuple[Shape, ...]
     loss: LossOptions
     rounds: int
     warmup: int
@@ -42,12 +40,21 @@ class BenchConfig:
     ignore_fraction: float = 0.0
     heat_ms: float = 0.0
 
+    def steps_per_case(self, n_methods: int) -> int:
+        """Calls per case (a shape): one probe, the warm-up, one memory run and the rounds."""
+        return n_methods * (2 + self.warmup + self.rounds)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig(SweepSettings):
+    """Everything a sweep of the fused loss needs, resolved from the command line."""
+
+    mode: str
+    dtype: torch.dtype
+    shapes: tuple[Shape, ...]
+
     def case(self, shape: Shape) -> Case:
         return Case(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
-
-    def steps_per_shape(self, n_methods: int) -> int:
-        """Calls per shape: one probe, the warm-up, one memory run and the rounds."""
-        return n_methods * (2 + self.warmup + self.rounds)
 
 
 @dataclass(frozen=True)
@@ -73,10 +80,11 @@ class Result:
 
 
 @dataclass
-class _Running:
-    """A method being measured at the current shape (mutable bookkeeping)."""
+class Running:
+    """A method being measured at the current shape (mutable bookkeeping); ``method``
+    is anything with a ``name`` (a ``Method``, or a CE-kernel benchmark method)."""
 
-    method: Method
+    method: Any
     workload: Workload
     times_ms: list[float] = field(default_factory=list)
     peak: int | None = None
@@ -88,7 +96,7 @@ class _Running:
 Progress = Callable[[int, str], None]
 
 
-def _reason(exc: BaseException) -> str:
+def skip_reason(exc: BaseException) -> str:
     """A one-line skip reason for an exception raised by a method."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "out of memory"
@@ -109,7 +117,7 @@ def _scalar(value: Any) -> float | None:
 NOTED_WARNINGS = (UserWarning, RuntimeWarning)
 
 
-def _probe(run: _Running) -> None:
+def _probe(run: Running) -> None:
     """The first call: catches errors and warnings (kept as notes) and the loss value."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -122,26 +130,26 @@ def _probe(run: _Running) -> None:
             run.notes.append(note)
 
 
-def _guarded(run: _Running, step: Callable[[], None], device: torch.device) -> None:
+def _guarded(run: Running, step: Callable[[], None], device: torch.device) -> None:
     """Run one step of a method unless it already failed; a failure is recorded."""
     if run.failure is not None:
         return
     try:
         step()
     except Exception as exc:  # noqa: BLE001 - any failure of a peer is a skip, never a crash
-        run.failure = _reason(exc)
+        run.failure = skip_reason(exc)
         free_memory(device)
 
 
-def _measure_shape(
-    config: BenchConfig,
-    case: Case,
-    runs: list[_Running],
+def measure_runs(
+    config: SweepSettings,
+    label: str,
+    runs: list[Running],
     progress: Progress,
 ) -> None:
-    """Probe, warm up, measure memory, then time ``runs`` round-robin."""
+    """Probe, warm up, measure memory, then time ``runs`` round-robin; failures are
+    recorded in each run, and ``label`` names the case in the progress messages."""
     device = config.device
-    label = case.shape.label()
     for run in runs:
         _guarded(run, lambda run=run: _probe(run), device)
         progress(1, f"{label} probe {run.method.name}")
@@ -151,7 +159,7 @@ def _measure_shape(
             progress(1, f"{label} warm-up")
     for run in runs:
 
-        def measure(run: _Running = run) -> None:
+        def measure(run: Running = run) -> None:
             run.peak = peak_extra_bytes(run.workload, device)
 
         _guarded(run, measure, device)
@@ -160,14 +168,14 @@ def _measure_shape(
     for r in range(config.rounds):
         for run in rotated(runs, r):
 
-            def timed(run: _Running = run) -> None:
+            def timed(run: Running = run) -> None:
                 run.times_ms.append(time_once(run.workload, device, heater))
 
             _guarded(run, timed, device)
             progress(1, f"{label} round {r + 1}/{config.rounds}")
 
 
-def _finish(config: BenchConfig, shape: Shape, runs: Sequence[_Running]) -> list[Result]:
+def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[Result]:
     """Results of one shape, with TFLOP/s and the time ratio to the floor."""
     results = []
     for run in runs:
@@ -193,6 +201,19 @@ def _finish(config: BenchConfig, shape: Shape, runs: Sequence[_Running]) -> list
     return [replace(r, ratio_to_floor=r.timing.median_ms / floor.timing.median_ms) if r.ok else r for r in results]
 
 
+def unusable_methods(methods: Sequence[Any], case: Any) -> dict[str, str]:
+    """Name -> why, for the methods whose ``check`` says they cannot run ``case``."""
+    skipped: dict[str, str] = {}
+    for m in methods:
+        try:
+            why = m.check(case)
+        except Exception as exc:  # noqa: BLE001 - a broken check is a skip reason too
+            why = skip_reason(exc)
+        if why:
+            skipped[m.name] = why
+    return skipped
+
+
 def run_shape(
     config: BenchConfig,
     shape: Shape,
@@ -201,25 +222,18 @@ def run_shape(
 ) -> list[Result]:
     """All methods at one shape; inputs are built once and shared, then freed."""
     case = config.case(shape)
-    skipped: dict[str, str] = {}
-    for m in methods:
-        try:
-            why = m.check(case)
-        except Exception as exc:  # noqa: BLE001 - a broken check is a skip reason too
-            why = _reason(exc)
-        if why:
-            skipped[m.name] = why
+    skipped = unusable_methods(methods, case)
     inputs: Inputs | None = make_inputs(case, seed=config.seed, ignore_fraction=config.ignore_fraction)
-    runs: list[_Running] = []
+    runs: list[Running] = []
     for m in methods:
         if m.name in skipped:
             continue
         try:
-            runs.append(_Running(method=m, workload=m.workload(case, inputs)))
+            runs.append(Running(method=m, workload=m.workload(case, inputs)))
         except Exception as exc:  # noqa: BLE001
-            skipped[m.name] = _reason(exc)
-    progress(config.steps_per_shape(len(methods) - len(runs)), f"{shape.label()} skipped")
-    _measure_shape(config, case, runs, progress)
+            skipped[m.name] = skip_reason(exc)
+    progress(config.steps_per_case(len(methods) - len(runs)), f"{shape.label()} skipped")
+    measure_runs(config, shape.label(), runs, progress)
     measured = {r.method: r for r in _finish(config, shape, runs)}
     del runs, inputs
     free_memory(config.device)

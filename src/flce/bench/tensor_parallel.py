@@ -61,6 +61,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--single-backend", default=None, help="flce backend of the single-GPU run (default: auto)")
+    parser.add_argument(
+        "--backend", default=None, help="local kernels of the vocab-parallel run (default: auto, see flce.split_rows)"
+    )
     return parser.parse_args(argv)
 
 
@@ -128,10 +131,14 @@ class Timer:
                 times.append((time.perf_counter() - t0) * 1e3)
         return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": iters}
 
-    def peak_extra_bytes(self, fn):
-        """Peak allocated memory above the starting point while ``fn`` runs (CUDA only)."""
+    def peak_extra_bytes(self, fn, params):
+        """Peak allocated memory above the starting point while ``fn`` runs (CUDA only),
+        with the ``.grad`` of ``params`` dropped first: the gradients the call returns
+        count, not those of an earlier call that the new ones would replace."""
         if not self.cuda:
             return None
+        for param in params:
+            param.grad = None
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -192,13 +199,13 @@ def main(argv=None) -> int:
     def parallel_step(**extra):
         x.grad = None
         weight_shard.grad = None
-        out = vocab_parallel_fused_linear_cross_entropy(x, weight_shard, target, **opts, **extra)
+        out = vocab_parallel_fused_linear_cross_entropy(x, weight_shard, target, backend=args.backend, **opts, **extra)
         loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
         return out
 
     parallel_time = timer.measure(parallel_step, args.warmup, args.iters)
-    parallel_peak = timer.peak_extra_bytes(parallel_step)
+    parallel_peak = timer.peak_extra_bytes(parallel_step, (x, weight_shard))
     per_rank = {
         "rank": rank,
         "vocab_range": [v0, v1],
@@ -237,7 +244,7 @@ def main(argv=None) -> int:
             return out
 
         single_time = timer.measure(single_step, args.warmup, args.iters)
-        single_peak = timer.peak_extra_bytes(single_step)
+        single_peak = timer.peak_extra_bytes(single_step, (x_single, full))
         single_out = single_step(return_token_accuracy=True, return_predicted_tokens=True)
         dx_single, dw_single = x_single.grad.detach().clone(), full.grad.detach().clone()
         del full
@@ -288,7 +295,7 @@ def main(argv=None) -> int:
                 "n": n, "hidden": hidden, "vocab": vocab, "dtype": args.dtype, "world_size": world,
                 "warmup": args.warmup, "iters": args.iters, "ignore_fraction": args.ignore_fraction, **opts,
                 "torch": torch.__version__, "backend": dist.get_backend(),
-                "single_backend": args.single_backend or "auto",
+                "single_backend": args.single_backend or "auto", "parallel_backend": args.backend or "auto",
             },
             "per_rank": per_rank_all,
             "single_gpu": {"fwd_bwd": single_time, "peak_extra_bytes": single_peak},
