@@ -508,9 +508,11 @@ def run_vocab_blocks(
     (max, sum of exp, target logit, smoothing sum, argmax) into the whole row's. Pass 2,
     only for gradients, recomputes each block's logits, writes their gradient in place
     and finishes that block of dW in one fp32 accumulator of ``V_b x H`` before moving
-    on; dX is accumulated in fp32 over the blocks. Exact fp32 accumulation of both with
-    peak extra memory ``C*V_b*(itemsize + extra) + V_b*H*4 + N*H*4 + dW + dX`` instead of
-    a ``V x H`` fp32 buffer, for one more logits GEMM (8NVH FLOPs instead of 6NVH).
+    on (or, when one chunk holds every row, writes it into dW directly: one GEMM
+    accumulates in fp32 inside); dX is accumulated in fp32 over the blocks. Exact fp32
+    accumulation of both with peak extra memory ``C*V_b*(itemsize + extra) + V_b*H*4 +
+    N*H*4 + dW + dX`` (no ``V_b*H*4`` term with one row chunk) instead of a ``V x H`` fp32
+    buffer, for one more logits GEMM (8NVH FLOPs instead of 6NVH).
     """
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
@@ -595,8 +597,20 @@ def run_vocab_blocks(
     dw = torch.empty(vocab, hidden, dtype=weight.dtype, device=device) if grad_weight else None
     db = torch.zeros(vocab, **f32) if grad_bias else None
     acc_dtype = _weight_accumulator_dtype(options, weight.dtype)
+    # One row chunk per block: each dW block is one GEMM over every row, accumulated in
+    # fp32 inside it, so it writes dW's rows directly (as run_chunks' one-chunk rule);
+    # saves the V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
+    dw_direct = (
+        grad_weight and n_rows > 0 and chunk >= n_rows and weight.dtype == compute_dtype
+        and acc_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
+    )
     for v0, v1, ce_block in blocks():
-        dw_block = torch.empty(v1 - v0, hidden, dtype=acc_dtype, device=device) if grad_weight else None
+        if dw_direct:
+            dw_block = dw[v0:v1]  # (V_b, H) contiguous rows of dW
+        elif grad_weight:
+            dw_block = torch.empty(v1 - v0, hidden, dtype=acc_dtype, device=device)
+        else:
+            dw_block = None
         for r0, r1, x in chunks():
             local = safe_target[r0:r1] - v0
             owned = valid[r0:r1] & (local >= 0) & (local < v1 - v0)
@@ -606,11 +620,14 @@ def run_vocab_blocks(
                              row_scale[r0:r1], scalars, eps)
             if dx_acc is not None:
                 _accumulate_product(dx_acc[r0:r1], grad, w[v0:v1], first=False)
-            if dw_block is not None:
+            if dw_direct:
+                with _full_precision_reductions():
+                    torch.mm(grad.t(), x, out=dw_block)
+            elif dw_block is not None:
                 _accumulate_product(dw_block, grad.t(), x, first=r0 == 0)
             if db is not None:
                 db[v0:v1] += grad.sum(dim=0, dtype=torch.float32)
-        if dw_block is not None:
+        if dw_block is not None and not dw_direct:
             if n_rows == 0:
                 dw_block.zero_()
             dw[v0:v1] = dw_block
