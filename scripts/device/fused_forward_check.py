@@ -1,6 +1,6 @@
 """Correctness and timing of the fused forward Hopper kernel on an H200 (sm_90).
 
-    python3 scripts/device/fused_forward_check.py
+    python3 scripts/device/fused_forward_check.py [--configs NAME,NAME] [--vocab 128256,32000] [--no-checks]
 
 1. A few correctness checks against float64 (bf16/fp16, V = 32000 / 128256 / 151936,
    N = 1000, bias, softcap, logit sum, cluster shapes), one ``PASS``/``FAIL`` line each:
@@ -39,6 +39,10 @@ CONFIGS = {
     "128x256_cluster2x1": ff.FusedForwardConfig(cluster_m=2),
     "128x128": ff.FusedForwardConfig(tile_n=128),
     "128x256_cluster1x2": ff.FusedForwardConfig(cluster_n=2),
+    # Few stages, so that two CTAs fit on an SM (2 x 96 KiB / 2 x 80 KiB of shared
+    # memory): one CTA's epilogue may then overlap the other's main loop.
+    "128x128_s3_cluster2x1": ff.FusedForwardConfig(tile_n=128, stages=3, cluster_m=2),
+    "128x192_s2_cluster2x1": ff.FusedForwardConfig(tile_n=192, stages=2, cluster_m=2),
 }
 
 
@@ -116,7 +120,7 @@ def time_ms(fn, reps=20, warmup=3):
     return statistics.median(times)
 
 
-def bench(n, hidden, vocab):
+def bench(n, hidden, vocab, configs):
     dtype = torch.bfloat16
     x, w, y, _ = make_problem(n, vocab, hidden, dtype, seed=1)
     flop = 2.0 * n * vocab * hidden
@@ -126,7 +130,7 @@ def bench(n, hidden, vocab):
     torch.cuda.empty_cache()
     print(json.dumps({"op": "torch.mm", "N": n, "H": hidden, "V": vocab, "ms": round(t_mm, 4),
                       "tflops": round(flop / t_mm / 1e9, 1)}), flush=True)
-    for cname, cfg in CONFIGS.items():
+    for cname, cfg in configs.items():
         for with_sum in (False, True):
             try:
                 ff.fused_forward_statistics(x, w, y, config=cfg, with_logit_sum=with_sum)  # compile
@@ -151,7 +155,29 @@ def bench(n, hidden, vocab):
 
 
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"launch shapes to time, of {list(CONFIGS)}")
+    parser.add_argument("--vocab", default="128256,32000", help="vocabularies of the timing step")
+    parser.add_argument("--no-checks", action="store_true", help="timing only")
+    args = parser.parse_args()
+    for name in args.configs.split(","):
+        if name not in CONFIGS:
+            parser.error(f"--configs: unknown launch shape {name!r}; expected some of {list(CONFIGS)}")
+    timed = {name: CONFIGS[name] for name in args.configs.split(",")}
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    if not args.no_checks:
+        run_checks()
+    for vocab in (int(v) for v in args.vocab.split(",")):
+        try:
+            bench(8192, 4096, vocab, timed)
+        except Exception:
+            print(f"FAIL bench V={vocab}: exception", flush=True)
+            traceback.print_exc()
+
+
+def run_checks():
     checks = [
         ("bf16 V=32000 plain", dict(n=1000, vocab=32000, hidden=4096, dtype=torch.bfloat16)),
         ("fp16 V=32000 bias+softcap", dict(n=1000, vocab=32000, hidden=2048, dtype=torch.float16, bias=True,
@@ -171,12 +197,6 @@ def main():
             print(f"FAIL {name}: exception", flush=True)
             traceback.print_exc()
     print(f"correctness: {sum(results)}/{len(results)} passed", flush=True)
-    for vocab in (128256, 32000):
-        try:
-            bench(8192, 4096, vocab)
-        except Exception:
-            print(f"FAIL bench V={vocab}: exception", flush=True)
-            traceback.print_exc()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ kernel, fp32 dW accumulation/casts and the rest. The sum of kernel times is what
 GPU was busy with; the gap to the CUDA-event time of the same call is launch overhead
 and idle time. Writes ``OUT/profile.json`` and prints a table.
 
-    python3 scripts/device/profile_breakdown.py OUT [--n 8192 --v 128256 --h 4096]
+    python3 scripts/device/profile_breakdown.py OUT [--n 8192 --v 128256 --h 4096] [--mode fwd]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ def kernel_group(name: str) -> str:
     # CE names first: CuTe DSL kernels carry "cutlass" in their names whatever they do.
     if any(key in lowered for key in ("crossentropyclustervec", "chunkcrossentropy", "_ce_chunk", "cross_entropy_kernel")):
         return "ce kernel"
+    if "fusedforward" in lowered:
+        return "fused forward gemm"
     if any(key in lowered for key in ("gemm", "sm90_xmma", "cutlass", "wgmma", "nvjet", "matmul")):
         return "gemm"
     if "copy" in lowered or "cast" in lowered or "convert" in lowered:
@@ -84,12 +86,13 @@ def main() -> int:
     parser.add_argument("--v", type=int, default=128256)
     parser.add_argument("--h", type=int, default=4096)
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--mode", choices=("full", "fwd"), default="full", help="fwd+bwd, or the forward without grad")
     args = parser.parse_args()
     device = torch.device("cuda")
-    case = Case(Shape(args.n, args.v, args.h), torch.bfloat16, "full", LossOptions(), device)
+    case = Case(Shape(args.n, args.v, args.h), torch.bfloat16, args.mode, LossOptions(), device)
     inputs = make_inputs(case)
     by_name = {m.name: m for m in all_methods()}
-    report = {"shape": case.shape.label(), "dtype": "bf16", "mode": "full", "gpu": torch.cuda.get_device_name(),
+    report = {"shape": case.shape.label(), "dtype": "bf16", "mode": args.mode, "gpu": torch.cuda.get_device_name(),
               "methods": {}}
     for name in args.methods.split(","):
         method = by_name[name]
@@ -104,7 +107,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.json").write_text(json.dumps(report, indent=1))
-    print(f"{report['shape']} bf16 fwd+bwd on {report['gpu']}; ms per call")
+    print(f"{report['shape']} bf16 {'fwd+bwd' if args.mode == 'full' else 'forward'} on {report['gpu']}; ms per call")
     for name, row in report["methods"].items():
         if "groups_ms" not in row:
             print(f"{name:18s} {row}")

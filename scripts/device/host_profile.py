@@ -1,0 +1,76 @@
+"""Where the host time of one small loss call goes: cProfile of the public calls.
+
+At 8 tokens the GPU work is a few microseconds, so a call's wall time is host time
+(argument checks, dispatch, launches, the per-call device-to-host read). For each
+backend this profiles 200 calls of ``flce.cross_entropy`` and of
+``flce.fused_linear_cross_entropy`` (each with ``loss.backward()``) and writes the
+functions with the most own time, per call, to ``OUT/host_profile.txt``.
+
+    python3 scripts/device/host_profile.py OUT [--backends cutedsl,triton]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+import flce
+
+CALLS = 200
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--backends", default="cutedsl,triton")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(8, 64, generator=gen, device=device).bfloat16().requires_grad_()
+    w = torch.randn(1024, 64, generator=gen, device=device).bfloat16().requires_grad_()
+    logits = torch.randn(8, 1024, generator=gen, device=device).bfloat16().requires_grad_()
+    target = torch.randint(0, 1024, (8,), generator=gen, device=device)
+    report = io.StringIO()
+    for backend in args.backends.split(","):
+        calls = {
+            "cross_entropy": lambda b=backend: flce.cross_entropy(logits, target, backend=b),
+            "fused_linear_cross_entropy": lambda b=backend: flce.fused_linear_cross_entropy(x, w, target, backend=b),
+        }
+        for api, call in calls.items():
+
+            def step():
+                out = call()
+                (out if isinstance(out, torch.Tensor) else out.loss).backward()
+
+            for _ in range(20):
+                step()
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                step()
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            wall_us = (time.perf_counter() - start) / CALLS * 1e6
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(CALLS):
+                step()
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            profiler.disable()
+            report.write(f"\n===== {api} backend={backend}: {wall_us:.1f} us per call (fwd+bwd, unprofiled)\n")
+            stats = pstats.Stats(profiler, stream=report)
+            stats.sort_stats("tottime").print_stats(25)
+            stats.sort_stats("cumulative").print_stats(25)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "host_profile.txt").write_text(report.getvalue())
+    print(report.getvalue()[:20000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
