@@ -343,10 +343,12 @@ def _cross_entropy_rows(
     logits: torch.Tensor, target: torch.Tensor, ce_weight, plan: _Plan, grad_buffer: Optional[torch.Tensor]
 ) -> RowOutputs:
     """Runs the kernel over row chunks of given logits (the torch backend's workspace
-    stays bounded); the gradient, if asked for, goes to ``grad_buffer``."""
+    stays bounded); the gradient, if asked for, goes to ``grad_buffer`` (the kernels read
+    the logits and write it there, so the caller's logits are never modified and never
+    copied)."""
     n_rows, vocab = logits.shape
     rows = RowOutputs.allocate(n_rows, plan.options, logits.device)
-    source = logits.contiguous() if grad_buffer is None else grad_buffer
+    source = logits if logits.stride(-1) == 1 else logits.contiguous()
     chunk = plan.options.chunk_size or default_chunk_size(
         n_rows, vocab, logits.dtype, plan.backend.extra_bytes_per_logit
     )
@@ -355,6 +357,7 @@ def _cross_entropy_rows(
         plan.backend.cross_entropy_chunk(
             source[start:end], target[start:end], ce_weight, plan.scalars,
             **rows.chunk_kwargs(start, end), row_grad_scale=None, compute_grad=grad_buffer is not None,
+            grad_out=None if grad_buffer is None else grad_buffer[start:end],
         )
     return rows
 
@@ -366,7 +369,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ce_weight, plan: _Plan):
         # logits (N, V), target (N,), ce_weight (V,) fp32 or None
-        grad_buffer = logits.detach().clone(memory_format=torch.contiguous_format)
+        grad_buffer = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)  # (N, V) dL/dlogits
         with _no_autocast(logits.device):
             rows = _cross_entropy_rows(logits, target, ce_weight, plan, grad_buffer)
         ctx.plan = plan
@@ -382,11 +385,13 @@ class CrossEntropyFunction(torch.autograd.Function):
         grad, ctx.grad_buffer = ctx.grad_buffer, None
         if grad is None:  # repeated backward: recompute
             logits, target, ce_weight = ctx.saved_tensors
-            grad = logits.detach().clone(memory_format=torch.contiguous_format)
+            grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             with _no_autocast(logits.device):
-                _cross_entropy_rows(logits, target, ce_weight, ctx.plan, grad)
-        scale = grad_loss.float()[:, None] if grad_loss.dim() == 1 else grad_loss.float()
-        grad.mul_(scale.to(grad.dtype) if grad.dtype != torch.float32 else scale)
+                _cross_entropy_rows(logits.detach(), target, ce_weight, ctx.plan, grad)
+        if grad_loss.dim() == 0:
+            scale_gradients_([grad], grad_loss)  # skipped on the device when it is 1
+        else:  # reduction="none": one upstream gradient per row, multiplied in fp32, rounded once
+            grad.mul_(grad_loss.float()[:, None])
         return grad, None, None, None
 
 

@@ -235,7 +235,7 @@ def cross_entropy_fwd(
     options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
                        None, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, None, None)
     plan = make_plan(options, logits.device, target, ce_weight, logits.shape[1], logits.dtype)
-    grad = logits.detach().clone(memory_format=torch.contiguous_format) if compute_grad else None
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
     with torch.autocast(device_type=logits.device.type, enabled=False):
         rows = _cross_entropy_rows(logits, target, ce_weight, plan, grad)
     reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
@@ -277,7 +277,8 @@ def _ce_backward(ctx, grad_loss, _z, _acc, _pred, _grad):
     if not ctx.compute_grad:
         return (None,) * 14
     scale = grad_loss.float()[:, None] if grad_loss.dim() == 1 else grad_loss.float()
-    return (grad * scale.to(grad.dtype),) + (None,) * 13
+    # The product in fp32, rounded once to the gradient's dtype (no fp32 temporary).
+    return (torch.mul(grad, scale, out=torch.empty_like(grad)),) + (None,) * 13
 
 
 cross_entropy_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)

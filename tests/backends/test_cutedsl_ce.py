@@ -331,3 +331,39 @@ def test_backend_registration():
     assert BACKEND.name == "cutedsl" and BACKEND.extra_bytes_per_logit == 0
     assert BACKEND.availability(torch.device("cpu"))[0] is False
     assert BACKEND.availability(DEVICE) == (True, "")
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_gradient_into_grad_out_leaves_logits_untouched(dtype, feature, offset):
+    """With ``grad_out`` (a view of a wider buffer) the logits are only read. Aligned, the
+    gradient is bit for bit the one the in-place call leaves in the logits; misaligned by
+    one element, the vector width drops to the narrower layout's (another compiled
+    variant, whose sums may round differently in the last place)."""
+    opts = FEATURES[feature]
+    vocab, rows = 32000, 16
+    logits = make_logits(rows, vocab, dtype, 3)
+    target = make_target(logits, -100, 0.2, 3)
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.rand(vocab, generator=gen) + 0.5).to(DEVICE) if opts.get("ce_weight") else None
+    scalars = make_scalars(target, weight, vocab, opts, -100)
+    kwargs = dict(z_loss_out=None, correct_out=None, predicted_out=None, row_grad_scale=None, compute_grad=True)
+    in_place = logits.clone()
+    loss_in_place = torch.empty(rows, device=DEVICE)
+    cute_ce.cross_entropy_chunk(in_place, target, weight, scalars, loss_out=loss_in_place, **kwargs)
+    source = logits.clone()
+    # Rows of vocab + 8 elements keep every 16-byte vector aligned at offset 0.
+    wide = torch.full((rows, vocab + 8), 7.0, dtype=dtype, device=DEVICE)
+    grad_out = wide[:, offset : vocab + offset]
+    loss = torch.empty(rows, device=DEVICE)
+    cute_ce.cross_entropy_chunk(source, target, weight, scalars, loss_out=loss, grad_out=grad_out, **kwargs)
+    torch.cuda.synchronize()
+    assert torch.equal(source, logits), "the logits must only be read"
+    assert torch.all(wide[:, :offset] == 7.0) and torch.all(wide[:, vocab + offset :] == 7.0)
+    if offset == 0:
+        assert torch.equal(grad_out, in_place)
+        assert torch.equal(loss, loss_in_place)
+    else:
+        torch.testing.assert_close(grad_out, in_place)
+        torch.testing.assert_close(loss, loss_in_place)

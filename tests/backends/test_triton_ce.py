@@ -384,3 +384,23 @@ def test_gpu_row_offsets_beyond_int32():
     twin = run_chunk(torch_chunk, tail_logits, target[tail], None, scalars, None)
     torch.testing.assert_close(loss[tail], twin["loss"])
     torch.testing.assert_close(logits[tail], twin["grad"])
+
+
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_gradient_into_grad_out_leaves_logits_untouched(feature):
+    """With ``grad_out`` the kernel only reads the logits and writes the same gradient
+    (bit for bit) that the in-place call leaves in them, into a buffer of its own stride."""
+    opts = dict(label_smoothing=0.1, lse_square_scale=1e-2, softcap=20.0) if feature == "all" else {}
+    logits, target, weight, rgs = make_inputs(9, 123, torch.bfloat16, seed=8)
+    scalars = make_scalars(123, weight if feature == "all" else None, opts)
+    ce_weight = weight if feature == "all" else None
+    in_place = run_chunk(triton_chunk, logits, target, ce_weight, scalars, rgs)
+    source = logits.clone()
+    wide = torch.full((9, 131), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    out = run_chunk(triton_chunk, source, target, ce_weight, scalars, rgs, grad_out=wide[:, :123])
+    assert torch.equal(out["grad"], source), "run_chunk's copy of the logits must stay unchanged"
+    assert torch.equal(wide[:, :123], in_place["grad"])
+    assert torch.all(wide[:, 123:] == 7.0)
+    torch.testing.assert_close(out["loss"], in_place["loss"])
+    with pytest.raises(ValueError, match="grad_out must match logits"):
+        run_chunk(triton_chunk, source, target, None, scalars, None, grad_out=wide[:, :122])

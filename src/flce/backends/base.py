@@ -70,7 +70,8 @@ class ChunkCEKernel(Protocol):
 
     Arguments (M rows of one chunk, V the vocabulary):
       logits          (M, V) fp16/bf16/fp32, last dim contiguous; overwritten with
-                      dL/dlogits (same dtype) when ``compute_grad`` is True, untouched otherwise.
+                      dL/dlogits (same dtype) when ``compute_grad`` is True and ``grad_out``
+                      is None, untouched otherwise.
       target          (M,) int64 or int32; values in [0, V) or ``ignore_index``.
       ce_weight       (V,) fp32 contiguous, or None.
       scalars         the per-call ``ChunkScalars``.
@@ -79,7 +80,10 @@ class ChunkCEKernel(Protocol):
       correct_out     (M,) fp32 or None: 1.0 where argmax(z') == y (first index wins ties).
       predicted_out   (M,) int64 or None: argmax(z') (first index wins), -1 on ignored rows.
       row_grad_scale  (M,) fp32 or None: per-row upstream gradient (reduction="none" backward).
-      compute_grad    whether to write the gradient into ``logits``.
+      compute_grad    whether to write the gradient (into ``logits``, unless ``grad_out``).
+      grad_out        (M, V) logits dtype, unit stride along V, or None: where the gradient
+                      goes, the logits then only read (saves the copy a caller who must keep
+                      its logits would make); None writes it over the logits.
     """
 
     def __call__(
@@ -95,6 +99,7 @@ class ChunkCEKernel(Protocol):
         predicted_out: Optional[torch.Tensor],
         row_grad_scale: Optional[torch.Tensor],
         compute_grad: bool,
+        grad_out: Optional[torch.Tensor] = None,
     ) -> None: ...
 
 

@@ -459,7 +459,7 @@ class RowStream:
         self,
         frag: cute.Tensor,  # (vec,) logits dtype, registers
         vidx: Int32,
-        gRow: cute.Tensor,  # (vec, V/vec) this row in global memory
+        gOut: cute.Tensor,  # (vec, V/vec) where this row's gradient goes in global memory
         mWeight: cute.Tensor,  # (vec, V/vec) fp32
         y: Int32,
         coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
@@ -506,7 +506,7 @@ class RowStream:
                 g[j] = g[j] * (Float32(1.0) - t[j] * t[j])
         out = cute.make_rmem_tensor((VEC,), self.dtype)
         out.store(g.load().to(self.dtype))
-        cute.autovec_copy(out, gRow[None, vidx])
+        cute.autovec_copy(out, gOut[None, vidx])
 
 
 class ChunkCrossEntropy(RowStream):
@@ -521,7 +521,8 @@ class ChunkCrossEntropy(RowStream):
     @cute.jit
     def __call__(
         self,
-        p_logits: cute.Pointer,  # (M, V) logits dtype, row stride `row_stride`; gradient written here
+        p_logits: cute.Pointer,  # (M, V) logits dtype, row stride `row_stride`
+        p_grad: cute.Pointer,  # (M, V) logits dtype, row stride `grad_row_stride`: the gradient (may be p_logits)
         p_target: cute.Pointer,  # (M,) int64 or int32
         p_weight: cute.Pointer,  # (V,) fp32; read only if has_weight
         p_loss: cute.Pointer,  # (M,) fp32
@@ -531,6 +532,7 @@ class ChunkCrossEntropy(RowStream):
         p_row_scale: cute.Pointer,  # (M,) fp32; read only if has_row_scale
         num_rows: Int32,  # M
         row_stride: Int64,  # elements between rows of logits (a multiple of vec)
+        grad_row_stride: Int64,  # elements between rows of the gradient (a multiple of vec)
         ignore_index: Int64,
         label_smoothing: Float32,  # ls
         eps: Float32,  # ls / V
@@ -551,8 +553,8 @@ class ChunkCrossEntropy(RowStream):
         mRowScale = cute.make_tensor(p_row_scale, rows)  # (M,)
         mWeight = cute.make_tensor(p_weight, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec)))  # (vec, V/vec)
         self.kernel(
-            p_logits, mTarget, mWeight, mLoss, mZLoss, mCorrect, mPred, mRowScale,
-            row_stride, ignore_index, label_smoothing, eps, z_scale, softcap, inv_softcap,
+            p_logits, p_grad, mTarget, mWeight, mLoss, mZLoss, mCorrect, mPred, mRowScale,
+            row_stride, grad_row_stride, ignore_index, label_smoothing, eps, z_scale, softcap, inv_softcap,
             ce_grad_scale, z_grad_scale, weight_sum,
         ).launch(
             grid=[num_rows * self.cluster, 1, 1],
@@ -567,6 +569,7 @@ class ChunkCrossEntropy(RowStream):
     def kernel(
         self,
         p_logits: cute.Pointer,  # (M, V) base of the chunk
+        p_grad: cute.Pointer,  # (M, V) base of the gradient (p_logits when in place)
         mTarget: cute.Tensor,  # (M,)
         mWeight: cute.Tensor,  # (vec, V/vec) fp32
         mLoss: cute.Tensor,  # (M,)
@@ -575,6 +578,7 @@ class ChunkCrossEntropy(RowStream):
         mPred: cute.Tensor,  # (M,)
         mRowScale: cute.Tensor,  # (M,)
         row_stride: Int64,
+        grad_row_stride: Int64,
         ignore_index: Int64,
         label_smoothing: Float32,
         eps: Float32,
@@ -613,6 +617,9 @@ class ChunkCrossEntropy(RowStream):
         # This row as (vec, V/vec): gRow[None, v] is the v-th vector of VEC elements.
         row_offset = cute.assume(Int64(row) * row_stride, divby=VEC)
         gRow = cute.make_tensor(p_logits + row_offset, cute.make_layout((VEC, NV), stride=(1, VEC)))
+        # Where this row's gradient goes: the same row when in place.
+        grad_offset = cute.assume(Int64(row) * grad_row_stride, divby=VEC)
+        gGrad = cute.make_tensor(p_grad + grad_offset, cute.make_layout((VEC, NV), stride=(1, VEC)))
 
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 5)), byte_alignment=16)  # (warps, 5)
@@ -727,7 +734,7 @@ class ChunkCrossEntropy(RowStream):
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
                             self._grad_step(
-                                frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
+                                frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap
                             )
                         rd_slot = R + ((rd_slot - R + 1) & (self.stages - 1))
                         wr_slot = R + ((wr_slot - R + 1) & (self.stages - 1))
@@ -740,7 +747,7 @@ class ChunkCrossEntropy(RowStream):
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, t], frag)
                             self._grad_step(
-                                frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
+                                frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap
                             )
                         vidx = vidx + T
             else:
@@ -750,7 +757,7 @@ class ChunkCrossEntropy(RowStream):
                         frag = cute.make_rmem_tensor((VEC,), self.dtype)
                         cute.autovec_copy(gRow[None, vidx], frag)
                         self._grad_step(
-                            frag, vidx, gRow, mWeight, y, coefs, softcap, inv_softcap
+                            frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap
                         )
                     vidx = vidx + T
 
@@ -814,6 +821,7 @@ def compile_kernel(key: KernelKey, config: Optional[KernelConfig] = None):
     fn = cute.compile(
         kernel,
         _null_ptr(dtype, key.vec * esize),
+        _null_ptr(dtype, key.vec * esize),
         _null_ptr(target_t, target_t.width // 8),
         _null_ptr(Float32, 16),
         _null_ptr(Float32, 4),
@@ -822,6 +830,7 @@ def compile_kernel(key: KernelKey, config: Optional[KernelConfig] = None):
         _null_ptr(Int64, 8),
         _null_ptr(Float32, 4),
         Int32(1),
+        Int64(key.vocab),
         Int64(key.vocab),
         Int64(-100),
         Float32(0.0),
@@ -845,7 +854,7 @@ def _ptr(tensor: Optional[torch.Tensor], dtype, align: int) -> cute.Pointer:
 
 
 def cross_entropy_chunk(
-    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad
+    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient (compute_grad, no grad_out)
     target: torch.Tensor,  # (M,) int64 or int32
     ce_weight: Optional[torch.Tensor],  # (V,) fp32
     scalars: ChunkScalars,
@@ -856,6 +865,7 @@ def cross_entropy_chunk(
     predicted_out: Optional[torch.Tensor],  # (M,) int64
     row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
     compute_grad: bool,
+    grad_out: Optional[torch.Tensor] = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
     config: Optional[KernelConfig] = None,
 ) -> None:
     num_rows, vocab = logits.shape
@@ -865,6 +875,15 @@ def cross_entropy_chunk(
         raise TypeError(f"cutedsl CE supports fp16/bf16/fp32 logits, got {logits.dtype}")
     if logits.stride(1) != 1:
         raise ValueError("cutedsl CE needs logits with a contiguous last dimension")
+    grad = logits if grad_out is None or not compute_grad else grad_out
+    if grad is not logits:
+        if grad.shape != logits.shape or grad.dtype != logits.dtype or grad.device != logits.device:
+            raise ValueError(
+                f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
+                f"({tuple(grad.shape)}, {grad.dtype}, {grad.device})"
+            )
+        if grad.stride(1) != 1:
+            raise ValueError("cutedsl CE needs grad_out with a contiguous last dimension")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32, got {target.dtype}")
     target = target if target.is_contiguous() else target.contiguous()
@@ -884,7 +903,7 @@ def cross_entropy_chunk(
     key = KernelKey(
         dtype=logits.dtype,
         vocab=vocab,
-        vec=_vector_width(logits),
+        vec=min(_vector_width(logits), _vector_width(grad)),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=ls > 0.0,
@@ -899,14 +918,14 @@ def cross_entropy_chunk(
     fn = compile_kernel(key, config)
     if logits.device.index is not None and logits.device.index != torch.cuda.current_device():
         with torch.cuda.device(logits.device):
-            _launch(fn, key, logits, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
-                    row_grad_scale)
+            _launch(fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out,
+                    predicted_out, row_grad_scale)
         return
-    _launch(fn, key, logits, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
+    _launch(fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
             row_grad_scale)
 
 
-def _launch(fn, key, logits, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
+def _launch(fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
             row_grad_scale):
     num_rows, vocab = logits.shape
     ls = float(scalars.label_smoothing)
@@ -914,6 +933,7 @@ def _launch(fn, key, logits, target, weight, scalars, loss_out, z_loss_out, corr
     esize = logits.element_size()
     fn(
         _ptr(logits, _TORCH_TO_CUTE[logits.dtype], key.vec * esize),
+        _ptr(grad, _TORCH_TO_CUTE[logits.dtype], key.vec * esize),
         _ptr(target, Int64 if key.target_int64 else Int32, target.element_size()),
         _ptr(weight, Float32, 16),
         _ptr(loss_out, Float32, 4),
@@ -923,6 +943,7 @@ def _launch(fn, key, logits, target, weight, scalars, loss_out, z_loss_out, corr
         _ptr(row_grad_scale, Float32, 4),
         Int32(num_rows),
         Int64(logits.stride(0)),
+        Int64(grad.stride(0)),
         Int64(scalars.ignore_index),
         Float32(ls),
         Float32(ls / vocab),

@@ -85,7 +85,7 @@ def gradient_from_softmax(
 
 
 def cross_entropy_chunk(
-    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad
+    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad and no grad_out
     target: torch.Tensor,  # (M,) int
     ce_weight: Optional[torch.Tensor],  # (V,) fp32
     scalars: ChunkScalars,
@@ -96,6 +96,7 @@ def cross_entropy_chunk(
     predicted_out: Optional[torch.Tensor],  # (M,) int64
     row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
     compute_grad: bool,
+    grad_out: Optional[torch.Tensor] = None,  # (M, V): the gradient goes here instead of over the logits
 ) -> None:
     num_rows, vocab = logits.shape
     if num_rows == 0:
@@ -142,7 +143,7 @@ def cross_entropy_chunk(
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale.float()
     p.div_(s_sum[:, None])  # (M, V) softmax
-    logits.copy_(
+    (logits if grad_out is None else grad_out).copy_(
         gradient_from_softmax(
             p, safe_target, torch.ones_like(lse), w_y, lse, ce_weight, scalars, eps, softcap_derivative, row_scale
         )

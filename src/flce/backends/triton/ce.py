@@ -131,7 +131,8 @@ def _row_statistics(
 
 @triton.jit
 def _write_gradient_row(
-    row_ptr,  # one row of logits (V,), overwritten with dL/dlogits
+    row_ptr,  # one row of logits (V,), read
+    out_row_ptr,  # where dL/dlogits of the row goes (V,); row_ptr itself when in place
     weight_ptr,  # (V,) fp32 class weights of the row's columns (HAS_WEIGHT)
     V,
     y,  # the target's column; outside [0, V) when the row holds none
@@ -176,13 +177,15 @@ def _write_gradient_row(
             g = g * softcap_derivative
         if BF16_ROUND_BY_BITS:
             g = _fp32_to_bf16_rtne(g)
-        tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row_ptr + offs, g.to(out_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _ce_chunk_kernel(
-    logits_ptr,  # (M, V) fp16/bf16/fp32, unit stride along V; gradient written in place
+    logits_ptr,  # (M, V) fp16/bf16/fp32, unit stride along V
     logits_row_stride,  # elements between rows (>= V)
+    grad_ptr,  # (M, V) same dtype, unit stride along V: the gradient (logits_ptr when in place)
+    grad_row_stride,
     target_ptr,  # (M,) int32/int64
     weight_ptr,  # (V,) fp32 class weights (read only if HAS_WEIGHT)
     loss_ptr,  # (M,) fp32 out: st * ce
@@ -218,6 +221,7 @@ def _ce_chunk_kernel(
     offs0 = tl.arange(0, BLOCK_V)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride  # 64-bit: M * V may exceed 2^31
+    grad_row_ptr = grad_ptr + row * grad_row_stride
 
     y = tl.load(target_ptr + row).to(tl.int64)
     valid = y != ignore_index
@@ -276,8 +280,8 @@ def _ce_chunk_kernel(
             smooth_coef = row_scale * ce_grad_scale * eps
             z_coef = row_scale * z_grad_scale * 2.0 * lse_square_scale * lse
             _write_gradient_row(
-                row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum, softcap,
-                inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
+                row_ptr, grad_row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum,
+                softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
             )
     else:
         tl.store(loss_ptr + row, 0.0)
@@ -288,14 +292,14 @@ def _ce_chunk_kernel(
         if WRITE_PREDICTED:
             tl.store(predicted_ptr + row, -1)
         if COMPUTE_GRAD:
-            zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
+            zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
             for start in range(0, V, BLOCK_V):
                 offs = start + offs0
-                tl.store(row_ptr + offs, zeros, mask=offs < V)
+                tl.store(grad_row_ptr + offs, zeros, mask=offs < V)
 
 
 def cross_entropy_chunk(
-    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32, unit stride along V; overwritten with the gradient if compute_grad
+    logits: torch.Tensor,  # (M, V) fp16/bf16/fp32, unit stride along V; the gradient's place unless grad_out
     target: torch.Tensor,  # (M,) int32/int64
     ce_weight: Optional[torch.Tensor],  # (V,) fp32 contiguous
     scalars: ChunkScalars,
@@ -306,6 +310,7 @@ def cross_entropy_chunk(
     predicted_out: Optional[torch.Tensor],  # (M,) int64
     row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
     compute_grad: bool,
+    grad_out: Optional[torch.Tensor] = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
     config: Optional[CEKernelConfig] = None,
 ) -> None:
     """The chunk CE kernel of ``flce.backends.base.ChunkCEKernel`` (one launch).
@@ -318,6 +323,15 @@ def cross_entropy_chunk(
         return
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have unit stride along the vocabulary, got strides {tuple(logits.stride())}")
+    grad = logits if grad_out is None or not compute_grad else grad_out
+    if grad is not logits:
+        if grad.shape != logits.shape or grad.dtype != logits.dtype or grad.device != logits.device:
+            raise ValueError(
+                f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
+                f"({tuple(grad.shape)}, {grad.dtype}, {grad.device})"
+            )
+        if grad.stride(1) != 1:
+            raise ValueError(f"grad_out must have unit stride along the vocabulary, got strides {tuple(grad.stride())}")
     if config is None:
         config = ce_kernel_config(vocab, logits.dtype, logits.device.type)
     ls = float(scalars.label_smoothing)
@@ -328,6 +342,8 @@ def cross_entropy_chunk(
     args = (
         logits,
         logits.stride(0),
+        grad,
+        grad.stride(0),
         target,
         ce_weight if ce_weight is not None else dummy,
         loss_out,

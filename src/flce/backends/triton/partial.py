@@ -103,7 +103,7 @@ def _partial_gradient_kernel(
         if HAS_Z_GRAD:
             z_coef = tl.load(z_coef_ptr + row)
         _write_gradient_row(
-            row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum, softcap,
+            row_ptr, row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum, softcap,
             inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
         )
     else:
