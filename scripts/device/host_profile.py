@@ -1,7 +1,8 @@
 """Where the host time of one small loss call goes: cProfile of the public calls.
 
-At 8 tokens the GPU work is a few microseconds, so a call's wall time is host time
-(argument checks, dispatch, launches, the per-call device-to-host read). For each
+At the host-overhead shape of ``flce bench --kernel ce`` (8 tokens) the GPU work is a
+few microseconds, so a call's wall time is host time (argument checks, dispatch,
+launches, the per-call device-to-host read). For each
 backend this profiles 200 calls of ``flce.cross_entropy`` and of
 ``flce.fused_linear_cross_entropy`` (each with ``loss.backward()``) and writes the
 functions with the most own time, per call, to ``OUT/host_profile.txt``.
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 import flce
+from flce.bench.host_overhead import OVERHEAD_SHAPE
 
 CALLS = 200
 
@@ -32,10 +34,11 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(8, 64, generator=gen, device=device).bfloat16().requires_grad_()
-    w = torch.randn(1024, 64, generator=gen, device=device).bfloat16().requires_grad_()
-    logits = torch.randn(8, 1024, generator=gen, device=device).bfloat16().requires_grad_()
-    target = torch.randint(0, 1024, (8,), generator=gen, device=device)
+    n, v, h = OVERHEAD_SHAPE.n, OVERHEAD_SHAPE.v, OVERHEAD_SHAPE.h  # as `flce bench --kernel ce` measures it
+    x = torch.randn(n, h, generator=gen, device=device).bfloat16().requires_grad_()
+    w = torch.randn(v, h, generator=gen, device=device).bfloat16().requires_grad_()
+    logits = torch.randn(n, v, generator=gen, device=device).bfloat16().requires_grad_()
+    target = torch.randint(0, v, (n,), generator=gen, device=device)
     report = io.StringIO()
     for backend in args.backends.split(","):
         calls = {

@@ -278,6 +278,19 @@ def _weight_accumulator_dtype(options: LossOptions, param_dtype: torch.dtype) ->
 _TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def _weight_grad_in_one_gemm(
+    n_rows: int, chunk: int, weight_dtype: torch.dtype, compute_dtype: torch.dtype, accumulator_dtype
+) -> bool:
+    """Whether dW (or a block of its rows) comes from one GEMM written in the weight's
+    dtype: with one chunk the GEMM sums over every row with fp32 accumulation (cuBLAS, and
+    PyTorch's CPU GEMM), so an fp32 accumulator would only add a pass over it and a cast.
+    The caller runs that GEMM under ``_full_precision_reductions``."""
+    return (
+        n_rows > 0 and chunk >= n_rows and weight_dtype == compute_dtype
+        and accumulator_dtype == torch.float32 and weight_dtype in (torch.bfloat16, torch.float16)
+    )
+
+
 def _addmm_out_dtype_supported(device: torch.device) -> bool:
     # addmm(out_dtype=float32) with bf16/fp16 operands: a cuBLAS GEMM whose C/D are fp32,
     # added in torch 2.8 and implemented for CUDA only.
@@ -332,13 +345,7 @@ def run_chunks(
         accumulator_dtype == torch.float32,
     )
     chunk = max(1, min(chunk, n_rows))
-    # One chunk: the dW GEMM sums over every row with fp32 accumulation (cuBLAS, and
-    # PyTorch's CPU GEMM), so it can write dW in the weight's dtype itself; an fp32
-    # accumulator would only add a pass over V x H fp32 and a cast.
-    dw_direct = (
-        grad_weight and n_rows > 0 and chunk >= n_rows and weight.dtype == compute_dtype
-        and accumulator_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
-    )
+    dw_direct = grad_weight and _weight_grad_in_one_gemm(n_rows, chunk, weight.dtype, compute_dtype, accumulator_dtype)
     # Uninitialised: the first chunk's GEMM overwrites it (zeroed below if there is none).
     dw_acc = (
         torch.empty(vocab, hidden, dtype=weight.dtype if dw_direct else accumulator_dtype, device=device)
@@ -597,13 +604,9 @@ def run_vocab_blocks(
     dw = torch.empty(vocab, hidden, dtype=weight.dtype, device=device) if grad_weight else None
     db = torch.zeros(vocab, **f32) if grad_bias else None
     acc_dtype = _weight_accumulator_dtype(options, weight.dtype)
-    # One row chunk per block: each dW block is one GEMM over every row, accumulated in
-    # fp32 inside it, so it writes dW's rows directly (as run_chunks' one-chunk rule);
-    # saves the V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
-    dw_direct = (
-        grad_weight and n_rows > 0 and chunk >= n_rows and weight.dtype == compute_dtype
-        and acc_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16)
-    )
+    # One row chunk per block: each dW block is written directly, which saves the
+    # V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
+    dw_direct = grad_weight and _weight_grad_in_one_gemm(n_rows, chunk, weight.dtype, compute_dtype, acc_dtype)
     for v0, v1, ce_block in blocks():
         if dw_direct:
             dw_block = dw[v0:v1]  # (V_b, H) contiguous rows of dW

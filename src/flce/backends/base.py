@@ -103,6 +103,24 @@ class ChunkCEKernel(Protocol):
     ) -> None: ...
 
 
+def gradient_destination(
+    logits: torch.Tensor, grad_out: Optional[torch.Tensor], compute_grad: bool
+) -> torch.Tensor:
+    """Where a chunk kernel writes the gradient: ``grad_out`` (checked against the
+    ``ChunkCEKernel`` contract: the logits' shape, dtype and device, unit stride along V)
+    or, without it, the logits themselves."""
+    if grad_out is None or not compute_grad:
+        return logits
+    if grad_out.shape != logits.shape or grad_out.dtype != logits.dtype or grad_out.device != logits.device:
+        raise ValueError(
+            f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
+            f"({tuple(grad_out.shape)}, {grad_out.dtype}, {grad_out.device})"
+        )
+    if grad_out.stride(1) != 1:
+        raise ValueError(f"grad_out must have unit stride along the vocabulary, got strides {tuple(grad_out.stride())}")
+    return grad_out
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What a backend registers with ``flce.dispatch``.

@@ -35,13 +35,13 @@ from typing import Any
 import torch
 
 from flce.bench.methods import (
-    DTYPES,
     LossOptions,
     Shape,
     _first_reason,
     _import,
     _needs_cuda,
     as_loss,
+    dtype_name,
     eager_cross_entropy,
     flce_loss_kwargs,
     make_inputs,
@@ -89,11 +89,6 @@ class KernelCase:
 
     def label(self) -> str:
         return f"N={self.n} V={self.v} {dtype_name(self.dtype)}"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The ``--dtype`` name of ``dtype`` (bf16, fp16, fp32)."""
-    return next(k for k, v in DTYPES.items() if v == dtype)
 
 
 @dataclass

@@ -19,7 +19,17 @@ from typing import Any
 import torch
 
 from flce.bench import ce_kernel, host_overhead, report
-from flce.bench.methods import DTYPES, FEATURES, MODES, LossOptions, Method, Shape, all_methods, select_methods
+from flce.bench.methods import (
+    DTYPES,
+    FEATURES,
+    MODES,
+    LossOptions,
+    Method,
+    Shape,
+    all_methods,
+    dtype_name,
+    select_methods,
+)
 from flce.bench.runner import BenchConfig, Result, run_sweep
 
 # (tokens, vocab, hidden) lists of each named sweep; explicit --tokens/--vocab/--hidden override.
@@ -165,7 +175,7 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
     """The frozen run configuration; ValueError on inconsistent options."""
     device = _device(args)
     on_gpu = device.type == "cuda"
-    dtype_name = args.dtype or ("bf16" if on_gpu else "fp32")
+    chosen_dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     rounds = args.rounds if args.rounds is not None else DEFAULT_ROUNDS[not on_gpu]
     warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[not on_gpu]
     if rounds < 1 or warmup < 0:
@@ -174,7 +184,7 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--ignore-fraction must be in [0, 1)")
     return BenchConfig(
         mode=args.mode,
-        dtype=DTYPES[dtype_name],
+        dtype=DTYPES[chosen_dtype],
         shapes=resolve_shapes(args, device),
         loss=LossOptions.from_features(args.features, reduction=args.reduction),
         rounds=rounds,
@@ -205,12 +215,10 @@ def command_line() -> str:
 
 
 def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence[Method]) -> dict[str, Any]:
-    dtype_name = next(k for k, v in DTYPES.items() if v == config.dtype)
     return {
         "mode": config.mode,
-        "dtype": dtype_name,
+        "dtype": dtype_name(config.dtype),
         "shapes": [{"n": s.n, "v": s.v, "h": s.h} for s in config.shapes],
-        "features": list(config.loss.enabled()),
         "loss_options": {
             "reduction": config.loss.reduction,
             "ignore_index": config.loss.ignore_index,
@@ -219,14 +227,7 @@ def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence
             "softcap": config.loss.softcap,
             "ce_weight": config.loss.use_weights,
         },
-        "reduction": config.loss.reduction,
-        "ignore_fraction": config.ignore_fraction,
-        "rounds": config.rounds,
-        "warmup": config.warmup,
-        "seed": config.seed,
-        "device": str(config.device),
-        "timer": "cuda events" if config.device.type == "cuda" else "time.perf_counter",
-        "heat_ms": config.heat_ms,
+        **config.record(),
         "sweep": args.sweep,
         "chunk_sizes": list(args.chunk_size) if args.chunk_size else None,
         "methods": [m.name for m in methods],
@@ -260,10 +261,9 @@ def progress_reporter(total: int, enabled: bool = True) -> Iterator[Callable[[in
 
 
 def _title(config: BenchConfig, env: dict[str, Any]) -> str:
-    dtype_name = next(k for k, v in DTYPES.items() if v == config.dtype)
     where = env.get("gpu") or str(config.device)
     features = ",".join(config.loss.enabled()) or "no features"
-    return f"flce bench: {report.MODE_TEXT[config.mode]}, {dtype_name}, {features} on {where}"
+    return f"flce bench: {report.MODE_TEXT[config.mode]}, {dtype_name(config.dtype)}, {features} on {where}"
 
 
 def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, title: str) -> list[Path]:
@@ -434,16 +434,8 @@ def kernel_config_dict(
     return {
         "kernel": "ce",
         "shapes": [{"n": n, "v": v} for n, v in config.shapes],
-        "dtypes": [ce_kernel.dtype_name(d) for d in config.dtypes],
-        "features": list(config.loss.enabled()),
-        "reduction": config.loss.reduction,
-        "ignore_fraction": config.ignore_fraction,
-        "rounds": config.rounds,
-        "warmup": config.warmup,
-        "seed": config.seed,
-        "device": str(config.device),
-        "timer": "cuda events" if config.device.type == "cuda" else "time.perf_counter",
-        "heat_ms": config.heat_ms,
+        "dtypes": [dtype_name(d) for d in config.dtypes],
+        **config.record(),
         "traffic": "2 * N * V * itemsize bytes (one read of the logits, one write of the gradient)",
         "between_calls": "logits restored from a pristine copy"
         + (", L2 overwritten" if config.device.type == "cuda" else "")
@@ -453,7 +445,7 @@ def kernel_config_dict(
         if overhead is None
         else {
             "shape": {"n": overhead.shape.n, "v": overhead.shape.v, "h": overhead.shape.h},
-            "dtype": ce_kernel.dtype_name(overhead.dtype),
+            "dtype": dtype_name(overhead.dtype),
             "backends": list(overhead.backends),
             "calls_per_batch": overhead.calls,
             "batches": overhead.batches,
@@ -509,7 +501,7 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     if overhead is not None:
         shape = overhead.shape
         report.print_grid(
-            f"host overhead per call at N={shape.n} V={shape.v} H={shape.h} {ce_kernel.dtype_name(overhead.dtype)} "
+            f"host overhead per call at N={shape.n} V={shape.v} H={shape.h} {dtype_name(overhead.dtype)} "
             f"(median of {overhead.batches} batches of {overhead.calls} calls)",
             host_overhead.OVERHEAD_TABLE_HEADER,
             host_overhead.overhead_cells(overhead_rows),

@@ -29,6 +29,12 @@ from flce.bench.timing import Workload
 MODES = ("fwd", "bwd", "full")
 FEATURES = ("label_smoothing", "z_loss", "softcap", "weights")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The ``--dtype`` name of ``dtype`` (bf16, fp16, fp32)."""
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
 FLCE_BACKENDS = ("torch", "triton", "cutedsl")
 FLOOR = "floor:gemm"
 

@@ -40,6 +40,20 @@ class SweepSettings:
     ignore_fraction: float = 0.0
     heat_ms: float = 0.0
 
+    def record(self) -> dict[str, Any]:
+        """The settings every result file records, under the same keys."""
+        return {
+            "features": list(self.loss.enabled()),
+            "reduction": self.loss.reduction,
+            "ignore_fraction": self.ignore_fraction,
+            "rounds": self.rounds,
+            "warmup": self.warmup,
+            "seed": self.seed,
+            "device": str(self.device),
+            "timer": "cuda events" if self.device.type == "cuda" else "time.perf_counter",
+            "heat_ms": self.heat_ms,
+        }
+
     def steps_per_case(self, n_methods: int) -> int:
         """Calls per case (a shape): one probe, the warm-up, one memory run and the rounds."""
         return n_methods * (2 + self.warmup + self.rounds)

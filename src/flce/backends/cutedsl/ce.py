@@ -45,7 +45,7 @@ try:
 except ImportError:  # older nvidia-cutlass-dsl
     from cutlass.utils import SmemAllocator
 
-from flce.backends.base import ChunkScalars
+from flce.backends.base import ChunkScalars, gradient_destination
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -875,15 +875,7 @@ def cross_entropy_chunk(
         raise TypeError(f"cutedsl CE supports fp16/bf16/fp32 logits, got {logits.dtype}")
     if logits.stride(1) != 1:
         raise ValueError("cutedsl CE needs logits with a contiguous last dimension")
-    grad = logits if grad_out is None or not compute_grad else grad_out
-    if grad is not logits:
-        if grad.shape != logits.shape or grad.dtype != logits.dtype or grad.device != logits.device:
-            raise ValueError(
-                f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
-                f"({tuple(grad.shape)}, {grad.dtype}, {grad.device})"
-            )
-        if grad.stride(1) != 1:
-            raise ValueError("cutedsl CE needs grad_out with a contiguous last dimension")
+    grad = gradient_destination(logits, grad_out, compute_grad)
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32, got {target.dtype}")
     target = target if target.is_contiguous() else target.contiguous()
@@ -903,7 +895,7 @@ def cross_entropy_chunk(
     key = KernelKey(
         dtype=logits.dtype,
         vocab=vocab,
-        vec=min(_vector_width(logits), _vector_width(grad)),
+        vec=_vector_width(logits) if grad is logits else min(_vector_width(logits), _vector_width(grad)),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=ls > 0.0,

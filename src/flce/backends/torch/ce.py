@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from flce.backends.base import ChunkScalars
+from flce.backends.base import ChunkScalars, gradient_destination
 
 # fp32 temporaries this kernel holds per logit beyond the chunk itself, at most three
 # (M, V) fp32 tensors at once: the softcap derivative, p, and the gradient before it is
@@ -101,6 +101,7 @@ def cross_entropy_chunk(
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
+    grad_destination = gradient_destination(logits, grad_out, compute_grad)
     eps = scalars.label_smoothing / vocab
 
     valid = target != scalars.ignore_index  # (M,)
@@ -143,7 +144,7 @@ def cross_entropy_chunk(
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale.float()
     p.div_(s_sum[:, None])  # (M, V) softmax
-    (logits if grad_out is None else grad_out).copy_(
+    grad_destination.copy_(
         gradient_from_softmax(
             p, safe_target, torch.ones_like(lse), w_y, lse, ce_weight, scalars, eps, softcap_derivative, row_scale
         )

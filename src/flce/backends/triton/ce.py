@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flce.backends.base import ChunkScalars
+from flce.backends.base import ChunkScalars, gradient_destination
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 
 # In-place kernel: no fp32 workspace beyond the chunk itself.
@@ -323,15 +323,7 @@ def cross_entropy_chunk(
         return
     if logits.stride(1) != 1:
         raise ValueError(f"logits must have unit stride along the vocabulary, got strides {tuple(logits.stride())}")
-    grad = logits if grad_out is None or not compute_grad else grad_out
-    if grad is not logits:
-        if grad.shape != logits.shape or grad.dtype != logits.dtype or grad.device != logits.device:
-            raise ValueError(
-                f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
-                f"({tuple(grad.shape)}, {grad.dtype}, {grad.device})"
-            )
-        if grad.stride(1) != 1:
-            raise ValueError(f"grad_out must have unit stride along the vocabulary, got strides {tuple(grad.stride())}")
+    grad = gradient_destination(logits, grad_out, compute_grad)
     if config is None:
         config = ce_kernel_config(vocab, logits.dtype, logits.device.type)
     ls = float(scalars.label_smoothing)
