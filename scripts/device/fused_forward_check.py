@@ -37,6 +37,9 @@ IGNORE = -100
 CONFIGS = {
     "128x256": ff.FusedForwardConfig(),
     "128x256_cluster2x1": ff.FusedForwardConfig(cluster_m=2),
+    # One cluster per tile, as the kernel ran before it became persistent.
+    "128x256_cluster2x1_oneshot": ff.FusedForwardConfig(cluster_m=2, persistent=False),
+    "128x256_oneshot": ff.FusedForwardConfig(persistent=False),
     "128x128": ff.FusedForwardConfig(tile_n=128),
     "128x256_cluster1x2": ff.FusedForwardConfig(cluster_n=2),
     # Few stages, so that two CTAs fit on an SM (2 x 96 KiB / 2 x 80 KiB of shared

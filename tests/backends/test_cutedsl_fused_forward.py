@@ -47,6 +47,7 @@ CONFIGS = [
     dict(cluster_m=2),  # DEFAULT_CONFIG: W tile multicast to the two CTAs of a cluster
     dict(tile_n=128),  # 1002 tiles at V=128256: more statistics, smaller epilogue
     dict(tile_n=256, cluster_n=2),  # X multicast; T=125 at V=32000 leaves CTAs past V
+    dict(cluster_m=2, persistent=False),  # one cluster per tile instead of a resident grid
 ]
 
 
@@ -148,12 +149,28 @@ def test_validation_errors():
 
 
 @needs_dsl
+@pytest.mark.parametrize("with_logit_sum", [False, True])
+def test_combine_kernel_compiles_for_sm90a(with_logit_sum, monkeypatch):
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    assert ff.compile_combine(501, with_logit_sum) is not None
+
+
+@needs_dsl
+def test_default_config_by_vocabulary():
+    assert ff.default_config(128256) == ff.DEFAULT_CONFIG and ff.DEFAULT_CONFIG.persistent
+    assert not ff.default_config(32000).persistent and ff.default_config(32000).cluster_m == 2
+
+
+@needs_dsl
 def test_rows_per_launch_budget():
     cfg = ff.DEFAULT_CONFIG
-    # N=8192, V=128256: 501 tiles x 12 bytes a row; 16 MiB -> 2560 rows (10 blocks of a
-    # 2 x 128-row cluster).
+    # N=8192, V=128256: 501 tiles x 12 bytes a row; the default budget holds all rows.
     rows = ff.rows_per_launch(8192, 128256, False, cfg, ff.DEFAULT_WORKSPACE_BYTES)
-    assert rows == 2560 and rows % (cfg.tile_m * cfg.cluster_m) == 0 and rows * 501 * 12 <= ff.DEFAULT_WORKSPACE_BYTES
+    assert rows == 8192 and rows * 501 * 12 <= ff.DEFAULT_WORKSPACE_BYTES < 64 * 2**20
+    # 16 MiB -> 2560 rows (10 blocks of a 2 x 128-row cluster).
+    rows = ff.rows_per_launch(8192, 128256, False, cfg, 16 * 2**20)
+    assert rows == 2560 and rows % (cfg.tile_m * cfg.cluster_m) == 0
     assert ff.rows_per_launch(100, 128256, True, cfg, 1) == 100
 
 
@@ -285,3 +302,47 @@ def test_empty_and_tiny():
     check_against_reference(out, x, w, y, b, None)
     out = ff.fused_forward_statistics(x[:0], w, y[:0])
     assert out["lse"].shape == (0,)
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_logit_sum", [False, True])
+def test_combine_kernel_matches_torch_twin(with_logit_sum):
+    # Per-tile statistics with cross-tile ties and a wide range of maxima; the kernel must
+    # agree with combine_tile_statistics (argmax exactly, lse to fp32 rounding).
+    gen = torch.Generator().manual_seed(1)
+    tiles, rows = 501, 3000
+    tmax = (torch.randn(tiles, rows, generator=gen) * 20).float()
+    tmax[7, ::5] = tmax[300, ::5] = tmax.amax(0)[::5] + 1  # tie: tile 7 must win
+    tse = torch.rand(tiles, rows, generator=gen) * 255 + 1
+    targ = (torch.arange(tiles)[:, None] * 256 + torch.randint(0, 256, (tiles, rows), generator=gen)).int()
+    tsum = torch.randn(tiles, rows, generator=gen) * 100
+    dev = torch.device("cuda")
+    lse, pred, zsum = torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+    ff.combine_tile_statistics(tmax.clone(), tse, targ, tsum, lse_out=lse, predicted_out=pred,
+                               logit_sum_out=zsum if with_logit_sum else None)
+    out = [torch.empty(rows, device=dev), torch.empty(rows, dtype=torch.int64, device=dev), torch.empty(rows, device=dev)]
+    fn = ff.compile_combine(tiles, with_logit_sum)
+    args = [t.to(dev) for t in (tmax, tse, targ, tsum)]
+    fn(ff._ptr(args[0], cutlass.Float32, 4), ff._ptr(args[1], cutlass.Float32, 4), ff._ptr(args[2], cutlass.Int32, 4),
+       ff._ptr(args[3], cutlass.Float32, 4), ff._ptr(out[0], cutlass.Float32, 4), ff._ptr(out[1], cutlass.Int64, 8),
+       ff._ptr(out[2], cutlass.Float32, 4), cutlass.Int32(rows), ff._stream(dev))
+    assert torch.equal(out[1].cpu(), pred) and bool((pred[::5] == targ[7, ::5]).all())
+    torch.testing.assert_close(out[0].cpu(), lse, rtol=0, atol=1e-5)
+    if with_logit_sum:
+        torch.testing.assert_close(out[2].cpu(), zsum, rtol=1e-6, atol=1e-4)
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_persistent_grid_matches_one_cluster_per_tile():
+    # Each tile's statistics come from the same instructions whichever CTA runs it, so the
+    # persistent grid (several tiles per cluster here: 500 cluster tiles) must agree
+    # bit for bit with one cluster per tile.
+    x, w, y, b = make_problem(1000, 32000, 2048, torch.bfloat16, seed=5, bias=True)
+    kw = dict(bias=b, softcap=30.0, with_logit_sum=True)
+    persistent = ff.fused_forward_statistics(x, w, y, config=ff.FusedForwardConfig(cluster_m=2), **kw)
+    one_shot = ff.fused_forward_statistics(x, w, y, config=ff.FusedForwardConfig(cluster_m=2, persistent=False), **kw)
+    assert ff.clusters_to_launch(ff.FusedForwardConfig(cluster_m=2), x.device) < 500
+    for name, value in persistent.items():
+        torch.testing.assert_close(value, one_shot[name], rtol=0, atol=0, msg=name)

@@ -40,6 +40,7 @@ from flce.bench.methods import (
     _first_reason,
     _import,
     _needs_cuda,
+    _unsupported_features,
     as_loss,
     dtype_name,
     eager_cross_entropy,
@@ -66,6 +67,9 @@ LIGER_FUNCTIONAL = "liger_kernel.transformers.functional"
 # Liger's CuTe CE loads 16 bytes per thread; other vocabularies fall back to its Triton kernel.
 LIGER_CUTE_VECTOR_BYTES = 16
 LIGER_CUTE_MIN_CAPABILITY = (9, 0)
+# Liger's CE kernels and autograd take no token scaling (its FLCE applies it around the
+# kernel); they return token accuracy and predicted tokens on request.
+LIGER_CE_FEATURES = ("label_smoothing", "z_loss", "softcap", "weights", "accuracy", "predicted")
 
 
 @dataclass(frozen=True)
@@ -280,15 +284,23 @@ def _liger_cute_check(case: KernelCase) -> str | None:
             return f"V={case.v} is not a multiple of {vector}: Liger falls back to its Triton kernel"
         return None
 
-    return _first_reason(lambda: _import(LIGER_CUTE_CE)[1], lambda: _needs_cuda(case), capability)
+    return _first_reason(
+        lambda: _import(LIGER_CUTE_CE)[1], lambda: _needs_cuda(case), capability, lambda: _liger_features(case)
+    )
 
 
 def _liger_triton_check(case: KernelCase) -> str | None:
-    return _first_reason(lambda: _import(LIGER_TRITON_CE)[1], lambda: _needs_cuda(case))
+    return _first_reason(lambda: _import(LIGER_TRITON_CE)[1], lambda: _needs_cuda(case), lambda: _liger_features(case))
 
 
 def _liger_functional_check(case: KernelCase) -> str | None:
-    return _first_reason(lambda: _import(LIGER_FUNCTIONAL)[1], lambda: _needs_cuda(case))
+    return _first_reason(
+        lambda: _import(LIGER_FUNCTIONAL)[1], lambda: _needs_cuda(case), lambda: _liger_features(case)
+    )
+
+
+def _liger_features(case: KernelCase) -> str | None:
+    return _unsupported_features(case, LIGER_CE_FEATURES, "Liger CE")
 
 
 def _liger_kernel_make(module: str, function: str) -> MakeStepFn:
@@ -303,7 +315,8 @@ def _liger_kernel_make(module: str, function: str) -> MakeStepFn:
             row_losses = fn(
                 logits, inputs.target, inputs.ce_weight, opts.ignore_index, opts.lse_square_scale,
                 opts.label_smoothing, opts.reduction, opts.softcap, n_valid, weight_denominator, weight_sum,
-                False, False, False, True,  # no z-loss/accuracy/prediction outputs; with gradients
+                # No z-loss output; accuracy and predictions as asked; with gradients.
+                False, opts.return_token_accuracy, opts.return_predicted_tokens, True,
             )[0]
             latest[:] = [row_losses]
 
@@ -330,7 +343,7 @@ def _liger_triton_loss(inputs: LogitsInputs, opts: LossOptions) -> Any:
     return fn(
         inputs.logits, inputs.target, weight=inputs.ce_weight, ignore_index=opts.ignore_index,
         reduction=opts.reduction, label_smoothing=opts.label_smoothing, lse_square_scale=opts.lse_square_scale,
-        softcap=opts.softcap,
+        softcap=opts.softcap, **opts.flags(),
     )
 
 
@@ -338,7 +351,8 @@ def _liger_cute_loss(inputs: LogitsInputs, opts: LossOptions) -> Any:
     fn = _import(LIGER_CUTE_CE)[0].cross_entropy_cutedsl
     return fn(
         inputs.logits, inputs.target, inputs.ce_weight, opts.ignore_index, opts.lse_square_scale,
-        opts.label_smoothing, opts.reduction, opts.softcap, False, False, False,
+        opts.label_smoothing, opts.reduction, opts.softcap, False, opts.return_token_accuracy,
+        opts.return_predicted_tokens,
     )
 
 
@@ -364,7 +378,7 @@ def _always(case: KernelCase) -> str | None:
 
 def _eager_make(case: KernelCase, inputs: LogitsInputs) -> Step:
     def run() -> torch.Tensor:
-        loss = eager_cross_entropy(inputs.logits, inputs.target, inputs.ce_weight, case.loss)
+        loss = as_loss(eager_cross_entropy(inputs.logits, inputs.target, inputs.ce_weight, case.loss))
         loss.backward()
         return loss.detach()
 

@@ -22,7 +22,10 @@ from flce.bench import ce_kernel, host_overhead, report
 from flce.bench.methods import (
     DTYPES,
     FEATURES,
+    LABEL_SMOOTHING,
+    LSE_SQUARE_SCALE,
     MODES,
+    SOFTCAP,
     LossOptions,
     Method,
     Shape,
@@ -99,7 +102,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab", type=_int_list, help="comma list of V (overrides the sweep's)")
     g.add_argument("--hidden", type=_int_list, help="comma list of H (overrides the sweep's)")
     g.add_argument("--dtype", choices=sorted(DTYPES), help="input dtype (default bf16 on a GPU, fp32 on the CPU)")
-    g.add_argument("--features", type=_name_list, default=(), help=f"comma list among {','.join(FEATURES)}")
+    g.add_argument(
+        "--features",
+        type=_name_list,
+        default=(),
+        help=f"comma list among {','.join(FEATURES)}: label smoothing {LABEL_SMOOTHING}, z-loss {LSE_SQUARE_SCALE}, "
+        f"softcap {SOFTCAP}, class weights, an LM-head bias (the floor's GEMMs leave it out), and flce's "
+        "use_token_scaling, return_token_accuracy, return_predicted_tokens (per-token outputs without "
+        "grad; the backward runs on the loss alone); a method that lacks one is skipped with the reason",
+    )
     g.add_argument("--reduction", choices=("mean", "sum"), default="mean")
     g.add_argument("--ignore-fraction", type=float, default=0.0, help="fraction of targets set to ignore_index")
     g.add_argument(
@@ -137,7 +148,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "a copy of the logits as the HBM yardstick. GB/s counts one read of the logits and one write of "
         "the gradient (2*N*V*itemsize) for every method; % of copy compares with the copy. Then the host "
         "overhead: microseconds per call of the public flce calls at N=8, V=1024, H=64, fwd and fwd+bwd, "
-        "against eager PyTorch. Accepts --dtype, --features, --reduction, --ignore-fraction, "
+        "against eager PyTorch. Accepts --dtype, --features (but bias: the logits are given), --reduction, "
+        "--ignore-fraction, "
         "--methods (--list-methods lists them), --rounds (default 20 on a GPU), --warmup, --heat-ms (default 0), "
         "--seed, --device and --out (bench-kernel-ce.json).",
     )
@@ -226,6 +238,10 @@ def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence
             "lse_square_scale": config.loss.lse_square_scale,
             "softcap": config.loss.softcap,
             "ce_weight": config.loss.use_weights,
+            "bias": config.loss.use_bias,
+            "use_token_scaling": config.loss.use_token_scaling,
+            "return_token_accuracy": config.loss.return_token_accuracy,
+            "return_predicted_tokens": config.loss.return_predicted_tokens,
         },
         **config.record(),
         "sweep": args.sweep,
@@ -370,6 +386,7 @@ def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
             ("--chunk-size", args.chunk_size is not None),
             ("--tp", args.tp is not None),
             ("--no-plots", args.no_plots),
+            ("--features bias (the logits are given: there is no LM head)", "bias" in args.features),
         )
         if given
     ]

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from flce.bench.timing import Workload
 
 MODES = ("fwd", "bwd", "full")
-FEATURES = ("label_smoothing", "z_loss", "softcap", "weights")
+FEATURES = ("label_smoothing", "z_loss", "softcap", "weights", "bias", "token_scaling", "accuracy", "predicted")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -42,6 +42,17 @@ FLOOR = "floor:gemm"
 LABEL_SMOOTHING = 0.1
 LSE_SQUARE_SCALE = 1e-4
 SOFTCAP = 30.0
+# The LM-head bias of ``--features bias``: N(0, BIAS_STD²), small next to the logits' unit
+# spread, so that the rows stay as peaked at the target as without it.
+BIAS_STD = 0.1
+
+# The features that are flags of flce's call, by the keyword flce and Liger's FLCE share
+# (also the field of ``LossOptions`` that holds each).
+FLAG_KEYWORDS = {
+    "token_scaling": "use_token_scaling",
+    "accuracy": "return_token_accuracy",
+    "predicted": "return_predicted_tokens",
+}
 
 # GEMM multiply-adds per mode, in units of N*V*H (2 flops each): logits; dX + dW; all three.
 FLOPS_PER_NVH = {"fwd": 2, "bwd": 4, "full": 6}
@@ -73,6 +84,10 @@ class LossOptions:
     lse_square_scale: float = 0.0
     softcap: float | None = None
     use_weights: bool = False
+    use_bias: bool = False
+    use_token_scaling: bool = False
+    return_token_accuracy: bool = False
+    return_predicted_tokens: bool = False
 
     @classmethod
     def from_features(cls, features: Sequence[str], reduction: str = "mean") -> LossOptions:
@@ -85,17 +100,35 @@ class LossOptions:
             lse_square_scale=LSE_SQUARE_SCALE if "z_loss" in features else 0.0,
             softcap=SOFTCAP if "softcap" in features else None,
             use_weights="weights" in features,
+            use_bias="bias" in features,
+            use_token_scaling="token_scaling" in features,
+            return_token_accuracy="accuracy" in features,
+            return_predicted_tokens="predicted" in features,
         )
 
     def enabled(self) -> tuple[str, ...]:
-        """The features that are on, by their ``--features`` names."""
+        """The features that are on, by their ``--features`` names, in ``FEATURES`` order."""
         on = {
             "label_smoothing": self.label_smoothing != 0.0,
             "z_loss": self.lse_square_scale != 0.0,
             "softcap": self.softcap is not None,
             "weights": self.use_weights,
+            "bias": self.use_bias,
+            "token_scaling": self.use_token_scaling,
+            "accuracy": self.return_token_accuracy,
+            "predicted": self.return_predicted_tokens,
         }
         return tuple(name for name in FEATURES if on[name])
+
+    @property
+    def returns_extras(self) -> bool:
+        """Whether the call also returns per-token outputs (accuracy, predicted tokens)."""
+        return self.return_token_accuracy or self.return_predicted_tokens
+
+    def flags(self) -> dict[str, bool]:
+        """The flag features that are on, as keyword arguments (``use_token_scaling=True``, ...):
+        only those, so that a peer whose release lacks a keyword is called as before."""
+        return {keyword: True for feature, keyword in FLAG_KEYWORDS.items() if feature in self.enabled()}
 
 
 @dataclass(frozen=True)
@@ -117,6 +150,11 @@ class Inputs:
     w: torch.Tensor
     target: torch.Tensor
     ce_weight: torch.Tensor | None
+    bias: torch.Tensor | None = None  # (V,) in the dtype of w, a parameter like it
+
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The tensors a backward gives gradients: X, W and the bias when there is one."""
+        return (self.x, self.w) if self.bias is None else (self.x, self.w, self.bias)
 
 
 def make_inputs(case: Case, seed: int = 0, ignore_fraction: float = 0.0) -> Inputs:
@@ -125,7 +163,8 @@ def make_inputs(case: Case, seed: int = 0, ignore_fraction: float = 0.0) -> Inpu
     W has rows of unit norm on average, so plain logits are ~N(0, 1); each row of
     X gets ``a * W[target]`` added, with ``a`` uniform in [0, 1.5 ln V], which lifts
     the target logit by ``a``: rows range from flat to confidently right, as in a
-    trained model, and nothing is zero.
+    trained model, and nothing is zero. The bias (``--features bias``) is drawn last, so
+    the other tensors are the same with it or without it.
     """
     n, v, h = case.shape.n, case.shape.v, case.shape.h
     gen = torch.Generator(device=case.device).manual_seed(seed)
@@ -141,10 +180,15 @@ def make_inputs(case: Case, seed: int = 0, ignore_fraction: float = 0.0) -> Inpu
     ce_weight = None
     if case.loss.use_weights:
         ce_weight = torch.rand(v, dtype=torch.float32, **kw).add_(0.5)
+    bias = None
+    if case.loss.use_bias:
+        bias = torch.randn(v, dtype=torch.float32, **kw).mul_(BIAS_STD)
     needs_grad = case.mode != "fwd"
     x = x.to(case.dtype).requires_grad_(needs_grad)
     w = w.to(case.dtype).requires_grad_(needs_grad)
-    return Inputs(x=x, w=w, target=target, ce_weight=ce_weight)
+    if bias is not None:
+        bias = bias.to(case.dtype).requires_grad_(needs_grad)
+    return Inputs(x=x, w=w, target=target, ce_weight=ce_weight, bias=bias)
 
 
 LossFn = Callable[[], torch.Tensor]
@@ -195,8 +239,9 @@ def as_loss(out: Any) -> torch.Tensor:
 def loss_workload(loss_fn: LossFn, inputs: Inputs, mode: str) -> Workload:
     """fwd: forward under no_grad; full: forward + backward; bwd: backward only
     (the forward runs in the untimed setup). Gradients are dropped after each
-    call so they are allocated afresh, and counted, by the next one."""
-    params = (inputs.x, inputs.w)
+    call so they are allocated afresh, and counted, by the next one. Only the loss
+    takes part in the backward: per-token outputs (accuracy, predicted tokens) have no grad."""
+    params = inputs.params()
 
     def drop_grads() -> None:
         for p in params:
@@ -230,6 +275,8 @@ def loss_workload(loss_fn: LossFn, inputs: Inputs, mode: str) -> Workload:
 def floor_workload(case: Case, inputs: Inputs) -> Workload:
     """The GEMMs no LM-head loss can avoid, in the input dtype.
 
+    The bias of ``--features bias`` is left out: adding it and summing its gradient are
+    O(N·V) elementwise work beside the O(N·V·H) GEMMs, which is what the floor measures.
     fwd: logits = X Wᵀ. full: logits, then dX = G W and dW = Gᵀ X with the logits
     standing in for G. bwd: dX and dW from a random G allocated here, outside the
     measurement, as a forward would have left it.
@@ -331,13 +378,17 @@ def _flce_check(backend: str, chunk_size: int | None) -> CheckFn:
 
 
 def flce_loss_kwargs(opts: LossOptions, backend: str | None) -> dict[str, Any]:
-    """Keyword arguments of the public flce functions for the run's loss options."""
+    """Keyword arguments of the public flce functions (and of ``flce.options.LossOptions``)
+    for the run's loss options; the tensors (bias, class weights) are passed apart."""
     return {
         "ignore_index": opts.ignore_index,
         "lse_square_scale": opts.lse_square_scale,
         "label_smoothing": opts.label_smoothing,
         "reduction": opts.reduction,
         "softcap": opts.softcap,
+        "use_token_scaling": opts.use_token_scaling,
+        "return_token_accuracy": opts.return_token_accuracy,
+        "return_predicted_tokens": opts.return_predicted_tokens,
         "backend": backend,
     }
 
@@ -347,7 +398,11 @@ def _flce_make(backend: str, chunk_size: int | None, vocab_blocks: int | None = 
         fn, why = _flce_function()
         if fn is None:
             raise RuntimeError(why)
-        kwargs: dict[str, Any] = {"ce_weight": inputs.ce_weight, **flce_loss_kwargs(case.loss, backend)}
+        kwargs: dict[str, Any] = {
+            "bias": inputs.bias,
+            "ce_weight": inputs.ce_weight,
+            **flce_loss_kwargs(case.loss, backend),
+        }
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
         if vocab_blocks is not None:
@@ -400,16 +455,23 @@ LOW_MEMORY_VOCAB_BLOCKS = 16
 # ----------------------------------------------------------------------------- PyTorch baselines
 
 
+# The loss alone, or (loss, token accuracy, predicted tokens) when either of the last two
+# is asked for (the one not asked for is None): flce's convention, and a tuple compiles.
+EagerResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
 def eager_loss(
     x: torch.Tensor,
     w: torch.Tensor,
     target: torch.Tensor,
     ce_weight: torch.Tensor | None,
     opts: LossOptions,
-) -> torch.Tensor:
-    """The Hugging Face recipe: materialized logits, upcast to fp32, then cross_entropy;
-    softcap and z-loss are applied to the fp32 logits as extra elementwise passes."""
-    return eager_cross_entropy(F.linear(x, w).float(), target, ce_weight, opts)
+    bias: torch.Tensor | None = None,
+) -> EagerResult:
+    """The Hugging Face recipe: materialized logits (the bias added by ``F.linear``), upcast
+    to fp32, then cross_entropy; softcap and z-loss are applied to the fp32 logits as extra
+    elementwise passes."""
+    return eager_cross_entropy(F.linear(x, w, bias).float(), target, ce_weight, opts)
 
 
 def eager_cross_entropy(
@@ -417,28 +479,86 @@ def eager_cross_entropy(
     target: torch.Tensor,
     ce_weight: torch.Tensor | None,
     opts: LossOptions,
-) -> torch.Tensor:
+) -> EagerResult:
     """``F.cross_entropy`` on given logits in their own dtype, with softcap and z-loss as
-    extra elementwise passes (``eager_loss`` passes fp32 logits)."""
+    extra elementwise passes (``eager_loss`` passes fp32 logits); token scaling reduces
+    per-row losses by hand, and accuracy and predicted tokens come from an argmax."""
     if opts.softcap is not None:
         logits = opts.softcap * torch.tanh(logits / opts.softcap)
-    loss = F.cross_entropy(
+    weight = None if ce_weight is None else ce_weight.to(logits.dtype)  # F.cross_entropy wants one dtype
+    valid = target != opts.ignore_index
+    if opts.use_token_scaling:
+        loss = _token_scaled_cross_entropy(logits, target, weight, valid, opts)
+    else:
+        loss = F.cross_entropy(
+            logits,
+            target,
+            weight=weight,
+            ignore_index=opts.ignore_index,
+            label_smoothing=opts.label_smoothing,
+            reduction=opts.reduction,
+        )
+        if opts.lse_square_scale != 0.0:
+            z = (torch.logsumexp(logits, dim=-1).square() * valid).sum() * opts.lse_square_scale
+            loss = loss + (z / valid.sum().clamp_min(1) if opts.reduction == "mean" else z)
+    if not opts.returns_extras:
+        return loss
+    return loss, *_eager_token_outputs(logits, target, valid, opts)
+
+
+def _token_scaled_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    valid: torch.Tensor,
+    opts: LossOptions,
+) -> torch.Tensor:
+    """Each row's cross-entropy and z-loss times its detached ``p(target)``, reduced as flce
+    reduces: for ``mean`` the cross-entropy over the rows' class weights (their count without
+    weights), the z-loss over the count of rows. ``F.cross_entropy`` has no such option, so
+    the rows come from ``reduction="none"`` (0 on ignored rows) and the sums are taken here."""
+    rows = F.cross_entropy(
         logits,
         target,
-        weight=None if ce_weight is None else ce_weight.to(logits.dtype),  # F.cross_entropy wants one dtype
+        weight=weight,
         ignore_index=opts.ignore_index,
         label_smoothing=opts.label_smoothing,
-        reduction=opts.reduction,
+        reduction="none",
     )
-    if opts.lse_square_scale != 0.0:
-        valid = target != opts.ignore_index
-        z = (torch.logsumexp(logits, dim=-1).square() * valid).sum() * opts.lse_square_scale
-        loss = loss + (z / valid.sum().clamp_min(1) if opts.reduction == "mean" else z)
-    return loss
+    lse = torch.logsumexp(logits, dim=-1)
+    safe_target = torch.where(valid, target, 0)  # ignore_index may lie outside [0, V)
+    target_logit = logits.gather(1, safe_target[:, None]).squeeze(1)
+    scale = torch.exp(target_logit - lse).detach() * valid
+    z_rows = opts.lse_square_scale * lse.square() * scale
+    rows = rows * scale
+    if opts.reduction == "none":
+        return rows + z_rows
+    if opts.reduction == "sum":
+        return rows.sum() + z_rows.sum()
+    count = valid.sum().clamp_min(1)
+    denominator = count if weight is None else (weight[safe_target] * valid).sum()
+    return rows.sum() / denominator + z_rows.sum() / count
+
+
+def _eager_token_outputs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    valid: torch.Tensor,
+    opts: LossOptions,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Token accuracy and predicted tokens from the argmax of the (softcapped) logits, as flce
+    defines them: the first index wins ties, ignored rows count as wrong and predict -1, and
+    ``mean``/``sum`` give the fraction right among the non-ignored rows. Neither has a grad."""
+    predicted = torch.where(valid, logits.detach().argmax(dim=-1), -1)
+    accuracy = None
+    if opts.return_token_accuracy:
+        correct = ((predicted == target) & valid).float()
+        accuracy = correct if opts.reduction == "none" else correct.sum() / valid.sum().clamp_min(1)
+    return accuracy, predicted if opts.return_predicted_tokens else None
 
 
 def _eager_make(case: Case, inputs: Inputs) -> LossFn:
-    return lambda: eager_loss(inputs.x, inputs.w, inputs.target, inputs.ce_weight, case.loss)
+    return lambda: as_loss(eager_loss(inputs.x, inputs.w, inputs.target, inputs.ce_weight, case.loss, inputs.bias))
 
 
 @lru_cache(maxsize=1)
@@ -452,23 +572,33 @@ def _compile_check(case: Case) -> str | None:
 
 def _compile_make(case: Case, inputs: Inputs) -> LossFn:
     fn = _compiled_eager()
-    return lambda: fn(inputs.x, inputs.w, inputs.target, inputs.ce_weight, case.loss)
+    return lambda: as_loss(fn(inputs.x, inputs.w, inputs.target, inputs.ce_weight, case.loss, inputs.bias))
+
+
+# The bias keyword of ``F.linear_cross_entropy``.
+TORCH_LCE_BIAS = "linear_bias"
 
 
 def _torch_lce_check(case: Case) -> str | None:
     fn = getattr(F, "linear_cross_entropy", None)
     if fn is None:
         return f"torch {torch.__version__} has no torch.nn.functional.linear_cross_entropy"
-    if "options" not in inspect.signature(fn).parameters or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
+    params = inspect.signature(fn).parameters
+    if "options" not in params or not hasattr(torch.nn, "LinearCrossEntropyOptions"):
         return "torch.nn.functional.linear_cross_entropy has no chunked path (options)"
-    # Its chunked path falls back to materialized logits for label smoothing.
-    return _unsupported_features(case, ("weights",), "torch linear_cross_entropy (chunked)")
+    # Its chunked path falls back to materialized logits for label smoothing; it has no
+    # softcap, z-loss or token scaling, and returns the loss alone. It takes a (V,) bias
+    # where its signature has linear_bias (torch 2.13 does).
+    supported = ("weights", "bias") if TORCH_LCE_BIAS in params else ("weights",)
+    return _unsupported_features(case, supported, "torch linear_cross_entropy (chunked)")
 
 
 def _torch_lce_make(case: Case, inputs: Inputs) -> LossFn:
     fn = F.linear_cross_entropy
     options = torch.nn.LinearCrossEntropyOptions()
     opts = case.loss
+    # Passed only when there is one, so a torch without the keyword is called as before.
+    bias = {} if inputs.bias is None else {TORCH_LCE_BIAS: inputs.bias}
     return lambda: fn(
         inputs.x,
         inputs.w,
@@ -477,6 +607,7 @@ def _torch_lce_make(case: Case, inputs: Inputs) -> LossFn:
         reduction=opts.reduction,
         ignore_index=opts.ignore_index,
         options=options,
+        **bias,
     )
 
 
@@ -489,8 +620,24 @@ LIGER_SM90_TILE_M = 128
 LIGER_SM90_TILE_N = 256
 
 
+# Features every Liger Triton FLCE release the benchmark supports takes (the scalar options,
+# class weights, bias). The flag features (FLAG_KEYWORDS) are newer: 0.8.5 takes all three,
+# and an older release is skipped for those its signature lacks.
+LIGER_TRITON_FEATURES = ("label_smoothing", "z_loss", "softcap", "weights", "bias")
+
+
+def _liger_triton_features() -> tuple[str, ...]:
+    """The features this Liger's ``liger_fused_linear_cross_entropy`` takes, read from its signature."""
+    params = inspect.signature(_import(LIGER_FUNCTIONAL)[0].liger_fused_linear_cross_entropy).parameters
+    return (*LIGER_TRITON_FEATURES, *(f for f, keyword in FLAG_KEYWORDS.items() if keyword in params))
+
+
 def _liger_triton_check(case: Case) -> str | None:
-    return _first_reason(lambda: _import(LIGER_FUNCTIONAL)[1], lambda: _needs_cuda(case))
+    return _first_reason(
+        lambda: _import(LIGER_FUNCTIONAL)[1],
+        lambda: _needs_cuda(case),
+        lambda: _unsupported_features(case, _liger_triton_features(), "Liger Triton FLCE"),
+    )
 
 
 def _liger_triton_make(case: Case, inputs: Inputs) -> LossFn:
@@ -501,12 +648,14 @@ def _liger_triton_make(case: Case, inputs: Inputs) -> LossFn:
             inputs.x,
             inputs.w,
             inputs.target,
+            bias=inputs.bias,
             ce_weight=inputs.ce_weight,
             ignore_index=opts.ignore_index,
             lse_square_scale=opts.lse_square_scale,
             label_smoothing=opts.label_smoothing,
             reduction=opts.reduction,
             softcap=opts.softcap,
+            **opts.flags(),
         )
     )
 
@@ -549,6 +698,7 @@ def _cce_check(case: Case) -> str | None:
     return _first_reason(
         lambda: _import(CCE)[1],
         lambda: _needs_cuda(case),
+        # Of the features, cut-cross-entropy 25.1.1 (PyPI) takes the softcap alone.
         lambda: _unsupported_features(case, ("softcap",), "CCE"),
     )
 

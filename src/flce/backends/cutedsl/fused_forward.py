@@ -4,8 +4,11 @@ whose epilogue reduces each logits tile to a few numbers per row instead of stor
 The logits ``Z = X @ W^T`` (X: (N, H), W: (V, H), both K-major, fp16/bf16, fp32
 accumulation) are computed tile by tile, ``BM x BN`` per CTA, exactly as a plain Hopper
 GEMM: a multi-stage TMA ring (optionally multicast across a thread-block cluster) feeds
-WGMMAs issued by ``BM / 64`` warpgroups, one thread of warp 0 issuing the copies. The
-epilogue never writes Z. For every row ``n`` of the tile and the tile's vocabulary slice
+WGMMAs issued by ``BM / 64`` warpgroups. The CTAs are warp-specialised and persistent:
+one thread of an extra warpgroup issues every TMA copy, and each cluster loops over its
+share of the tiles, so the ring is refilled with the next tile while the MMA warpgroups
+run this tile's epilogue (``FusedForwardConfig.persistent`` turns the loop into one
+cluster per tile). The epilogue never writes Z. For every row ``n`` of the tile and the tile's vocabulary slice
 ``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
 
 - ``tile_max[t, n]``: the max of ``z'`` over the tile's valid columns, with ``z`` the
@@ -31,20 +34,20 @@ tile's argmax columns increase with the tile index, that is the smallest ``tile_
 among the tiles achieving the max.
 
 The statistics are stored tile-major, ``(T, rows)``, so that the lanes of a warp (rows
-``r .. r+7``) write neighbouring words. ``fused_forward_statistics`` combines them in
-torch: ``lse = M + log(sum_t s_t exp(m_t - M))`` with ``M = max_t m_t``. Their size is
-``T * rows * 12`` bytes (16 with the logit sum); launches cover at most as many rows as
-fit in ``workspace_bytes``, in whole cluster row blocks (16 MiB by default: at N = 8192,
-V = 128256 and the default 128 x 256 tile with ``cluster_m = 2`` the kernel runs four
-times, over 2560 + 2560 + 2560 + 512 rows), which keeps the peak extra memory at about
-1.5x that budget plus the O(N) outputs.
+``r .. r+7``) write neighbouring words. ``CombineTileStatisticsKernel`` then reduces them,
+one thread per row: ``lse = M + log(sum_t s_t exp(m_t - M))`` with ``M = max_t m_t``.
+Their size is ``T * rows * 12`` bytes (16 with the logit sum); launches cover at most as
+many rows as fit in ``workspace_bytes``, in whole cluster row blocks (48 MiB by default:
+N = 8192 at V = 128256 in one launch), which bounds the peak extra memory by that budget
+plus the O(N) outputs.
 
-Default launch shape (``DEFAULT_CONFIG``): 128 x 256 tiles, clusters of two CTAs along M
+Default launch shape (``default_config``): 128 x 256 tiles, clusters of two CTAs along M
 that share each W tile through TMA multicast, so W is read from L2 once per pair of row
-blocks. Measured on an H200 (bf16, CUDA events, median of 20, a single run; H = 4096,
-N = 8192): 13.4 ms against 12.56 ms for ``torch.mm`` of the same logits at V = 128256
-(1.068x), 2.96 ms against 3.06 ms at V = 32000 (0.967x), with 21-24 MiB of extra memory;
-the same tile without a cluster took 1.09x and 1.05x of ``torch.mm``.
+blocks; persistent from ``PERSISTENT_MIN_VOCAB`` columns. Measured on an H200 (bf16, CUDA
+events, median of 20, one run; H = 4096, N = 8192), against ``torch.mm`` of the same
+logits: 12.88 against 12.31 ms at V = 128256 (1.046x), 15.43 against 14.58 at 151936,
+26.51 against 25.45 at 262144, and one cluster per tile 2.89 against 3.12 ms at V = 32000
+(0.93x). Before the kernel was warp-specialised it took 1.068x at V = 128256.
 """
 
 from __future__ import annotations
@@ -68,7 +71,14 @@ INT32_MAX = 2**31 - 1
 SMEM_CAPACITY = 227 * 1024  # dynamic shared memory per CTA on sm_90
 MBAR_BYTES = 1024  # pipeline mbarriers and alignment slack
 BLOCK_K = 64  # four k=16 WGMMA steps per stage: one 128-byte swizzle atom of bf16/fp16
-DEFAULT_WORKSPACE_BYTES = 16 * 1024 * 1024
+# The per-tile statistics of N = 8192 rows at V = 128256 (501 tiles x 12 bytes a row) fit,
+# so the reference shape runs in one launch while staying under 64 MiB of extra memory.
+DEFAULT_WORKSPACE_BYTES = 48 * 1024 * 1024
+# Registers per thread after the warp-specialised split (setmaxnreg): the loader warpgroup
+# needs few; the MMA warpgroups hold a 64 x BN fp32 accumulator (128 registers at BN = 256)
+# plus the epilogue's temporaries. 128 * 40 + 256 * 232 fits the 64 K registers of an SM.
+LOADER_REGISTERS = 40
+MMA_REGISTERS = 232
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
@@ -89,16 +99,21 @@ class FusedForwardKey:
 @dataclass(frozen=True)
 class FusedForwardConfig:
     """Launch shape: a ``tile_m x tile_n`` CTA tile (``tile_m / 64`` MMA warpgroups, each
-    owning 64 rows), ``stages`` of the TMA ring (0: as many as fit in shared memory) and
-    a ``cluster_m x cluster_n`` thread-block cluster: CTAs of one cluster column share the
-    W tile (multicast), CTAs of one cluster row share the X tile. The field defaults are
-    the plain 1 x 1 cluster shape; ``DEFAULT_CONFIG`` is the measured-best one."""
+    owning 64 rows, plus one warpgroup whose first warp issues the TMA copies), ``stages``
+    of the TMA ring (0: as many as fit in shared memory), a ``cluster_m x cluster_n``
+    thread-block cluster (CTAs of one cluster column share the W tile through multicast,
+    CTAs of one cluster row share the X tile) and whether CTAs are persistent. The field
+    defaults are the plain 1 x 1 cluster shape; ``DEFAULT_CONFIG`` is the measured-best one."""
 
     tile_m: int = 128
     tile_n: int = 256
     stages: int = 0
     cluster_m: int = 1
     cluster_n: int = 1
+    # Persistent: as many clusters as fit on the GPU at once, each looping over its tiles,
+    # so the TMA warp loads the next tile while the MMA warpgroups run this one's epilogue.
+    # False launches one cluster per tile (same kernel, the loop runs once).
+    persistent: bool = True
 
     def validate(self) -> None:
         if self.tile_m not in (64, 128):
@@ -117,6 +132,18 @@ class FusedForwardConfig:
 # The fastest shape measured (module docstring): each W tile is multicast to the two CTAs
 # of an M cluster, which halves the reads of W, the larger operand of a 128 x 256 tile.
 DEFAULT_CONFIG = FusedForwardConfig(cluster_m=2)
+# Below this many columns one cluster per tile ran faster than the persistent grid on an
+# H200 (N = 8192, H = 4096: 2.89 against 3.06 ms at V = 32000), above it slower (13.36
+# against 12.88 ms at V = 128256, 15.78 / 15.43 at 151936, 27.07 / 26.51 at 262144).
+# Nothing was measured between 32000 and 128256; the threshold splits that range.
+PERSISTENT_MIN_VOCAB = 65536
+
+
+def default_config(vocab: int) -> FusedForwardConfig:
+    """``DEFAULT_CONFIG``, launched one cluster per tile for small vocabularies."""
+    if vocab < PERSISTENT_MIN_VOCAB:
+        return FusedForwardConfig(cluster_m=2, persistent=False)
+    return DEFAULT_CONFIG
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -169,7 +196,8 @@ class FusedForwardKernel:
         self.num_tiles_n = _cdiv(key.vocab, self.bn)  # T
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         self.mma_warp_groups = self.bm // 64
-        self.threads = 128 * self.mma_warp_groups
+        # Warpgroup 0 loads (its first warp issues every TMA copy), the others multiply.
+        self.threads = 128 * (1 + self.mma_warp_groups)
         self.stages = _num_stages(config, self.esize)
         # X is shared by the CTAs of a cluster row (same rows, other vocab tiles), W by those
         # of a cluster column.
@@ -193,6 +221,7 @@ class FusedForwardKernel:
         num_rows: Int32,  # N
         softcap: Float32,  # c (unused without softcap)
         inv_softcap: Float32,  # 1 / c
+        max_clusters: Int32,  # clusters launched at most (persistent: those resident at once)
         stream: cuda.CUstream,
     ):
         key = self.key
@@ -240,18 +269,22 @@ class FusedForwardKernel:
 
         self.shared_storage = SharedStorage
 
+        # The output is tiled in cluster tiles (cm x cn CTA tiles); a 1-D grid of clusters
+        # walks them, cluster c taking tiles c, c + launched, c + 2 * launched, ...
         cm, cn = self.cluster_shape_mn
-        grid_m = (num_rows + self.bm * cm - 1) // (self.bm * cm) * cm
-        grid_n = _cdiv(T, cn) * cn
+        cluster_rows = (num_rows + self.bm * cm - 1) // (self.bm * cm)
+        cluster_cols = _cdiv(T, cn)
+        launched = cutlass.min(cluster_rows * cluster_cols, max_clusters)
         self.kernel(
             tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b,
             mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
             tiled_mma, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
-            num_rows, softcap, inv_softcap,
+            num_rows, cluster_rows, softcap, inv_softcap,
         ).launch(
-            grid=[grid_m, grid_n, 1],
+            grid=[launched * cm, cn, 1],
             block=[self.threads, 1, 1],
             cluster=[cm, cn, 1],
+            min_blocks_per_mp=1,
             stream=stream,
         )
 
@@ -282,49 +315,33 @@ class FusedForwardKernel:
         a_smem_layout_staged: cute.ComposedLayout,
         b_smem_layout_staged: cute.ComposedLayout,
         num_rows: Int32,
+        cluster_rows: Int32,  # ceil(N / (BM * cluster_m))
         softcap: Float32,
         inv_softcap: Float32,
     ):
-        cm, cn = self.cluster_shape_mn
-        cluster_size = cm * cn
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_atom_b)
 
-        # ---------------- tile coordinates
-        # Clusters are visited in groups of GROUP_M cluster rows, M fastest inside a group:
-        # the CTAs resident at one time then share a few W tiles and a few X row blocks,
-        # which stay in L2.
-        GROUP_M = 8
-        cidx, cidy, _ = cute.arch.cluster_idx()
-        cdimx, cdimy, _ = cute.arch.cluster_dim()
-        cluster_id = cidx + cdimx * cidy
-        full_m = cdimx // GROUP_M * GROUP_M
-        cid_m = Int32(0)
-        cid_n = Int32(0)
-        if cluster_id < full_m * cdimy:
-            group = cluster_id // (GROUP_M * cdimy)
-            within = cluster_id - group * (GROUP_M * cdimy)
-            cid_m = group * GROUP_M + within % GROUP_M
-            cid_n = within // GROUP_M
-        else:
-            tail_m = cdimx - full_m
-            rest = cluster_id - full_m * cdimy
-            cid_m = full_m + rest % tail_m
-            cid_n = rest // tail_m
-        bidx_in_cluster = cute.arch.block_in_cluster_idx()
-        pid_m = cid_m * cm + bidx_in_cluster[0]
-        pid_n = cid_n * cn + bidx_in_cluster[1]
+        # ---------------- this CTA's place in its cluster and its share of the tiles
         cta_rank_in_cluster = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord_mnk = cta_layout_mnk.get_flat_coord(cta_rank_in_cluster)
+        bidx_in_cluster = cute.arch.block_in_cluster_idx()
         a_mcast_mask = 0
         b_mcast_mask = 0
         if const_expr(self.num_mcast_a > 1):
             a_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=1)
         if const_expr(self.num_mcast_b > 1):
             b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=0)
+        cluster_id, _, _ = cute.arch.cluster_idx()
+        clusters_launched, _, _ = cute.arch.cluster_dim()
+        cluster_cols = Int32(_cdiv(self.num_tiles_n, self.cluster_shape_mn[1]))
+        cluster_tiles = cluster_rows * cluster_cols
+        # Tiles of this cluster: cluster_id, cluster_id + launched, ... (every CTA of a
+        # cluster runs the same count, as multicast needs).
+        my_tiles = (cluster_tiles - cluster_id + clusters_launched - 1) // clusters_launched
 
         # ---------------- shared memory and the TMA pipeline
         a_smem_layout = cute.slice_(a_smem_layout_staged, (None, None, 0))
@@ -333,9 +350,9 @@ class FusedForwardKernel:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # Every consumer warp releases a stage to each CTA that multicasts into it.
+        # Every MMA warp releases a stage to each CTA that multicasts into it.
         mcast_size = self.num_mcast_a + self.num_mcast_b - 1
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * (self.threads // 32))
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.mma_warp_groups * 4)
         mainloop_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
@@ -349,108 +366,121 @@ class FusedForwardKernel:
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)  # (BM, BK, stages)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)  # (BN, BK, stages)
-
-        tile_coord = (pid_m, pid_n, None)
-        gA = cute.local_tile(mA, self.tile_shape_mnk, tile_coord, proj=(1, None, 1))  # (BM, BK, k_tiles)
-        gB = cute.local_tile(mB, self.tile_shape_mnk, tile_coord, proj=(None, 1, 1))  # (BN, BK, k_tiles)
-
+        gA = cute.local_tile(mA, self.tile_shape_mnk, (None, None, None), proj=(1, None, 1))  # (BM, BK, m_tiles, k_tiles)
+        gB = cute.local_tile(mB, self.tile_shape_mnk, (None, None, None), proj=(None, 1, 1))  # (BN, BK, n_tiles, k_tiles)
         a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
+        )  # (TMA, stages), (TMA, m_tiles, k_tiles)
         b_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (None, 0, 0)).shape)
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_atom_b, cluster_coord_mnk[0], b_cta_layout, cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2)
-        )
-
-        # WGMMA reads its operands through shared-memory descriptors, identical for the 128
-        # threads of a warpgroup: partition A/B with the warpgroup's first thread.
-        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
-        thr_mma_wg = tiled_mma.get_slice(warp_group_idx * 128)
-        tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
-        # Per-thread accumulator and the (m, n) coordinate of each of its values.
-        thr_mma = tiled_mma.get_slice(tidx)
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.bm, self.bn)))  # ((2,2,BN/8), MMA_M, MMA_N)
-        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        )  # (TMA, stages), (TMA, n_tiles, k_tiles)
+        k_tile_cnt = cute.size(gA, mode=[3])
 
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster_shape_mn)
 
-        # ---------------- mainloop
-        k_tile_cnt = cute.size(gA, mode=[2])
-        prefetch_cnt = cutlass.min(self.stages, k_tile_cnt)
-        producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if warp_idx == 0:
-            for _ in cutlass.range(prefetch_cnt, unroll=1):
-                self._load_stage(mainloop_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                                 a_mcast_mask, b_mcast_mask)
-                producer_state.advance()
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // 128)
+        if warp_group_idx == 0:
+            # ---------------- loader: one thread streams the k-tiles of every tile of this CTA
+            cute.arch.setmaxregister_decrease(LOADER_REGISTERS)
+            if warp_idx == 0:
+                producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                for i in cutlass.range(my_tiles, unroll=1):
+                    pid_m, pid_n = self._tile_coords(cluster_id + i * clusters_launched, cluster_rows,
+                                                     cluster_cols, bidx_in_cluster)
+                    tAgA_tile = tAgA[(None, pid_m, None)]  # (TMA, k_tiles)
+                    tBgB_tile = tBgB[(None, pid_n, None)]  # (TMA, k_tiles)
+                    for k in cutlass.range(k_tile_cnt, unroll=1):
+                        mainloop_pipeline.producer_acquire(producer_state)
+                        bar = mainloop_pipeline.producer_get_barrier(producer_state)
+                        cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, producer_state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+                        cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, producer_state.index)],
+                                  tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                        mainloop_pipeline.producer_commit(producer_state)
+                        producer_state.advance()
+                # Keep this CTA (and its barriers) alive until every consumer of the cluster
+                # released the last stages: peers arrive on them remotely.
+                mainloop_pipeline.producer_tail(producer_state)
+        else:
+            # ---------------- MMA warpgroups: mainloop, then the epilogue, per tile
+            cute.arch.setmaxregister_increase(MMA_REGISTERS)
+            mma_tidx = tidx - 128
+            # WGMMA reads its operands through shared-memory descriptors, identical for the
+            # 128 threads of a warpgroup: partition A/B with the warpgroup's first thread.
+            thr_mma_wg = tiled_mma.get_slice((warp_group_idx - 1) * 128)
+            tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
+            # Per-thread accumulator and the (m, n) coordinate of each of its values.
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.bm, self.bn)))  # ((2,2,BN/8), MMA_M, MMA_N)
+            acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+            num_k_blocks = cute.size(tCrA, mode=[2])
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
 
-        read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        num_k_blocks = cute.size(tCrA, mode=[2])
-
-        # First k tile: overwrite the accumulator, keep one WGMMA batch in flight.
-        peek = mainloop_pipeline.consumer_try_wait(read_state)
-        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-        mainloop_pipeline.consumer_wait(read_state, peek)
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range(num_k_blocks, unroll_full=True):
-            coord = (None, None, kb, read_state.index)
-            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-        cute.nvgpu.warpgroup.commit_group()
-        read_state.advance()
-        peek = cutlass.Boolean(1)
-        if read_state.count < k_tile_cnt:
-            peek = mainloop_pipeline.consumer_try_wait(read_state)
-
-        for _ in cutlass.range(1, k_tile_cnt, 1, unroll=1):
-            mainloop_pipeline.consumer_wait(read_state, peek)
-            cute.nvgpu.warpgroup.fence()
-            for kb in cutlass.range(num_k_blocks, unroll_full=True):
-                coord = (None, None, kb, read_state.index)
-                cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
-            cute.nvgpu.warpgroup.commit_group()
-            # The previous tile's WGMMAs are done once at most one batch is pending: its
-            # stage can be refilled.
-            cute.nvgpu.warpgroup.wait_group(1)
-            mainloop_pipeline.consumer_release(release_state)
-            read_state.advance()
-            release_state.advance()
-            peek = cutlass.Boolean(1)
-            if read_state.count < k_tile_cnt:
+            for i in cutlass.range(my_tiles, unroll=1):
+                pid_m, pid_n = self._tile_coords(cluster_id + i * clusters_launched, cluster_rows,
+                                                 cluster_cols, bidx_in_cluster)
+                # First k tile: overwrite the accumulator, keep one WGMMA batch in flight.
                 peek = mainloop_pipeline.consumer_try_wait(read_state)
-            if warp_idx == 0 and producer_state.count < k_tile_cnt:
-                self._load_stage(mainloop_pipeline, producer_state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                                 a_mcast_mask, b_mcast_mask)
-                producer_state.advance()
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                mainloop_pipeline.consumer_wait(read_state, peek)
+                cute.nvgpu.warpgroup.fence()
+                for kb in cutlass.range(num_k_blocks, unroll_full=True):
+                    coord = (None, None, kb, read_state.index)
+                    cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.commit_group()
+                read_state.advance()
 
-        cute.nvgpu.warpgroup.wait_group(0)
-        if const_expr(cluster_size > 1):
-            # Every release this CTA sends to its peers has been issued; the matching wait
-            # at the end keeps each CTA (and its barriers) alive until all peers got here.
-            cute.arch.cluster_arrive_relaxed()
+                for _ in cutlass.range(1, k_tile_cnt, 1, unroll=1):
+                    peek = mainloop_pipeline.consumer_try_wait(read_state)
+                    mainloop_pipeline.consumer_wait(read_state, peek)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range(num_k_blocks, unroll_full=True):
+                        coord = (None, None, kb, read_state.index)
+                        cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    # The previous k tile's WGMMAs are done once at most one batch is
+                    # pending: its stage can be refilled.
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    mainloop_pipeline.consumer_release(release_state)
+                    read_state.advance()
+                    release_state.advance()
 
-        # ---------------- epilogue: per-row statistics of this tile, straight from registers
-        self._epilogue(acc, tCcC, pid_m, pid_n, mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
-                       num_rows, softcap, inv_softcap)
+                cute.nvgpu.warpgroup.wait_group(0)
+                mainloop_pipeline.consumer_release(release_state)
+                release_state.advance()
 
-        if const_expr(cluster_size > 1):
-            cute.arch.cluster_wait()
+                # ---------------- epilogue: per-row statistics of this tile, from registers,
+                # while the loader fills the ring with the next tile's k-tiles.
+                self._epilogue(acc, tCcC, pid_m, pid_n, mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
+                               num_rows, softcap, inv_softcap)
 
     @cute.jit
-    def _load_stage(self, mainloop_pipeline, state, tma_atom_a, tAgA, tAsA, tma_atom_b, tBgB, tBsB,
-                    a_mcast_mask, b_mcast_mask):
-        """One stage of the ring: wait for it to be free, then TMA the next X and W k-tiles
-        into it (completion is counted in bytes on the stage's full barrier)."""
-        mainloop_pipeline.producer_acquire(state)
-        bar = mainloop_pipeline.producer_get_barrier(state)
-        cute.copy(tma_atom_a, tAgA[(None, state.count)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                  mcast_mask=a_mcast_mask)
-        cute.copy(tma_atom_b, tBgB[(None, state.count)], tBsB[(None, state.index)], tma_bar_ptr=bar,
-                  mcast_mask=b_mcast_mask)
-        mainloop_pipeline.producer_commit(state)
+    def _tile_coords(self, cluster_tile: Int32, cluster_rows: Int32, cluster_cols: Int32, bidx_in_cluster):
+        """(pid_m, pid_n) of this CTA in cluster tile ``cluster_tile``. Cluster tiles are
+        visited in groups of GROUP_M cluster rows, M fastest inside a group: the clusters
+        resident at one time then share a few W tiles and a few X row blocks, which stay
+        in L2."""
+        GROUP_M = 8
+        full_m = cluster_rows // GROUP_M * GROUP_M
+        cid_m = Int32(0)
+        cid_n = Int32(0)
+        if cluster_tile < full_m * cluster_cols:
+            group = cluster_tile // (GROUP_M * cluster_cols)
+            within = cluster_tile - group * (GROUP_M * cluster_cols)
+            cid_m = group * GROUP_M + within % GROUP_M
+            cid_n = within // GROUP_M
+        else:
+            tail_m = cluster_rows - full_m
+            rest = cluster_tile - full_m * cluster_cols
+            cid_m = full_m + rest % tail_m
+            cid_n = rest // tail_m
+        cm, cn = self.cluster_shape_mn
+        return cid_m * cm + bidx_in_cluster[0], cid_n * cn + bidx_in_cluster[1]
 
     @cute.jit
     def _epilogue(
@@ -652,8 +682,28 @@ def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEF
         Int32(1),
         Float32(1.0),
         Float32(1.0),
+        Int32(1),
         cuda.CUstream(0),
     )
+
+
+@lru_cache(maxsize=None)
+def resident_clusters(device_index: int, cluster_size: int) -> int:
+    """How many clusters of ``cluster_size`` CTAs (one per SM: the TMA ring fills shared
+    memory) the GPU holds at once: a persistent launch of more would leave a tail of
+    clusters that start after the first wave. Asked of the driver (not SMs / size), as
+    the SMs of a GPC need not split evenly into clusters."""
+    with torch.cuda.device(device_index):
+        return max(1, utils.HardwareInfo(device_index).get_max_active_clusters(cluster_size))
+
+
+def clusters_to_launch(config: FusedForwardConfig, device: torch.device) -> int:
+    """The ``max_clusters`` argument of a launch: the resident clusters when persistent,
+    otherwise no limit (one cluster per tile)."""
+    if not config.persistent:
+        return INT32_MAX
+    return resident_clusters(device.index if device.index is not None else torch.cuda.current_device(),
+                             config.cluster_m * config.cluster_n)
 
 
 def _validate(input, weight, target, bias, softcap) -> None:
@@ -730,15 +780,16 @@ def fused_forward_statistics(
     - ``predicted`` (N,) int64: argmax of z' (first index wins ties),
     - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
 
-    ``config`` defaults to ``DEFAULT_CONFIG`` (128 x 256 tiles, ``cluster_m = 2``: the
-    fastest measured, see the module docstring). Runs on the current CUDA stream, with no
+    ``config`` defaults to ``default_config(V)`` (128 x 256 tiles, ``cluster_m = 2``,
+    persistent from ``PERSISTENT_MIN_VOCAB`` columns: the fastest measured, see the
+    module docstring). Runs on the current CUDA stream, with no
     host synchronisation.
     """
     _validate(input, weight, target, bias, softcap)
-    config = DEFAULT_CONFIG if config is None else config
-    config.validate()
     num_rows, hidden = input.shape
     vocab = weight.shape[0]
+    config = default_config(vocab) if config is None else config
+    config.validate()
     dev = input.device
     out = {
         "lse": torch.empty(num_rows, dtype=torch.float32, device=dev),
@@ -762,6 +813,7 @@ def fused_forward_statistics(
         with_logit_sum=bool(with_logit_sum),
     )
     fn = compile_fused_forward(key, config)
+    combine = compile_combine(_cdiv(vocab, config.tile_n), bool(with_logit_sum))
     bias32 = None
     if bias is not None:
         bias32 = bias.to(torch.float32).contiguous()
@@ -774,6 +826,7 @@ def fused_forward_statistics(
     ws_sumexp = torch.empty(T * chunk, dtype=torch.float32, device=dev)
     ws_arg = torch.empty(T * chunk, dtype=torch.int32, device=dev)
     ws_sum = torch.empty(T * chunk, dtype=torch.float32, device=dev) if with_logit_sum else None
+    max_clusters = clusters_to_launch(config, dev)
     with torch.cuda.device(dev):
         stream = _stream(dev)
         for r0 in range(0, num_rows, chunk):
@@ -797,13 +850,19 @@ def fused_forward_statistics(
                 Int32(rows),
                 Float32(c),
                 Float32(1.0 / c),
+                Int32(max_clusters),
                 stream,
             )
-            combine_tile_statistics(
-                tmax, tse, targ, tsum,
-                lse_out=out["lse"][r0 : r0 + rows],
-                predicted_out=out["predicted"][r0 : r0 + rows],
-                logit_sum_out=out["logit_sum"][r0 : r0 + rows] if with_logit_sum else None,
+            combine(
+                _ptr(tmax, Float32, 4),
+                _ptr(tse, Float32, 4),
+                _ptr(targ, Int32, 4),
+                _ptr(tsum, Float32, 4),
+                _ptr(out["lse"][r0 : r0 + rows], Float32, 4),
+                _ptr(out["predicted"][r0 : r0 + rows], Int64, 8),
+                _ptr(out["logit_sum"][r0 : r0 + rows] if with_logit_sum else None, Float32, 4),
+                Int32(rows),
+                stream,
             )
     return out
 
@@ -821,7 +880,9 @@ def combine_tile_statistics(
     """Row statistics from per-tile ones: ``M = max_t m_t``, ``lse = M + log(sum_t s_t
     exp(m_t - M))``; the argmax is the smallest column among the tiles achieving ``M``
     (tile columns increase with ``t``, so that is the first tile's). ``tile_max`` is used
-    as scratch for the rescaled sums."""
+    as scratch for the rescaled sums. The torch twin of ``CombineTileStatisticsKernel``,
+    which the GPU path runs; tests check this one against dense logits, the kernel
+    against this one."""
     row_max = tile_max.amax(dim=0)  # (rows,)
     at_max = tile_max == row_max
     predicted_out.copy_(torch.where(at_max, tile_argmax, INT32_MAX).amin(dim=0))
@@ -830,3 +891,79 @@ def combine_tile_statistics(
     torch.add(row_max, scaled.sum(dim=0).log_(), out=lse_out)
     if logit_sum_out is not None:
         logit_sum_out.copy_(tile_sum.sum(dim=0, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------- combining the tiles
+class CombineTileStatisticsKernel:
+    """Row statistics from the per-tile ones in one kernel, one thread per row.
+
+    The (T, rows) layout puts the rows of a tile next to each other, so the 32 threads of a
+    warp read 128 contiguous bytes per tile. Two passes over the tiles: the max (and the
+    first tile achieving it), then ``sum_t s_t exp(m_t - M)`` with the final max, each term
+    rounded once as in ``combine_tile_statistics``; the logit sum is added in fp64."""
+
+    THREADS = 128
+
+    def __init__(self, num_tiles: int, with_logit_sum: bool):
+        self.num_tiles = num_tiles
+        self.with_logit_sum = with_logit_sum
+
+    @cute.jit
+    def __call__(
+        self,
+        p_max: cute.Pointer,  # (T, rows) fp32
+        p_sumexp: cute.Pointer,  # (T, rows) fp32
+        p_argmax: cute.Pointer,  # (T, rows) int32
+        p_sum: cute.Pointer,  # (T, rows) fp32; read only if with_logit_sum
+        p_lse: cute.Pointer,  # (rows,) fp32
+        p_predicted: cute.Pointer,  # (rows,) int64
+        p_logit_sum: cute.Pointer,  # (rows,) fp32; written only if with_logit_sum
+        num_rows: Int32,
+        stream: cuda.CUstream,
+    ):
+        stats = cute.make_layout((self.num_tiles, num_rows), stride=(num_rows, 1))
+        rows = cute.make_layout((num_rows,))
+        self.kernel(
+            cute.make_tensor(p_max, stats), cute.make_tensor(p_sumexp, stats), cute.make_tensor(p_argmax, stats),
+            cute.make_tensor(p_sum, stats), cute.make_tensor(p_lse, rows), cute.make_tensor(p_predicted, rows),
+            cute.make_tensor(p_logit_sum, rows), num_rows,
+        ).launch(grid=[(num_rows + self.THREADS - 1) // self.THREADS, 1, 1], block=[self.THREADS, 1, 1],
+                 stream=stream)
+
+    @cute.kernel
+    def kernel(self, mMax: cute.Tensor, mSumExp: cute.Tensor, mArg: cute.Tensor, mSum: cute.Tensor,
+               mLse: cute.Tensor, mPred: cute.Tensor, mLogitSum: cute.Tensor, num_rows: Int32):
+        bidx, _, _ = cute.arch.block_idx()
+        tidx, _, _ = cute.arch.thread_idx()
+        row = bidx * self.THREADS + tidx
+        if row < num_rows:
+            row_max = Float32(mMax[0, row])
+            best = Int32(mArg[0, row])
+            for t in cutlass.range(1, self.num_tiles, unroll=4):
+                m = Float32(mMax[t, row])
+                if m > row_max:  # strictly: among equal maxima the first tile (smallest column) wins
+                    row_max = m
+                    best = Int32(mArg[t, row])
+            neg_max_log2 = -(row_max * LOG2_E)
+            total = Float32(0.0)
+            logit_sum = cutlass.Float64(0.0)
+            for t in cutlass.range(self.num_tiles, unroll=4):
+                total = total + Float32(mSumExp[t, row]) * cute.math.exp2(
+                    cute.math.fma(Float32(mMax[t, row]), Float32(LOG2_E), neg_max_log2), fastmath=True)
+                if const_expr(self.with_logit_sum):
+                    logit_sum = logit_sum + cutlass.Float64(mSum[t, row])
+            mLse[row] = row_max + cute.math.log(total, fastmath=False)
+            mPred[row] = Int64(best)
+            if const_expr(self.with_logit_sum):
+                mLogitSum[row] = Float32(logit_sum)
+
+
+@lru_cache(maxsize=None)
+def compile_combine(num_tiles: int, with_logit_sum: bool):
+    """The compiled combining kernel for ``num_tiles`` tiles (cached; rows are dynamic)."""
+    return cute.compile(
+        CombineTileStatisticsKernel(num_tiles, with_logit_sum),
+        _null_ptr(Float32, 4), _null_ptr(Float32, 4), _null_ptr(Int32, 4), _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4), _null_ptr(Int64, 8), _null_ptr(Float32, 4),
+        Int32(1), cuda.CUstream(0),
+    )
