@@ -6,8 +6,9 @@
 # fwd:  the fused forward's GPU tests; the forward without gradients on every sweep shape
 #       against one logits GEMM and the peers; the kernel profile of that forward; the
 #       cost of each loss feature (fwd+bwd, reference shape) and fp16.
-# full: fwd+bwd on every sweep shape, all peers interleaved with the cuBLAS floor; the
-#       memory-budget mode on every shape; the per-kernel profile of each shape.
+# full: the fused forward's GPU tests (bf16) and its profile; fwd+bwd on every sweep shape,
+#       all peers interleaved with the cuBLAS floor; the memory-budget mode over the
+#       vocabulary sweep; the per-kernel profile of three shapes.
 set -uo pipefail
 phase=${1:?usage: fused_final.sh fwd|full OUTDIR}
 out=${2:?usage: fused_final.sh fwd|full OUTDIR}
@@ -40,17 +41,20 @@ fwd)
     --methods flce:cutedsl,flce:triton,liger:triton,cce --out "$out/fp16" --no-plots
   ;;
 full)
-  step full_vocab 170 python3 -m flce.cli bench --sweep vocab --rounds 3 --warmup 1 \
+  pytest_in_background t_fused_forward 150 tests/backends/test_cutedsl_fused_forward.py \
+    tests/backends/test_cutedsl_loss_only.py -k "not float16"
+  wait
+  step profile_fwd 40 python3 scripts/device/profile_breakdown.py "$out/profile_fwd" --mode fwd \
+    --methods floor:gemm,flce:cutedsl
+  step full_vocab 150 python3 -m flce.cli bench --sweep vocab --rounds 3 --warmup 1 \
     --methods $peers --out "$out/full_vocab"
-  step full_tokens 140 python3 -m flce.cli bench --sweep tokens --rounds 3 --warmup 1 \
+  step full_tokens 130 python3 -m flce.cli bench --sweep tokens --rounds 3 --warmup 1 \
     --methods $peers --out "$out/full_tokens"
-  step memory_vocab 90 python3 -m flce.cli bench --sweep vocab --rounds 2 --warmup 1 \
+  step memory_vocab 80 python3 -m flce.cli bench --sweep vocab --rounds 2 --warmup 1 \
     --methods 'flce:cutedsl[vblocks=16],liger:triton' --out "$out/memory_vocab" --no-plots
-  step memory_tokens 80 python3 -m flce.cli bench --sweep tokens --rounds 2 --warmup 1 \
-    --methods 'flce:cutedsl[vblocks=16],liger:triton' --out "$out/memory_tokens" --no-plots
-  for shape in "8192 32000" "8192 262144" "16384 128256"; do
+  for shape in "8192 128256" "8192 32000" "8192 262144"; do
     set -- $shape
-    step "profile_${1}x${2}" 40 python3 scripts/device/profile_breakdown.py "$out/profile_${1}x${2}" \
+    step "profile_${1}x${2}" 30 python3 scripts/device/profile_breakdown.py "$out/profile_${1}x${2}" \
       --n "$1" --v "$2" --methods floor:gemm,flce:cutedsl,liger:cute-sm90
   done
   ;;
