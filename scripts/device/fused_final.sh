@@ -32,7 +32,8 @@ fwd)
     --methods floor:gemm,flce:cutedsl,flce:triton
   for f in none label_smoothing z_loss softcap weights bias token_scaling accuracy predicted \
            label_smoothing,z_loss,softcap,weights,bias,token_scaling,accuracy,predicted; do
-    name=features_${f//,/+}
+    name=features_$f
+    [[ "$f" == *,* ]] && name=features_all
     [ "$f" = none ] && feat=() || feat=(--features "$f")
     step "$name" 40 python3 -m flce.cli bench "${feat[@]}" --rounds 5 --warmup 1 \
       --methods flce:cutedsl,flce:triton --out "$out/$name" --no-plots

@@ -330,7 +330,10 @@ def test_combine_kernel_matches_torch_twin(with_logit_sum):
     assert torch.equal(out[1].cpu(), pred) and bool((pred[::5] == targ[7, ::5]).all())
     torch.testing.assert_close(out[0].cpu(), lse, rtol=0, atol=1e-5)
     if with_logit_sum:
-        torch.testing.assert_close(out[2].cpu(), zsum, rtol=1e-6, atol=1e-4)
+        # The kernel rounds its 4 per-lane fp64 partial sums to fp32 before adding them:
+        # within a few unit roundoffs of the sum of magnitudes of each row.
+        bound = 4 * 2.0**-24 * tsum.double().abs().sum(0)
+        assert bool(((out[2].cpu().double() - tsum.double().sum(0)).abs() <= bound).all())
 
 
 @needs_sm90
