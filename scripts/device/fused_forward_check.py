@@ -40,6 +40,10 @@ CONFIGS = {
     # One cluster per tile, as the kernel ran before it became persistent.
     "128x256_cluster2x1_oneshot": ff.FusedForwardConfig(cluster_m=2, persistent=False),
     "128x256_oneshot": ff.FusedForwardConfig(persistent=False),
+    # Ping-pong: two MMA warpgroups on alternate 64-row tiles, one's epilogue under the
+    # other's main loop; W multicast to 4 (or 2) CTAs keeps its L2 reads per flop as low.
+    "64x256_pingpong_cluster4x1": ff.FusedForwardConfig(tile_m=64, cluster_m=4, pingpong=True),
+    "64x256_pingpong_cluster2x1": ff.FusedForwardConfig(tile_m=64, cluster_m=2, pingpong=True),
     "128x128": ff.FusedForwardConfig(tile_n=128),
     "128x256_cluster1x2": ff.FusedForwardConfig(cluster_n=2),
     # Few stages, so that two CTAs fit on an SM (2 x 96 KiB / 2 x 80 KiB of shared

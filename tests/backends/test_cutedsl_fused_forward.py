@@ -48,6 +48,7 @@ CONFIGS = [
     dict(tile_n=128),  # 1002 tiles at V=128256: more statistics, smaller epilogue
     dict(tile_n=256, cluster_n=2),  # X multicast; T=125 at V=32000 leaves CTAs past V
     dict(cluster_m=2, persistent=False),  # one cluster per tile instead of a resident grid
+    dict(tile_m=64, cluster_m=4, pingpong=True),  # two MMA warpgroups on alternate tiles
 ]
 
 
@@ -146,6 +147,8 @@ def test_validation_errors():
         ff.FusedForwardConfig(tile_n=96).validate()
     with pytest.raises(ValueError, match="cluster"):
         ff.FusedForwardConfig(cluster_m=4, cluster_n=2).validate()
+    with pytest.raises(ValueError, match="pingpong.*tile_m must be 64"):
+        ff.FusedForwardConfig(pingpong=True).validate()
 
 
 @needs_dsl

@@ -114,6 +114,10 @@ class FusedForwardConfig:
     # so the TMA warp loads the next tile while the MMA warpgroups run this one's epilogue.
     # False launches one cluster per tile (same kernel, the loop runs once).
     persistent: bool = True
+    # Ping-pong: two MMA warpgroups take alternate tiles, each a whole 64-row tile, so one
+    # runs its epilogue while the other multiplies (needs tile_m = 64). Otherwise the
+    # tile_m / 64 warpgroups share every tile and the epilogue stalls the tensor cores.
+    pingpong: bool = False
 
     def validate(self) -> None:
         if self.tile_m not in (64, 128):
@@ -127,6 +131,8 @@ class FusedForwardConfig:
             raise ValueError("a cluster holds at most 4 CTAs here (cluster_m * cluster_n <= 4)")
         if self.stages < 0 or self.stages == 1:
             raise ValueError(f"stages must be 0 (auto) or >= 2, got {self.stages}")
+        if self.pingpong and self.tile_m != 64:
+            raise ValueError(f"pingpong gives each warpgroup a whole tile: tile_m must be 64, got {self.tile_m}")
 
 
 # The fastest shape measured (module docstring): each W tile is multicast to the two CTAs
@@ -195,7 +201,10 @@ class FusedForwardKernel:
         self.tile_shape_mnk = (self.bm, self.bn, BLOCK_K)
         self.num_tiles_n = _cdiv(key.vocab, self.bn)  # T
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
-        self.mma_warp_groups = self.bm // 64
+        # Warpgroups multiplying one tile together (64 rows each), and in all: ping-pong has
+        # two, each on its own tile.
+        self.tile_warp_groups = self.bm // 64
+        self.mma_warp_groups = 2 if config.pingpong else self.tile_warp_groups
         # Warpgroup 0 loads (its first warp issues every TMA copy), the others multiply.
         self.threads = 128 * (1 + self.mma_warp_groups)
         self.stages = _num_stages(config, self.esize)
@@ -248,7 +257,7 @@ class FusedForwardKernel:
             a_layout.sm90_mma_major_mode(),
             b_layout.sm90_mma_major_mode(),
             Float32,
-            (self.mma_warp_groups, 1, 1),
+            (self.tile_warp_groups, 1, 1),
             tiler_mn=(64, self.bn),
         )
         a_smem_layout_staged = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.dtype, self.stages)
@@ -350,9 +359,9 @@ class FusedForwardKernel:
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        # Every MMA warp releases a stage to each CTA that multicasts into it.
+        # Every MMA warp of the tile releases a stage to each CTA that multicasts into it.
         mcast_size = self.num_mcast_a + self.num_mcast_b - 1
-        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.mma_warp_groups * 4)
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast_size * self.tile_warp_groups * 4)
         mainloop_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.stages,
@@ -406,21 +415,34 @@ class FusedForwardKernel:
         else:
             # ---------------- MMA warpgroups: mainloop, then the epilogue, per tile
             cute.arch.setmaxregister_increase(MMA_REGISTERS)
-            mma_tidx = tidx - 128
+            mma_wg = warp_group_idx - 1
+            # Ping-pong: each warpgroup multiplies whole tiles on its own; otherwise they
+            # share a tile, 64 rows each.
+            tile_tidx = tidx % 128 if const_expr(self.config.pingpong) else tidx - 128
             # WGMMA reads its operands through shared-memory descriptors, identical for the
             # 128 threads of a warpgroup: partition A/B with the warpgroup's first thread.
-            thr_mma_wg = tiled_mma.get_slice((warp_group_idx - 1) * 128)
+            thr_mma_wg = tiled_mma.get_slice(tile_tidx // 128 * 128)
             tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
             # Per-thread accumulator and the (m, n) coordinate of each of its values.
-            thr_mma = tiled_mma.get_slice(mma_tidx)
+            thr_mma = tiled_mma.get_slice(tile_tidx)
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.bm, self.bn)))  # ((2,2,BN/8), MMA_M, MMA_N)
             acc = cute.make_rmem_tensor(tCcC.shape, Float32)
             num_k_blocks = cute.size(tCrA, mode=[2])
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            first_tile = 0
+            tile_step = 1
+            if const_expr(self.config.pingpong):
+                # Warpgroup g takes tiles g, g + 2, ...: the ring holds the tiles' k-tiles in
+                # order, so it steps over the other warpgroup's (which releases them).
+                first_tile = mma_wg
+                tile_step = 2
+                for _ in cutlass.range(k_tile_cnt * mma_wg, unroll=1):
+                    read_state.advance()
+                    release_state.advance()
 
-            for i in cutlass.range(my_tiles, unroll=1):
+            for i in cutlass.range(first_tile, my_tiles, tile_step, unroll=1):
                 pid_m, pid_n = self._tile_coords(cluster_id + i * clusters_launched, cluster_rows,
                                                  cluster_cols, bidx_in_cluster)
                 # First k tile: overwrite the accumulator, keep one WGMMA batch in flight.
@@ -458,6 +480,10 @@ class FusedForwardKernel:
                 # while the loader fills the ring with the next tile's k-tiles.
                 self._epilogue(acc, tCcC, pid_m, pid_n, mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
                                num_rows, softcap, inv_softcap)
+                if const_expr(self.config.pingpong):
+                    for _ in cutlass.range(k_tile_cnt, unroll=1):  # the other warpgroup's next tile
+                        read_state.advance()
+                        release_state.advance()
 
     @cute.jit
     def _tile_coords(self, cluster_tile: Int32, cluster_rows: Int32, cluster_cols: Int32, bidx_in_cluster):
