@@ -78,6 +78,8 @@ DEFAULT_WORKSPACE_BYTES = 48 * 1024 * 1024
 # needs few; the MMA warpgroups hold a 64 x BN fp32 accumulator (128 registers at BN = 256)
 # plus the epilogue's temporaries. 128 * 40 + 256 * 232 fits the 64 K registers of an SM.
 LOADER_REGISTERS = 40
+# Named barriers 1 and 2 order the ping-pong warpgroups' main loops (0 is __syncthreads).
+PINGPONG_BARRIER = 1
 MMA_REGISTERS = 232
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
@@ -445,6 +447,12 @@ class FusedForwardKernel:
             for i in cutlass.range(first_tile, my_tiles, tile_step, unroll=1):
                 pid_m, pid_n = self._tile_coords(cluster_id + i * clusters_launched, cluster_rows,
                                                  cluster_cols, bidx_in_cluster)
+                if const_expr(self.config.pingpong):
+                    # Start waiting on this tile's stages only once the other warpgroup has
+                    # waited on all of the previous tile's: a stage's full barrier is then at
+                    # most one phase behind, and its parity cannot alias an older fill.
+                    if i > 0:
+                        cute.arch.barrier(barrier_id=PINGPONG_BARRIER + mma_wg, number_of_threads=256)
                 # First k tile: overwrite the accumulator, keep one WGMMA batch in flight.
                 peek = mainloop_pipeline.consumer_try_wait(read_state)
                 tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
@@ -472,6 +480,9 @@ class FusedForwardKernel:
                     read_state.advance()
                     release_state.advance()
 
+                if const_expr(self.config.pingpong):
+                    if i + 1 < my_tiles:  # the other warpgroup's next tile may start
+                        cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - mma_wg, number_of_threads=256)
                 cute.nvgpu.warpgroup.wait_group(0)
                 mainloop_pipeline.consumer_release(release_state)
                 release_state.advance()
