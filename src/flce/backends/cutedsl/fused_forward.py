@@ -8,8 +8,8 @@ WGMMAs issued by ``BM / 64`` warpgroups. The CTAs are warp-specialised and persi
 one thread of an extra warpgroup issues every TMA copy, and each cluster loops over its
 share of the tiles, so the ring is refilled with the next tile while the MMA warpgroups
 run this tile's epilogue (``FusedForwardConfig.persistent`` turns the loop into one
-cluster per tile). The epilogue never writes Z. For every row ``n`` of the tile and the tile's vocabulary slice
-``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
+cluster per tile). The epilogue never writes Z. For every row ``n`` of the tile and the
+tile's vocabulary slice ``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
 
 - ``tile_max[t, n]``: the max of ``z'`` over the tile's valid columns, with ``z`` the
   logit plus the optional bias and ``z' = c * tanh(z / c)`` under the optional softcap,
@@ -35,7 +35,7 @@ among the tiles achieving the max.
 
 The statistics are stored tile-major, ``(T, rows)``, so that the lanes of a warp (rows
 ``r .. r+7``) write neighbouring words. ``CombineTileStatisticsKernel`` then reduces them,
-one thread per row: ``lse = M + log(sum_t s_t exp(m_t - M))`` with ``M = max_t m_t``.
+four lanes per row: ``lse = M + log(sum_t s_t exp(m_t - M))`` with ``M = max_t m_t``.
 Their size is ``T * rows * 12`` bytes (16 with the logit sum); launches cover at most as
 many rows as fit in ``workspace_bytes``, in whole cluster row blocks (48 MiB by default:
 N = 8192 at V = 128256 in one launch), which bounds the peak extra memory by that budget
@@ -82,9 +82,9 @@ DEFAULT_WORKSPACE_BYTES = 48 * 1024 * 1024
 # needs few; the MMA warpgroups hold a 64 x BN fp32 accumulator (128 registers at BN = 256)
 # plus the epilogue's temporaries. 128 * 40 + 256 * 232 fits the 64 K registers of an SM.
 LOADER_REGISTERS = 40
+MMA_REGISTERS = 232
 # Named barriers 1 and 2 order the ping-pong warpgroups' main loops (0 is __syncthreads).
 PINGPONG_BARRIER = 1
-MMA_REGISTERS = 232
 
 _TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
@@ -105,7 +105,8 @@ class FusedForwardKey:
 @dataclass(frozen=True)
 class FusedForwardConfig:
     """Launch shape: a ``tile_m x tile_n`` CTA tile (``tile_m / 64`` MMA warpgroups, each
-    owning 64 rows, plus one warpgroup whose first warp issues the TMA copies), ``stages``
+    owning 64 rows, or with ``pingpong`` two, each on its own tile; plus one warpgroup
+    whose first warp issues the TMA copies), ``stages``
     of the TMA ring (0: as many as fit in shared memory), a ``cluster_m x cluster_n``
     thread-block cluster (CTAs of one cluster column share the W tile through multicast,
     CTAs of one cluster row share the X tile) and whether CTAs are persistent. The field
