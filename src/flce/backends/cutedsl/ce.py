@@ -236,6 +236,13 @@ class RowStream:
         self.num_slots = self.resident + ring if self.use_async else 0
         self.need_argmax = need_argmax
 
+    @cute.jit
+    def _row_vectors(self, p_base: cute.Pointer, row, row_stride: Int64) -> cute.Tensor:
+        """Row ``row`` of a row-major matrix at ``p_base`` as ``(vec, V/vec)``: element
+        ``[None, v]`` is its ``v``-th vector (64-bit offset; aligned to ``vec``)."""
+        row_offset = cute.assume(Int64(row) * row_stride, divby=self.vec)
+        return cute.make_tensor(p_base + row_offset, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec)))
+
     def smem_bytes(self) -> int:
         buf = self.num_slots * self.threads * self.vec * self.esize
         return buf + 6 * (self.num_warps + self.cluster) * 4 + 128
@@ -614,12 +621,9 @@ class ChunkCrossEntropy(RowStream):
             if v_end > NV:
                 v_end = Int32(NV)
 
-        # This row as (vec, V/vec): gRow[None, v] is the v-th vector of VEC elements.
-        row_offset = cute.assume(Int64(row) * row_stride, divby=VEC)
-        gRow = cute.make_tensor(p_logits + row_offset, cute.make_layout((VEC, NV), stride=(1, VEC)))
+        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, NV)
         # Where this row's gradient goes: the same row when in place.
-        grad_offset = cute.assume(Int64(row) * grad_row_stride, divby=VEC)
-        gGrad = cute.make_tensor(p_grad + grad_offset, cute.make_layout((VEC, NV), stride=(1, VEC)))
+        gGrad = self._row_vectors(p_grad, row, grad_row_stride)  # (VEC, NV)
 
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 5)), byte_alignment=16)  # (warps, 5)

@@ -70,6 +70,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
+from flce.backends.cutedsl.ce import _cdiv, _null_ptr, _ptr, _stream
+
 LOG2_E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
 SMEM_CAPACITY = 227 * 1024  # dynamic shared memory per CTA on sm_90
@@ -157,10 +159,6 @@ def default_config(vocab: int) -> FusedForwardConfig:
     if vocab < PERSISTENT_MIN_VOCAB:
         return FusedForwardConfig(cluster_m=2, persistent=False)
     return DEFAULT_CONFIG
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _stage_bytes(config: FusedForwardConfig, esize: int) -> int:
@@ -671,35 +669,6 @@ class FusedForwardKernel:
 
 
 # ---------------------------------------------------------------------- host wrapper
-_STREAMS: dict = {}
-_NULL_PTRS: dict = {}
-
-
-def _null_ptr(dtype, align: int) -> cute.Pointer:
-    """A cached placeholder for an absent optional tensor (never dereferenced), also used
-    to compile; its type (element, alignment) matches the real arguments."""
-    p = _NULL_PTRS.get((dtype, align))
-    if p is None:
-        p = cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
-        _NULL_PTRS[(dtype, align)] = p
-    return p
-
-
-def _ptr(tensor: Optional[torch.Tensor], dtype, align: int) -> cute.Pointer:
-    if tensor is None:
-        return _null_ptr(dtype, align)
-    return cute.runtime.make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
-
-def _stream(device: torch.device) -> cuda.CUstream:
-    raw = torch.cuda.current_stream(device).cuda_stream
-    s = _STREAMS.get(raw)
-    if s is None:
-        s = cuda.CUstream(raw)
-        _STREAMS[raw] = s
-    return s
-
-
 @lru_cache(maxsize=None)
 def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEFAULT_CONFIG):
     """The compiled kernel for ``key`` and ``config`` (cached); the row count is a runtime

@@ -154,9 +154,7 @@ class PartialStatistics(RowStream):
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
 
-        # This row as (vec, V_r/vec): gRow[None, v] is the v-th vector; 64-bit offset.
-        row_offset = cute.assume(Int64(row) * row_stride, divby=VEC)
-        gRow = cute.make_tensor(p_logits + row_offset, cute.make_layout((VEC, NV), stride=(1, VEC)))
+        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, V_r/VEC)
 
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 5)), byte_alignment=16)  # (warps, 5)
@@ -257,8 +255,7 @@ class PartialGradient(RowStream):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
 
-        row_offset = cute.assume(Int64(row) * row_stride, divby=VEC)
-        gRow = cute.make_tensor(p_logits + row_offset, cute.make_layout((VEC, NV), stride=(1, VEC)))
+        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, V_r/VEC)
 
         y_raw = Int64(mTarget[row])
         if y_raw >= Int64(0):
