@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from flce.bench import methods as bench_methods
 from flce.cli import main
 from flce.dispatch import availability
 
@@ -20,15 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 # Odd sizes, so nothing relies on aligned rows; few rounds and calls, so it takes seconds.
 TINY = ["bench", "--kernel", "ce", "--device", "cpu", "--tokens", "12", "--vocab", "250", "--rounds", "2",
         "--warmup", "1"]
-
-
-@pytest.fixture
-def no_liger(monkeypatch: pytest.MonkeyPatch):
-    """Liger-Kernel made unimportable, whether or not it is installed here."""
-    monkeypatch.setitem(sys.modules, "liger_kernel", None)
-    bench_methods._import.cache_clear()
-    yield
-    bench_methods._import.cache_clear()
 
 
 def _by_method(rows: list[dict]) -> dict[str, dict]:

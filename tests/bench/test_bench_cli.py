@@ -3,37 +3,19 @@ skip reasons for missing peers, and the README renderer reading the JSON."""
 
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-from flce.bench import methods as bench_methods
-from flce.bench.cli import add_bench_arguments, run_bench
+from flce.bench.cli import bench_parser, run_bench
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny but not trivial: V and H are not powers of two, so no path relies on
 # aligned sizes; two token counts give a swept axis for the plots.
 TINY = ["--device", "cpu", "--vocab", "500", "--hidden", "48", "--rounds", "2", "--warmup", "1"]
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="flce bench")
-    add_bench_arguments(parser)
-    return parser.parse_args(argv)
-
-
-@pytest.fixture
-def no_liger(monkeypatch: pytest.MonkeyPatch):
-    """Liger-Kernel made unimportable, whether or not it is installed here."""
-    monkeypatch.setitem(sys.modules, "liger_kernel", None)
-    bench_methods._import.cache_clear()
-    yield
-    bench_methods._import.cache_clear()
 
 
 def _rows(payload: dict, method: str) -> list[dict]:
@@ -42,7 +24,7 @@ def _rows(payload: dict, method: str) -> list[dict]:
 
 @pytest.mark.usefixtures("no_liger")
 def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    args = _parse(
+    args = bench_parser().parse_args(
         [*TINY, "--tokens", "40,64", "--methods", "flce:torch,torch:eager,liger:triton", "--out", str(tmp_path)]
     )
     assert run_bench(args) == 0
@@ -82,7 +64,7 @@ def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
 def test_cpu_modes_and_features(tmp_path: Path, mode: str) -> None:
-    args = _parse(
+    args = bench_parser().parse_args(
         [
             *TINY,
             "--tokens",
@@ -113,7 +95,7 @@ def test_cpu_modes_and_features(tmp_path: Path, mode: str) -> None:
 
 
 def test_unknown_method_is_an_argument_error(capsys: pytest.CaptureFixture) -> None:
-    assert run_bench(_parse([*TINY, "--tokens", "32", "--methods", "nope"])) == 2
+    assert run_bench(bench_parser().parse_args([*TINY, "--tokens", "32", "--methods", "nope"])) == 2
     assert "unknown method" in capsys.readouterr().err
 
 
@@ -127,7 +109,7 @@ def _readme_script():
 @pytest.mark.usefixtures("no_liger")
 def test_readme_script_renders_and_replaces_block(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "out"
-    args = _parse(
+    args = bench_parser().parse_args(
         [*TINY, "--tokens", "32", "--methods", "flce:torch,torch:eager,liger", "--out", str(out), "--no-plots"]
     )
     assert run_bench(args) == 0

@@ -5,7 +5,6 @@ be recorded in the JSON, and make the methods that lack it skip with a reason.""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 import flce
 from flce.bench import ce_kernel
 from flce.bench import methods as bench_methods
-from flce.bench.cli import add_bench_arguments, run_bench
+from flce.bench.cli import bench_parser, run_bench
 from flce.bench.methods import FEATURES, Case, LossOptions, Shape, make_inputs
 from flce.bench.timing import call_once
 from flce.cli import main
@@ -48,21 +47,6 @@ TINY = ["--device", "cpu", "--tokens", "64", "--vocab", "250", "--hidden", "36",
 SHAPE = Shape(n=64, v=250, h=36)
 # Every feature at once: the scalar options change the rows that token scaling weighs.
 ALL = ",".join(FEATURES)
-
-
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="flce bench")
-    add_bench_arguments(parser)
-    return parser.parse_args(argv)
-
-
-@pytest.fixture
-def no_liger(monkeypatch: pytest.MonkeyPatch):
-    """Liger-Kernel made unimportable, whether or not it is installed here."""
-    monkeypatch.setitem(sys.modules, "liger_kernel", None)
-    bench_methods._import.cache_clear()
-    yield
-    bench_methods._import.cache_clear()
 
 
 def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attributes) -> None:
@@ -110,7 +94,7 @@ def _reference(inputs: bench_methods.Inputs, opts: LossOptions):
 
 
 def _run(tmp_path: Path, *argv: str) -> dict:
-    assert run_bench(_parse([*TINY, *argv, "--out", str(tmp_path)])) == 0
+    assert run_bench(bench_parser().parse_args([*TINY, *argv, "--out", str(tmp_path)])) == 0
     return json.loads(next(tmp_path.glob("*.json")).read_text())
 
 
@@ -152,7 +136,7 @@ def test_unknown_feature_is_rejected_naming_the_valid_ones(capsys: pytest.Captur
     assert "'accuracies'" in message
     assert all(f"'{name}'" in message for name in FEATURES)
 
-    assert run_bench(_parse([*TINY, "--features", "bias,logit_bias"])) == 2
+    assert run_bench(bench_parser().parse_args([*TINY, "--features", "bias,logit_bias"])) == 2
     err = capsys.readouterr().err
     assert "logit_bias" in err and all(name in err for name in FEATURES)
 

@@ -183,17 +183,24 @@ def resolve_shapes(args: argparse.Namespace, device: torch.device) -> tuple[Shap
     return tuple(Shape(n, v, h) for h in hidden for n in tokens for v in vocab)
 
 
+def _rounds_and_warmup(args: argparse.Namespace, default_rounds: int, default_warmup: int) -> tuple[int, int]:
+    """``--rounds`` and ``--warmup`` (or the mode's defaults), checked with
+    ``--ignore-fraction``: the settings every kind of run shares."""
+    rounds = args.rounds if args.rounds is not None else default_rounds
+    warmup = args.warmup if args.warmup is not None else default_warmup
+    if rounds < 1 or warmup < 0:
+        raise ValueError("--rounds must be >= 1 and --warmup >= 0")
+    if not 0.0 <= args.ignore_fraction < 1.0:
+        raise ValueError("--ignore-fraction must be in [0, 1)")
+    return rounds, warmup
+
+
 def resolve_config(args: argparse.Namespace) -> BenchConfig:
     """The frozen run configuration; ValueError on inconsistent options."""
     device = _device(args)
     on_gpu = device.type == "cuda"
     chosen_dtype = args.dtype or ("bf16" if on_gpu else "fp32")
-    rounds = args.rounds if args.rounds is not None else DEFAULT_ROUNDS[not on_gpu]
-    warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[not on_gpu]
-    if rounds < 1 or warmup < 0:
-        raise ValueError("--rounds must be >= 1 and --warmup >= 0")
-    if not 0.0 <= args.ignore_fraction < 1.0:
-        raise ValueError("--ignore-fraction must be in [0, 1)")
+    rounds, warmup = _rounds_and_warmup(args, DEFAULT_ROUNDS[not on_gpu], DEFAULT_WARMUP[not on_gpu])
     return BenchConfig(
         mode=args.mode,
         dtype=DTYPES[chosen_dtype],
@@ -404,12 +411,7 @@ def resolve_kernel_config(args: argparse.Namespace) -> ce_kernel.KernelBenchConf
     on_gpu = device.type == "cuda"
     tokens, vocab = KERNEL_GPU_SHAPES if on_gpu else KERNEL_CPU_SHAPES
     dtype_names = (args.dtype,) if args.dtype else (KERNEL_GPU_DTYPES if on_gpu else KERNEL_CPU_DTYPES)
-    rounds = args.rounds if args.rounds is not None else DEFAULT_KERNEL_ROUNDS[not on_gpu]
-    warmup = args.warmup if args.warmup is not None else DEFAULT_WARMUP[not on_gpu]
-    if rounds < 1 or warmup < 0:
-        raise ValueError("--rounds must be >= 1 and --warmup >= 0")
-    if not 0.0 <= args.ignore_fraction < 1.0:
-        raise ValueError("--ignore-fraction must be in [0, 1)")
+    rounds, warmup = _rounds_and_warmup(args, DEFAULT_KERNEL_ROUNDS[not on_gpu], DEFAULT_WARMUP[not on_gpu])
     if args.overhead_calls is not None and args.overhead_calls < 0:
         raise ValueError("--overhead-calls must be >= 0 (0 skips the host-overhead measurement)")
     return ce_kernel.KernelBenchConfig(
@@ -532,10 +534,15 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
     return 0 if measured else 1
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
+def bench_parser() -> argparse.ArgumentParser:
+    """The parser of ``flce bench`` on its own (``python -m flce.bench.cli``, tests)."""
     parser = argparse.ArgumentParser(prog="flce bench", description=__doc__.splitlines()[0])
     add_bench_arguments(parser)
-    return run_bench(parser.parse_args(argv))
+    return parser
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    return run_bench(bench_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
