@@ -487,44 +487,37 @@ def eager_cross_entropy(
         logits = opts.softcap * torch.tanh(logits / opts.softcap)
     weight = None if ce_weight is None else ce_weight.to(logits.dtype)  # F.cross_entropy wants one dtype
     valid = target != opts.ignore_index
+    loss = F.cross_entropy(
+        logits,
+        target,
+        weight=weight,
+        ignore_index=opts.ignore_index,
+        label_smoothing=opts.label_smoothing,
+        # Token scaling weighs the rows before reducing them.
+        reduction="none" if opts.use_token_scaling else opts.reduction,
+    )
     if opts.use_token_scaling:
-        loss = _token_scaled_cross_entropy(logits, target, weight, valid, opts)
-    else:
-        loss = F.cross_entropy(
-            logits,
-            target,
-            weight=weight,
-            ignore_index=opts.ignore_index,
-            label_smoothing=opts.label_smoothing,
-            reduction=opts.reduction,
-        )
-        if opts.lse_square_scale != 0.0:
-            z = (torch.logsumexp(logits, dim=-1).square() * valid).sum() * opts.lse_square_scale
-            loss = loss + (z / valid.sum().clamp_min(1) if opts.reduction == "mean" else z)
+        loss = _token_scaled_reduction(loss, logits, target, weight, valid, opts)
+    elif opts.lse_square_scale != 0.0:
+        z = (torch.logsumexp(logits, dim=-1).square() * valid).sum() * opts.lse_square_scale
+        loss = loss + (z / valid.sum().clamp_min(1) if opts.reduction == "mean" else z)
     if not opts.returns_extras:
         return loss
     return loss, *_eager_token_outputs(logits, target, valid, opts)
 
 
-def _token_scaled_cross_entropy(
+def _token_scaled_reduction(
+    rows: torch.Tensor,
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
     valid: torch.Tensor,
     opts: LossOptions,
 ) -> torch.Tensor:
-    """Each row's cross-entropy and z-loss times its detached ``p(target)``, reduced as flce
-    reduces: for ``mean`` the cross-entropy over the rows' class weights (their count without
-    weights), the z-loss over the count of rows. ``F.cross_entropy`` has no such option, so
-    the rows come from ``reduction="none"`` (0 on ignored rows) and the sums are taken here."""
-    rows = F.cross_entropy(
-        logits,
-        target,
-        weight=weight,
-        ignore_index=opts.ignore_index,
-        label_smoothing=opts.label_smoothing,
-        reduction="none",
-    )
+    """Each row's cross-entropy (``rows``, from ``reduction="none"``: 0 on ignored rows) and
+    z-loss times its detached ``p(target)``, reduced as flce reduces: for ``mean`` the
+    cross-entropy over the rows' class weights (their count without weights), the z-loss over
+    the count of rows. ``F.cross_entropy`` has no such option, so the sums are taken here."""
     lse = torch.logsumexp(logits, dim=-1)
     safe_target = torch.where(valid, target, 0)  # ignore_index may lie outside [0, V)
     target_logit = logits.gather(1, safe_target[:, None]).squeeze(1)
