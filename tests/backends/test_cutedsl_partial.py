@@ -19,26 +19,15 @@ import pytest
 import torch
 
 from flce.backends.base import ChunkScalars
-from flce.backends.cutedsl import availability
 from flce.split_rows import CuteSplitRowKernels, TorchSplitRowKernels, split_row_kernels
+from tests.backends.cutedsl_gpu import DEVICE, DTYPES, EPS_FP32, EPS_GRAD, K, skip_module_without_cutedsl
 
-if not torch.cuda.is_available():
-    pytest.skip("cutedsl split-row kernel tests need a CUDA GPU", allow_module_level=True)
-_ok, _why = availability(torch.device("cuda"))
-if not _ok:
-    pytest.skip(f"cutedsl backend unavailable: {_why}", allow_module_level=True)
+skip_module_without_cutedsl("cutedsl split-row kernel tests")
 
 from flce.backends.cutedsl import partial as cute_partial  # noqa: E402  (imports cutlass)
 
 pytestmark = pytest.mark.gpu
 
-DEVICE = torch.device("cuda")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-K = 3.0
-# Floors: fp32 statistics get a few fp32 ulps; the gradient, stored in the logits dtype,
-# a small fraction of that dtype's unit roundoff.
-EPS_FP32 = 2e-6
-EPS_GRAD = {torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.float16: 2e-5}
 SOFTCAP = 5.0
 LS = 0.2
 Z_SCALE = 1e-3
