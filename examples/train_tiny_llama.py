@@ -189,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 total_time, total_tokens = total_time + elapsed, total_tokens + window_tokens
             first_window = False
             print(
-                f"step {step:5d} | loss {losses[-1]:.4f} | {tokens_per_s:,.0f} tokens/s | peak mem {peak_memory(device)}",
+                f"step {step:5d} | loss {losses[-1]:.4f} | {tokens_per_s:,.0f} tokens/s "
+                f"| peak mem {peak_memory(device)}",
                 flush=True,
             )
             window_start, window_tokens = time.perf_counter(), 0

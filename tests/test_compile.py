@@ -20,14 +20,27 @@ def _inputs(reduction):
 # aot_eager for every reduction (fast); one inductor case proves codegen around the op.
 @pytest.mark.parametrize(
     "backend,reduction,vocab_chunk_size",
-    [("aot_eager", "mean", None), ("aot_eager", "sum", None), ("aot_eager", "none", None),
-     ("aot_eager", "none", 10), ("inductor", "mean", None)],
+    [
+        ("aot_eager", "mean", None),
+        ("aot_eager", "sum", None),
+        ("aot_eager", "none", None),
+        ("aot_eager", "none", 10),
+        ("inductor", "mean", None),
+    ],
 )
 def test_compiled_training_step_matches_eager(backend, reduction, vocab_chunk_size):
     def forward(x, w, b, t):
         out = flce.fused_linear_cross_entropy(
-            torch.tanh(x), w, t, bias=b, reduction=reduction, label_smoothing=0.1, lse_square_scale=1e-3,
-            return_z_loss=True, return_token_accuracy=True, vocab_chunk_size=vocab_chunk_size,
+            torch.tanh(x),
+            w,
+            t,
+            bias=b,
+            reduction=reduction,
+            label_smoothing=0.1,
+            lse_square_scale=1e-3,
+            return_z_loss=True,
+            return_token_accuracy=True,
+            vocab_chunk_size=vocab_chunk_size,
         )
         loss = (out.loss * torch.linspace(0.5, 2, 9)).sum() if reduction == "none" else out.loss * 1.5
         return loss, out.z_loss, out.token_accuracy
@@ -39,9 +52,9 @@ def test_compiled_training_step_matches_eager(backend, reduction, vocab_chunk_si
     got = compiled(*compiled_inputs)
     expected[0].backward()
     got[0].backward()
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=False):
         torch.testing.assert_close(g, e)
-    for e, g in zip(eager_inputs[:3], compiled_inputs[:3]):
+    for e, g in zip(eager_inputs[:3], compiled_inputs[:3], strict=False):
         torch.testing.assert_close(g.grad, e.grad)
 
 
@@ -70,8 +83,9 @@ def test_compiled_module_in_a_model():
 def test_compiled_cross_entropy_on_given_logits(reduction):
     def forward(h, proj, t):
         logits = h @ proj.T  # (B, T, V)
-        out = flce.cross_entropy(logits, t, reduction=reduction, label_smoothing=0.1, softcap=5.0,
-                                 return_token_accuracy=True)
+        out = flce.cross_entropy(
+            logits, t, reduction=reduction, label_smoothing=0.1, softcap=5.0, return_token_accuracy=True
+        )
         loss = out.loss.sum() if reduction == "none" else out.loss
         return loss, out.token_accuracy
 
@@ -86,5 +100,5 @@ def test_compiled_cross_entropy_on_given_logits(reduction):
         loss, accuracy = fn(h, proj, t)
         loss.backward()
         grads.append((loss.detach(), accuracy, h.grad, proj.grad))
-    for e, g in zip(*grads):
+    for e, g in zip(*grads, strict=False):
         torch.testing.assert_close(g, e)

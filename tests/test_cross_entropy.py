@@ -67,7 +67,8 @@ def test_repeated_backward():
 
 def test_first_index_wins_ties():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
-    out = flce.cross_entropy(logits, torch.tensor([2, 0]), return_predicted_tokens=True, return_token_accuracy=True,
-                             reduction="none")
+    out = flce.cross_entropy(
+        logits, torch.tensor([2, 0]), return_predicted_tokens=True, return_token_accuracy=True, reduction="none"
+    )
     assert out.predicted_tokens.tolist() == [1, 0]
     assert out.token_accuracy.tolist() == [0.0, 1.0]

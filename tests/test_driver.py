@@ -99,7 +99,7 @@ def test_repeated_backward_does_not_compound(reduction):
     first = [p.grad.clone() for p in (x, w, b)]
     loss.backward(upstream, retain_graph=True)
     loss.backward(upstream)
-    for p, g in zip((x, w, b), first):
+    for p, g in zip((x, w, b), first, strict=False):
         torch.testing.assert_close(p.grad, 3 * g, rtol=1e-5, atol=1e-6)
 
 
@@ -117,8 +117,9 @@ def test_batch_statistics_is_the_only_sync_and_runs_once(monkeypatch):
 def test_batched_time_input_equals_flat(reduction):
     x, w, b, t = _inputs(n=24)
     flat = flce.fused_linear_cross_entropy(x, w, t, bias=b, reduction=reduction, return_predicted_tokens=True)
-    batched = flce.fused_linear_cross_entropy(x.view(4, 6, -1), w, t.view(4, 6), bias=b, reduction=reduction,
-                                              return_predicted_tokens=True)
+    batched = flce.fused_linear_cross_entropy(
+        x.view(4, 6, -1), w, t.view(4, 6), bias=b, reduction=reduction, return_predicted_tokens=True
+    )
     assert batched.predicted_tokens.shape == (4, 6)
     if reduction == "none":
         assert batched.loss.shape == (4, 6)
@@ -130,8 +131,9 @@ def test_non_contiguous_inputs():
     x_nc = x.t().contiguous().t()  # same values, column-major
     w_nc = torch.stack([w, w], dim=2)[..., 0]  # same values, element stride 2
     assert not x_nc.is_contiguous() and not w_nc.is_contiguous()
-    torch.testing.assert_close(flce.fused_linear_cross_entropy(x_nc, w_nc, t, bias=b),
-                               flce.fused_linear_cross_entropy(x, w, t, bias=b))
+    torch.testing.assert_close(
+        flce.fused_linear_cross_entropy(x_nc, w_nc, t, bias=b), flce.fused_linear_cross_entropy(x, w, t, bias=b)
+    )
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -145,8 +147,9 @@ def test_cpu_autocast_with_fp32_parameters(autocast_dtype):
     assert loss.dtype == torch.float32
     assert x.grad.dtype == w.grad.dtype == b.grad.dtype == torch.float32
     # The math must be the autocast dtype's: identical to running on inputs cast to it.
-    plain = flce.fused_linear_cross_entropy(*[p.detach().to(autocast_dtype) for p in (x, w)], t,
-                                            bias=b.detach().to(autocast_dtype), lse_square_scale=1e-3)
+    plain = flce.fused_linear_cross_entropy(
+        *[p.detach().to(autocast_dtype) for p in (x, w)], t, bias=b.detach().to(autocast_dtype), lse_square_scale=1e-3
+    )
     with torch.autocast("cpu", dtype=autocast_dtype):
         auto = flce.fused_linear_cross_entropy(x.detach(), w.detach(), t, bias=b.detach(), lse_square_scale=1e-3)
     torch.testing.assert_close(auto, plain, rtol=0, atol=0)
@@ -189,5 +192,6 @@ def test_module_matches_function_and_moves_ce_weight():
     cw = torch.rand(17) + 0.5
     module = flce.FusedLinearCrossEntropyLoss(ce_weight=cw, label_smoothing=0.1)
     assert "ce_weight" in dict(module.named_buffers())
-    torch.testing.assert_close(module(x, w, t, b),
-                               flce.fused_linear_cross_entropy(x, w, t, bias=b, ce_weight=cw, label_smoothing=0.1))
+    torch.testing.assert_close(
+        module(x, w, t, b), flce.fused_linear_cross_entropy(x, w, t, bias=b, ce_weight=cw, label_smoothing=0.1)
+    )

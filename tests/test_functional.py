@@ -49,8 +49,18 @@ def test_which_tensors_require_grad(grads, reduction, feature):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_shapes(n_rows, hidden, vocab, chunk_size, dtype):
-    _assert_passes(Case(n_rows=n_rows, hidden=hidden, vocab=vocab, chunk_size=chunk_size, dtype=dtype,
-                        feature="all", reduction="mean", bias=True))
+    _assert_passes(
+        Case(
+            n_rows=n_rows,
+            hidden=hidden,
+            vocab=vocab,
+            chunk_size=chunk_size,
+            dtype=dtype,
+            feature="all",
+            reduction="mean",
+            bias=True,
+        )
+    )
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -91,8 +101,9 @@ VOCAB_BLOCK_BACKENDS = ["torch"] + (["triton"] if availability("triton", CPU)[0]
 @pytest.mark.parametrize("feature", ["plain", "label_smoothing", "softcap", "ce_weight", "accuracy", "all"])
 def test_vocabulary_blocks(backend, dtype, reduction, feature):
     # V = 123 in blocks of 40 (40 + 40 + 40 + 3) x token chunks of 16 (ragged both ways).
-    _assert_passes(Case(feature=feature, reduction=reduction, dtype=dtype, bias=True, chunk_size=16,
-                        vocab_chunk_size=40), backend)
+    _assert_passes(
+        Case(feature=feature, reduction=reduction, dtype=dtype, bias=True, chunk_size=16, vocab_chunk_size=40), backend
+    )
 
 
 @pytest.mark.parametrize("grads", GRADS, ids="+".join)
@@ -123,8 +134,12 @@ def test_split_row_kernels_of_each_backend(monkeypatch):
     monkeypatch.setattr(flce.dispatch, "availability", lambda name, device: (True, ""))
     monkeypatch.delenv("FLCE_BACKEND", raising=False)  # None: the auto choice, Triton on CUDA
     cuda = torch.device("cuda")
-    for backend, cls in (("cutedsl", CuteSplitRowKernels), ("triton", TritonSplitRowKernels),
-                         ("torch", TorchSplitRowKernels), (None, TritonSplitRowKernels)):
+    for backend, cls in (
+        ("cutedsl", CuteSplitRowKernels),
+        ("triton", TritonSplitRowKernels),
+        ("torch", TorchSplitRowKernels),
+        (None, TritonSplitRowKernels),
+    ):
         kernels = split_row_kernels(backend, cuda, "test")
         assert type(kernels) is cls
     cute = CuteSplitRowKernels()

@@ -41,21 +41,41 @@ def scalars_for(target, vocab, ignore_index=-100, weight=None, **kw) -> ChunkSca
     valid = target != ignore_index
     n = int(valid.sum())
     wsum = float(weight[target[valid]].sum()) if weight is not None else float(n)
-    d = dict(ignore_index=ignore_index, label_smoothing=0.0, lse_square_scale=0.0, softcap=None,
-             use_token_scaling=False, ce_grad_scale=1.0 / max(wsum, 1e-30), z_grad_scale=1.0 / max(n, 1),
-             weight_sum=float(weight.sum()) if weight is not None else float(vocab))
+    d = dict(
+        ignore_index=ignore_index,
+        label_smoothing=0.0,
+        lse_square_scale=0.0,
+        softcap=None,
+        use_token_scaling=False,
+        ce_grad_scale=1.0 / max(wsum, 1e-30),
+        z_grad_scale=1.0 / max(n, 1),
+        weight_sum=float(weight.sum()) if weight is not None else float(vocab),
+    )
     d.update(kw)
     return ChunkScalars(**d)
 
 
 def run_chunk(fn, logits, target, weight, sc, zl=True, acc=True, grad=True, **kw):
     m = logits.shape[0]
-    out = dict(loss=torch.full((m,), math.nan, device=DEV),
-               z_loss=torch.full((m,), math.nan, device=DEV) if zl else None,
-               correct=torch.full((m,), math.nan, device=DEV) if acc else None,
-               predicted=torch.full((m,), -7, dtype=torch.int64, device=DEV) if acc else None)
-    fn(logits, target, weight, sc, loss_out=out["loss"], z_loss_out=out["z_loss"], correct_out=out["correct"],
-       predicted_out=out["predicted"], row_grad_scale=None, compute_grad=grad, **kw)
+    out = dict(
+        loss=torch.full((m,), math.nan, device=DEV),
+        z_loss=torch.full((m,), math.nan, device=DEV) if zl else None,
+        correct=torch.full((m,), math.nan, device=DEV) if acc else None,
+        predicted=torch.full((m,), -7, dtype=torch.int64, device=DEV) if acc else None,
+    )
+    fn(
+        logits,
+        target,
+        weight,
+        sc,
+        loss_out=out["loss"],
+        z_loss_out=out["z_loss"],
+        correct_out=out["correct"],
+        predicted_out=out["predicted"],
+        row_grad_scale=None,
+        compute_grad=grad,
+        **kw,
+    )
     out["grad"] = logits
     return out
 
@@ -85,9 +105,17 @@ def correctness(ce) -> bool:
         ours = run_chunk(ce.cross_entropy_chunk, z.clone(), target, weight, sc)
         twin = run_chunk(torch_chunk, z.clone(), target, weight, sc)
         zz = z.double().requires_grad_(True)
-        ref = cross_entropy_reference(zz, target, ce_weight=weight, ignore_index=-100, reduction="none",
-                                      lse_square_scale=sc.lse_square_scale, label_smoothing=sc.label_smoothing,
-                                      softcap=sc.softcap, use_token_scaling=sc.use_token_scaling)
+        ref = cross_entropy_reference(
+            zz,
+            target,
+            ce_weight=weight,
+            ignore_index=-100,
+            reduction="none",
+            lse_square_scale=sc.lse_square_scale,
+            label_smoothing=sc.label_smoothing,
+            softcap=sc.softcap,
+            use_token_scaling=sc.use_token_scaling,
+        )
         ce_ref = ref.loss - ref.z_loss
         total = (sc.ce_grad_scale * ce_ref + sc.z_grad_scale * ref.z_loss).sum()
         (g_ref,) = torch.autograd.grad(total, zz)
@@ -107,8 +135,11 @@ def correctness(ce) -> bool:
         good = good and all(torch.isfinite(ours[k]).all().item() for k in ("loss", "z_loss", "grad"))
         ok &= good
         print(f"{'ok ' if good else 'BAD'} {str(dtype):15s} M={m:3d} V={vocab:6d} {kw or ''}")
-        print("      " + "  ".join(f"{k} {a:.2e} | {b:.2e}" for k, (a, b) in e.items())
-              + f"  predicted {'==' if pred_ok else '!='} ref, correct {'==' if corr_ok else '!='} ref")
+        print(
+            "      "
+            + "  ".join(f"{k} {a:.2e} | {b:.2e}" for k, (a, b) in e.items())
+            + f"  predicted {'==' if pred_ok else '!='} ref, correct {'==' if corr_ok else '!='} ref"
+        )
     return ok
 
 
@@ -176,12 +207,23 @@ def timing(ce, sweep: bool, results: dict) -> None:
         predicted = torch.empty(n, dtype=torch.int64, device=DEV)
 
         def ours(grad=True, s=sc, config=None, features=False):
-            extra = dict(ce_weight=weight, z_loss_out=zl, correct_out=correct, predicted_out=predicted) if features else {}
+            extra = (
+                dict(ce_weight=weight, z_loss_out=zl, correct_out=correct, predicted_out=predicted) if features else {}
+            )
             kw = dict(dict(ce_weight=None, z_loss_out=None, correct_out=None, predicted_out=None), **extra)
-            return lambda: ce.cross_entropy_chunk(buf, target, kw["ce_weight"], s, loss_out=loss,
-                                                  z_loss_out=kw["z_loss_out"], correct_out=kw["correct_out"],
-                                                  predicted_out=kw["predicted_out"], row_grad_scale=None,
-                                                  compute_grad=grad, config=config)
+            return lambda: ce.cross_entropy_chunk(
+                buf,
+                target,
+                kw["ce_weight"],
+                s,
+                loss_out=loss,
+                z_loss_out=kw["z_loss_out"],
+                correct_out=kw["correct_out"],
+                predicted_out=kw["predicted_out"],
+                row_grad_scale=None,
+                compute_grad=grad,
+                config=config,
+            )
 
         rows = []
 
@@ -189,15 +231,20 @@ def timing(ce, sweep: bool, results: dict) -> None:
             gbs = nbytes / ms / 1e6
             rows.append((name, ms, gbs))
             results[f"{dtype}/{name}"] = {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
-            print(f"  {str(dtype):15s} {name:42s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy",
-                  flush=True)
+            print(
+                f"  {str(dtype):15s} {name:42s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy",
+                flush=True,
+            )
 
         rw = 2 * n * vocab * es
         print(f"  default config: {ce.default_config(ce.KernelKey(dtype, vocab, 16 // es, True, *[False] * 8, True))}")
         report("cutedsl loss+grad", time_ms(ours(), src, buf, flush=flush), rw)
         report("cutedsl +weights+ls+zloss+argmax", time_ms(ours(s=sc_feat, features=True), src, buf, flush=flush), rw)
-        report("cutedsl +weights+ls+zloss+argmax+softcap", time_ms(ours(s=sc_cap, features=True), src, buf, flush=flush),
-               rw)
+        report(
+            "cutedsl +weights+ls+zloss+argmax+softcap",
+            time_ms(ours(s=sc_cap, features=True), src, buf, flush=flush),
+            rw,
+        )
         report("cutedsl loss only (no grad)", time_ms(ours(grad=False), src, buf, flush=flush), rw // 2)
         lbuf = None
         if liger_forward is not None:
@@ -205,24 +252,50 @@ def timing(ce, sweep: bool, results: dict) -> None:
 
             def liger():
                 liger_forward(lbuf, target, None, -100, 0.0, 0.0, "mean", None, False)
+
             report("liger triton CE loss+grad", time_ms(liger, src, buf, flush=flush), rw)
 
         def twin():
-            torch_chunk(buf, target, None, sc, loss_out=loss, z_loss_out=None, correct_out=None, predicted_out=None,
-                        row_grad_scale=None, compute_grad=True)
+            torch_chunk(
+                buf,
+                target,
+                None,
+                sc,
+                loss_out=loss,
+                z_loss_out=None,
+                correct_out=None,
+                predicted_out=None,
+                row_grad_scale=None,
+                compute_grad=True,
+            )
 
         report("torch backend loss+grad", time_ms(twin, src, buf, iters=5, warmup=1, flush=flush), rw)
         if sweep:
             # One CTA per row with 76 KiB resident; clusters of 2/4/8 CTAs with the slice
             # partly (2) or wholly (4, 8) resident; prefetch distance; 128/512 threads.
-            key_cfgs = [(256, 8, 19, 1), (256, 8, 32, 2), (256, 8, 16, 4), (256, 16, 16, 4), (256, 4, 16, 4),
-                        (128, 8, 32, 4), (512, 8, 8, 4), (256, 8, 8, 8), (256, 16, 8, 8), (256, 8, 16, 8),
-                        (256, 16, 16, 8), (128, 16, 32, 8), (512, 8, 8, 8)]
+            key_cfgs = [
+                (256, 8, 19, 1),
+                (256, 8, 32, 2),
+                (256, 8, 16, 4),
+                (256, 16, 16, 4),
+                (256, 4, 16, 4),
+                (128, 8, 32, 4),
+                (512, 8, 8, 4),
+                (256, 8, 8, 8),
+                (256, 16, 8, 8),
+                (256, 8, 16, 8),
+                (256, 16, 16, 8),
+                (128, 16, 32, 8),
+                (512, 8, 8, 8),
+            ]
             for t, s_, r, c in key_cfgs:
                 cfg = ce.KernelConfig(threads=t, stages=s_, resident=r, cluster=c)
                 try:
-                    report(f"  sweep threads={t} stages={s_} resident={r} cluster={c}",
-                           time_ms(ours(config=cfg), src, buf, flush=flush), rw)
+                    report(
+                        f"  sweep threads={t} stages={s_} resident={r} cluster={c}",
+                        time_ms(ours(config=cfg), src, buf, flush=flush),
+                        rw,
+                    )
                 except Exception as exc:
                     print(f"  sweep {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
         src = buf = lbuf = None  # free before the next dtype

@@ -102,8 +102,9 @@ def check(name, n, vocab, hidden, dtype, bias=False, softcap=None, config=None, 
     pred = out["predicted"]
     zmax = z.max(1).values
     in_range = bool(((pred >= 0) & (pred < vocab)).all())
-    at_max = in_range and bool((z.gather(1, pred.clamp(0, vocab - 1)[:, None])[:, 0]
-                                >= zmax - 1e-3 * (1 + zmax.abs())).all())
+    at_max = in_range and bool(
+        (z.gather(1, pred.clamp(0, vocab - 1)[:, None])[:, 0] >= zmax - 1e-3 * (1 + zmax.abs())).all()
+    )
     exact = (pred == z.argmax(1)).double().mean().item()
     ok &= at_max and exact >= 0.99
     msgs.append(f"predicted exact {exact:.4f} at_max {at_max}")
@@ -135,8 +136,19 @@ def bench(n, hidden, vocab, configs):
     t_mm = time_ms(lambda out=logits: torch.mm(x, w.t(), out=out))
     del logits
     torch.cuda.empty_cache()
-    print(json.dumps({"op": "torch.mm", "N": n, "H": hidden, "V": vocab, "ms": round(t_mm, 4),
-                      "tflops": round(flop / t_mm / 1e9, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "op": "torch.mm",
+                "N": n,
+                "H": hidden,
+                "V": vocab,
+                "ms": round(t_mm, 4),
+                "tflops": round(flop / t_mm / 1e9, 1),
+            }
+        ),
+        flush=True,
+    )
     for cname, cfg in configs.items():
         for with_sum in (False, True):
             try:
@@ -149,13 +161,27 @@ def bench(n, hidden, vocab, configs):
                 torch.cuda.synchronize()
                 extra = torch.cuda.max_memory_allocated() - base
                 t = time_ms(lambda c=cfg, s=with_sum: ff.fused_forward_statistics(x, w, y, config=c, with_logit_sum=s))
-                print(json.dumps({
-                    "op": "fused_forward", "config": cname, "config_fields": cfg.__dict__, "with_logit_sum": with_sum,
-                    "N": n, "H": hidden, "V": vocab, "ms": round(t, 4), "tflops": round(flop / t / 1e9, 1),
-                    "ratio_to_torch_mm": round(t / t_mm, 4), "peak_extra_mib": round(extra / 2**20, 2),
-                    "launches": math.ceil(n / ff.rows_per_launch(n, vocab, with_sum, cfg,
-                                                                 ff.DEFAULT_WORKSPACE_BYTES)),
-                }), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "op": "fused_forward",
+                            "config": cname,
+                            "config_fields": cfg.__dict__,
+                            "with_logit_sum": with_sum,
+                            "N": n,
+                            "H": hidden,
+                            "V": vocab,
+                            "ms": round(t, 4),
+                            "tflops": round(flop / t / 1e9, 1),
+                            "ratio_to_torch_mm": round(t / t_mm, 4),
+                            "peak_extra_mib": round(extra / 2**20, 2),
+                            "launches": math.ceil(
+                                n / ff.rows_per_launch(n, vocab, with_sum, cfg, ff.DEFAULT_WORKSPACE_BYTES)
+                            ),
+                        }
+                    ),
+                    flush=True,
+                )
             except Exception:
                 print(f"FAIL bench {cname} N={n} V={vocab} sum={with_sum}", flush=True)
                 traceback.print_exc()
@@ -187,14 +213,20 @@ def main():
 def run_checks():
     checks = [
         ("bf16 V=32000 plain", dict(n=1000, vocab=32000, hidden=4096, dtype=torch.bfloat16)),
-        ("fp16 V=32000 bias+softcap", dict(n=1000, vocab=32000, hidden=2048, dtype=torch.float16, bias=True,
-                                           softcap=15.0)),
+        (
+            "fp16 V=32000 bias+softcap",
+            dict(n=1000, vocab=32000, hidden=2048, dtype=torch.float16, bias=True, softcap=15.0),
+        ),
         ("bf16 V=151936 H=5120 bias", dict(n=1000, vocab=151936, hidden=5120, dtype=torch.bfloat16, bias=True)),
         ("bf16 V=128256 N=257 softcap", dict(n=257, vocab=128256, hidden=4096, dtype=torch.bfloat16, softcap=30.0)),
     ]
     for cname, cfg in CONFIGS.items():
-        checks.append((f"bf16 V=32000 config {cname}", dict(n=1000, vocab=32000, hidden=2048, dtype=torch.bfloat16,
-                                                            bias=True, softcap=30.0, config=cfg)))
+        checks.append(
+            (
+                f"bf16 V=32000 config {cname}",
+                dict(n=1000, vocab=32000, hidden=2048, dtype=torch.bfloat16, bias=True, softcap=30.0, config=cfg),
+            )
+        )
     results = []
     for name, kw in checks:
         try:

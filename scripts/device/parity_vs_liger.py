@@ -102,7 +102,12 @@ CONFIGS = (
     LossConfig("softcap", softcap=30.0),
     LossConfig("ce_weight", ce_weight=True),
     LossConfig(
-        "all", label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0, ce_weight=True, bias=True,
+        "all",
+        label_smoothing=0.1,
+        lse_square_scale=1e-4,
+        softcap=30.0,
+        ce_weight=True,
+        bias=True,
         ignored_fraction=0.25,
     ),
 )
@@ -148,8 +153,14 @@ def case_tensors(base: BaseTensors, config: LossConfig, dtype: torch.dtype) -> T
 def testing_case(config: LossConfig, dtype: torch.dtype, n: int, h: int, v: int) -> Case:
     """The ``flce.testing.Case`` whose options the reference runs with."""
     return Case(
-        n_rows=n, hidden=h, vocab=v, dtype=dtype, reduction=config.reduction, bias=config.bias,
-        ignore_index=IGNORE_INDEX, options=tuple(sorted(config.options().items())),
+        n_rows=n,
+        hidden=h,
+        vocab=v,
+        dtype=dtype,
+        reduction=config.reduction,
+        bias=config.bias,
+        ignore_index=IGNORE_INDEX,
+        options=tuple(sorted(config.options().items())),
     )
 
 
@@ -180,8 +191,15 @@ def run_flce(t: Tensors, config: LossConfig, backend: str) -> tuple[torch.Tensor
     leaves = _leaves(t, config)
     opts = {k: v for k, v in config.options().items() if k != "ce_weight"}
     loss = flce.fused_linear_cross_entropy(
-        leaves["input"], leaves["weight"], t.target, bias=leaves.get("bias"), ce_weight=t.ce_weight,
-        ignore_index=IGNORE_INDEX, reduction=config.reduction, backend=backend, **opts,
+        leaves["input"],
+        leaves["weight"],
+        t.target,
+        bias=leaves.get("bias"),
+        ce_weight=t.ce_weight,
+        ignore_index=IGNORE_INDEX,
+        reduction=config.reduction,
+        backend=backend,
+        **opts,
     )
     loss.backward()
     return loss.detach(), {name: leaf.grad for name, leaf in leaves.items()}
@@ -192,9 +210,16 @@ def run_liger(t: Tensors, config: LossConfig) -> tuple[torch.Tensor, dict[str, t
 
     leaves = _leaves(t, config)
     loss = liger_fused_linear_cross_entropy(
-        leaves["input"], leaves["weight"], t.target, bias=leaves.get("bias"), ce_weight=t.ce_weight,
-        ignore_index=IGNORE_INDEX, lse_square_scale=config.lse_square_scale, label_smoothing=config.label_smoothing,
-        reduction=config.reduction, softcap=config.softcap,
+        leaves["input"],
+        leaves["weight"],
+        t.target,
+        bias=leaves.get("bias"),
+        ce_weight=t.ce_weight,
+        ignore_index=IGNORE_INDEX,
+        lse_square_scale=config.lse_square_scale,
+        label_smoothing=config.label_smoothing,
+        reduction=config.reduction,
+        softcap=config.softcap,
     )
     loss.backward()
     return loss.detach(), {name: leaf.grad for name, leaf in leaves.items()}
@@ -244,8 +269,13 @@ def run_case(config: LossConfig, dtype_name: str, base: BaseTensors, impls: dict
     truth, truth_grads = _run_reference(t, case, torch.float64, torch.float64, names)
     eager, eager_grads = _run_reference(t, case, dtype, torch.float32, names)
     row: dict[str, Any] = {
-        "vocab": v, "dtype": dtype_name, "config": config.name, "options": config.describe(),
-        "n": n, "h": h, "loss_float64": truth.loss.item(),
+        "vocab": v,
+        "dtype": dtype_name,
+        "config": config.name,
+        "options": config.describe(),
+        "n": n,
+        "h": h,
+        "loss_float64": truth.loss.item(),
         "results": {YARDSTICK: measured(eager.loss, eager_grads, truth, truth_grads, names)},
     }
     for impl, skip in impls.items():
@@ -294,12 +324,18 @@ def summarize(rows: list[dict], impls: dict[str, str | None]) -> list[dict]:
                 else:
                     failed_cases.append(f"{row['config']} V={row['vocab']} {row['dtype']}")
             if total or failed_cases:
-                summary.append({
-                    "implementation": impl, "quantity": quantity, "cases": total, "within_tolerance": passed,
-                    "worst_norm_rel": worst, "worst_ratio_to_torch": max(ratios) if ratios else None,
-                    "median_ratio_to_torch": sorted(ratios)[len(ratios) // 2] if ratios else None,
-                    "outside_tolerance": failed_cases,
-                })
+                summary.append(
+                    {
+                        "implementation": impl,
+                        "quantity": quantity,
+                        "cases": total,
+                        "within_tolerance": passed,
+                        "worst_norm_rel": worst,
+                        "worst_ratio_to_torch": max(ratios) if ratios else None,
+                        "median_ratio_to_torch": sorted(ratios)[len(ratios) // 2] if ratios else None,
+                        "outside_tolerance": failed_cases,
+                    }
+                )
     return summary
 
 
@@ -323,7 +359,11 @@ def markdown(payload: dict) -> str:
         f"N = {payload['config']['tokens']}, H = {payload['config']['hidden']}; `loss.backward()` (upstream 1).  ",
         f"Command: `{payload['command']}`",
         "",
-        *([] if payload["complete"] else ["**Incomplete run**: the vocabularies after the last one below are missing.", ""]),
+        *(
+            []
+            if payload["complete"]
+            else ["**Incomplete run**: the vocabularies after the last one below are missing.", ""]
+        ),
         "Error = ‖got − truth‖ / ‖truth‖ against the float64 reference; the yardstick is eager PyTorch in the",
         f"same dtype. Within tolerance: err ≤ {TOLERANCE_FACTOR:g} × err(torch same dtype) + eps (flce's test criterion).",
         "",
@@ -383,7 +423,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("outdir", type=Path, help="directory for parity_vs_liger.json and parity_vs_liger.md")
     parser.add_argument("--quick", action="store_true", help="N=32, H=64, V in 1000/3001: seconds, also on the CPU")
-    parser.add_argument("--backends", type=_names, help="flce backends (default: triton,cutedsl,torch on a GPU; torch on the CPU)")
+    parser.add_argument(
+        "--backends", type=_names, help="flce backends (default: triton,cutedsl,torch on a GPU; torch on the CPU)"
+    )
     parser.add_argument("--vocab", type=_ints, help="comma list of V (default 32000,128256,151936,262144)")
     parser.add_argument("--tokens", type=int, help=f"N (default {TOKENS}; {QUICK_TOKENS} with --quick)")
     parser.add_argument("--hidden", type=int, help=f"H (default {HIDDEN}; {QUICK_HIDDEN} with --quick)")
@@ -420,8 +462,13 @@ def main(argv: list[str] | None = None) -> int:
     impls = implementations(args, device)
     ignored_fraction = max(c.ignored_fraction for c in CONFIGS)
     config = {
-        "tokens": n, "hidden": h, "vocabs": list(vocabs), "dtypes": list(args.dtypes), "seed": args.seed,
-        "configs": {c.name: c.describe() for c in configs}, "upstream_gradient": 1.0,
+        "tokens": n,
+        "hidden": h,
+        "vocabs": list(vocabs),
+        "dtypes": list(args.dtypes),
+        "seed": args.seed,
+        "configs": {c.name: c.describe() for c in configs},
+        "upstream_gradient": 1.0,
         "tolerance": f"norm_rel <= {TOLERANCE_FACTOR:g} * norm_rel(torch same dtype) + eps(dtype)",
     }
     command = shlex.join(["python3", *sys.argv]) if argv is None else shlex.join(["python3", __file__, *argv])
@@ -442,8 +489,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         # Written after every vocabulary, so a run cut short by a time limit keeps what it measured.
         payload = {
-            "schema": SCHEMA, "command": command, "date_utc": utc_now(), "environment": env, "config": config,
-            "complete": v == vocabs[-1], "implementations": impls, "cases": rows, "summary": summarize(rows, impls),
+            "schema": SCHEMA,
+            "command": command,
+            "date_utc": utc_now(),
+            "environment": env,
+            "config": config,
+            "complete": v == vocabs[-1],
+            "implementations": impls,
+            "cases": rows,
+            "summary": summarize(rows, impls),
         }
         json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         md_path.write_text(markdown(payload))

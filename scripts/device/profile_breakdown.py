@@ -32,7 +32,9 @@ def kernel_group(name: str) -> str:
     """A coarse class of a CUDA kernel by its (mangled) name."""
     lowered = name.lower()
     # CE names first: CuTe DSL kernels carry "cutlass" in their names whatever they do.
-    if any(key in lowered for key in ("crossentropyclustervec", "chunkcrossentropy", "_ce_chunk", "cross_entropy_kernel")):
+    if any(
+        key in lowered for key in ("crossentropyclustervec", "chunkcrossentropy", "_ce_chunk", "cross_entropy_kernel")
+    ):
         return "ce kernel"
     if "fusedforward" in lowered:
         return "fused forward gemm"
@@ -92,8 +94,13 @@ def main() -> int:
     case = Case(Shape(args.n, args.v, args.h), torch.bfloat16, args.mode, LossOptions(), device)
     inputs = make_inputs(case)
     by_name = {m.name: m for m in all_methods()}
-    report = {"shape": case.shape.label(), "dtype": "bf16", "mode": args.mode, "gpu": torch.cuda.get_device_name(),
-              "methods": {}}
+    report = {
+        "shape": case.shape.label(),
+        "dtype": "bf16",
+        "mode": args.mode,
+        "gpu": torch.cuda.get_device_name(),
+        "methods": {},
+    }
     for name in args.methods.split(","):
         method = by_name[name]
         reason = method.check(case)

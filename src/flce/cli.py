@@ -6,7 +6,7 @@ import argparse
 import importlib.metadata
 import platform
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return args.func(args)
 

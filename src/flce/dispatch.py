@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import torch
 
@@ -24,7 +23,7 @@ class BackendUnavailableError(RuntimeError):
     """An explicitly requested backend cannot run on this device or installation."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def get_backend(name: str) -> BackendSpec:
     """The registered spec of backend ``name`` (validated against ``BACKEND_NAMES``)."""
     if name not in BACKEND_NAMES:
@@ -37,7 +36,7 @@ def availability(name: str, device: torch.device) -> tuple[bool, str]:
     return get_backend(name).availability(device)
 
 
-def requested_backend(backend: Optional[str]) -> Optional[str]:
+def requested_backend(backend: str | None) -> str | None:
     """The explicit request: the argument, else ``FLCE_BACKEND``, else None (auto)."""
     if backend is None:
         backend = os.environ.get(ENV_VAR) or None
@@ -52,7 +51,7 @@ def requested_backend(backend: Optional[str]) -> Optional[str]:
     return backend
 
 
-def resolve_backend(backend: Optional[str], device: torch.device) -> BackendSpec:
+def resolve_backend(backend: str | None, device: torch.device) -> BackendSpec:
     """The backend to run: an explicit request must be usable (else a clear error);
     auto picks the usable backend with the highest ``auto_priority`` (torch always is)."""
     name = requested_backend(backend)
@@ -65,8 +64,8 @@ def resolve_backend(backend: Optional[str], device: torch.device) -> BackendSpec
     return _auto_backend(device.type, device.index)
 
 
-@lru_cache(maxsize=None)
-def _auto_backend(device_type: str, device_index: Optional[int]) -> BackendSpec:
+@cache
+def _auto_backend(device_type: str, device_index: int | None) -> BackendSpec:
     if device_type != "cuda":
         # Off the GPU the torch backend is the default: Triton there is only its
         # interpreter (for tests), far slower than PyTorch's CPU kernels.

@@ -53,8 +53,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ def default_chunk_size(
     vocab: int,
     logits_dtype: torch.dtype,
     extra_bytes_per_logit: int = 0,
-    budget_bytes: Optional[int] = None,
+    budget_bytes: int | None = None,
 ) -> int:
     """Rows per chunk so that a chunk's logits (plus the kernel's workspace) fit the budget."""
     if n_rows <= 0:
@@ -163,7 +163,7 @@ class BatchStatistics:
 
 
 def batch_statistics(
-    target: torch.Tensor, ce_weight: Optional[torch.Tensor], vocab: int, ignore_index: int
+    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
 ) -> BatchStatistics:
     """Validates the target range (and class weights) and counts the valid rows with a
     single device-to-host read, the only host sync of a call. Raises ``ValueError``
@@ -214,12 +214,12 @@ class RowOutputs:
     """Per-row results of one call, before reduction."""
 
     loss: torch.Tensor  # (N,) fp32, CE part
-    z_loss: Optional[torch.Tensor]  # (N,) fp32
-    correct: Optional[torch.Tensor]  # (N,) fp32
-    predicted: Optional[torch.Tensor]  # (N,) int64
+    z_loss: torch.Tensor | None  # (N,) fp32
+    correct: torch.Tensor | None  # (N,) fp32
+    predicted: torch.Tensor | None  # (N,) int64
 
     @staticmethod
-    def allocate(n_rows: int, options: LossOptions, device: torch.device) -> "RowOutputs":
+    def allocate(n_rows: int, options: LossOptions, device: torch.device) -> RowOutputs:
         def rows(dtype):
             return torch.empty(n_rows, dtype=dtype, device=device)
 
@@ -236,7 +236,7 @@ class RowOutputs:
         target: torch.Tensor,  # (N,)
         ce: torch.Tensor,  # (N,) fp32 st * ce
         z_loss: torch.Tensor,  # (N,) fp32 st * zl
-        argmax: Optional[torch.Tensor],  # (N,) int64 argmax of z' (first index); None if unused
+        argmax: torch.Tensor | None,  # (N,) int64 argmax of z' (first index); None if unused
     ) -> None:
         """Writes whole-row results with the contract's values on ignored rows: loss,
         z-loss and correct 0, predicted -1."""
@@ -263,9 +263,9 @@ class RowOutputs:
 
 @dataclass
 class Gradients:
-    input: Optional[torch.Tensor]  # (N, H) input dtype
-    weight: Optional[torch.Tensor]  # (V, H) weight dtype
-    bias: Optional[torch.Tensor]  # (V,) bias dtype
+    input: torch.Tensor | None  # (N, H) input dtype
+    weight: torch.Tensor | None  # (V, H) weight dtype
+    bias: torch.Tensor | None  # (V,) bias dtype
 
 
 def _weight_accumulator_dtype(options: LossOptions, param_dtype: torch.dtype) -> torch.dtype:
@@ -286,8 +286,11 @@ def _weight_grad_in_one_gemm(
     PyTorch's CPU GEMM), so an fp32 accumulator would only add a pass over it and a cast.
     The caller runs that GEMM under ``_full_precision_reductions``."""
     return (
-        n_rows > 0 and chunk >= n_rows and weight_dtype == compute_dtype
-        and accumulator_dtype == torch.float32 and weight_dtype in (torch.bfloat16, torch.float16)
+        n_rows > 0
+        and chunk >= n_rows
+        and weight_dtype == compute_dtype
+        and accumulator_dtype == torch.float32
+        and weight_dtype in (torch.bfloat16, torch.float16)
     )
 
 
@@ -315,8 +318,8 @@ def run_chunks(
     input: torch.Tensor,  # (N, H) any float dtype (cast to compute_dtype per chunk)
     weight: torch.Tensor,  # (V, H)
     target: torch.Tensor,  # (N,)
-    bias: Optional[torch.Tensor],  # (V,)
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    bias: torch.Tensor | None,  # (V,)
+    ce_weight: torch.Tensor | None,  # (V,) fp32
     options: LossOptions,
     backend: BackendSpec,
     compute_dtype: torch.dtype,
@@ -325,7 +328,7 @@ def run_chunks(
     grad_input: bool,
     grad_weight: bool,
     grad_bias: bool,
-    row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32 per-row upstream gradient
+    row_grad_scale: torch.Tensor | None = None,  # (N,) fp32 per-row upstream gradient
 ) -> tuple[RowOutputs, Gradients]:
     """Runs every chunk; returns per-row outputs and the requested gradients."""
     n_rows, hidden = input.shape
@@ -341,7 +344,12 @@ def run_chunks(
     dx = torch.empty_like(input) if grad_input else None
     accumulator_dtype = _weight_accumulator_dtype(options, weight.dtype) if grad_weight else None
     chunk = options.chunk_size or whole_row_chunk_size(
-        n_rows, vocab, hidden, compute_dtype, weight.dtype, backend.extra_bytes_per_logit,
+        n_rows,
+        vocab,
+        hidden,
+        compute_dtype,
+        weight.dtype,
+        backend.extra_bytes_per_logit,
         accumulator_dtype == torch.float32,
     )
     chunk = max(1, min(chunk, n_rows))
@@ -405,7 +413,7 @@ def run_chunks(
     return rows, Gradients(dx, dw, db)
 
 
-def scale_gradients_(gradients: Sequence[Optional[torch.Tensor]], grad_loss: torch.Tensor) -> None:
+def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> None:
     """Multiplies each gradient by the 0-dim upstream gradient in place.
 
     On CUDA (and under Triton's interpreter) with Triton installed, a kernel skips the
@@ -432,9 +440,9 @@ def scale_gradients_(gradients: Sequence[Optional[torch.Tensor]], grad_loss: tor
 @dataclass
 class Reduced:
     loss: torch.Tensor
-    z_loss: Optional[torch.Tensor]
-    token_accuracy: Optional[torch.Tensor]
-    predicted_tokens: Optional[torch.Tensor]
+    z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None
+    predicted_tokens: torch.Tensor | None
 
 
 def reduce_rows(rows: RowOutputs, options: LossOptions, scalars: ChunkScalars, stats: BatchStatistics) -> Reduced:
@@ -461,7 +469,7 @@ def reduce_rows(rows: RowOutputs, options: LossOptions, scalars: ChunkScalars, s
 def rows_from_forward_statistics(
     statistics: dict,  # (N,) tensors: lse, target_logit, predicted, and logit_sum with smoothing
     target: torch.Tensor,  # (N,)
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    ce_weight: torch.Tensor | None,  # (V,) fp32
     options: LossOptions,
     scalars: ChunkScalars,
     vocab: int,
@@ -487,8 +495,15 @@ def rows_from_forward_statistics(
     if scalars.label_smoothing > 0:
         shifted_smooth = statistics["logit_sum"] - scalars.weight_sum * lse
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
-    ce, zl, _ = loss_rows(torch.zeros_like(lse), statistics["target_logit"] - lse, shifted_smooth, lse, w_y, scalars,
-                          scalars.label_smoothing / vocab)
+    ce, zl, _ = loss_rows(
+        torch.zeros_like(lse),
+        statistics["target_logit"] - lse,
+        shifted_smooth,
+        lse,
+        w_y,
+        scalars,
+        scalars.label_smoothing / vocab,
+    )
     rows.store(valid, target, ce, zl, statistics["predicted"])
     return rows
 
@@ -497,8 +512,8 @@ def run_vocab_blocks(
     input: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
     target: torch.Tensor,  # (N,)
-    bias: Optional[torch.Tensor],  # (V,)
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    bias: torch.Tensor | None,  # (V,)
+    ce_weight: torch.Tensor | None,  # (V,) fp32
     options: LossOptions,
     kernels,  # flce.split_rows kernels
     compute_dtype: torch.dtype,
@@ -507,7 +522,7 @@ def run_vocab_blocks(
     grad_input: bool,
     grad_weight: bool,
     grad_bias: bool,
-    row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32
+    row_grad_scale: torch.Tensor | None = None,  # (N,) fp32
 ) -> tuple[RowOutputs, Gradients]:
     """The driver over token chunks x vocabulary blocks (``options.vocab_chunk_size``).
 
@@ -569,8 +584,14 @@ def run_vocab_blocks(
         for r0, r1, x in chunks():
             local = safe_target[r0:r1] - v0
             owned = valid[r0:r1] & (local >= 0) & (local < v1 - v0)
-            stats = kernels.statistics(logits_of(r0, r1, v0, v1, x), torch.where(owned, local, v1 - v0), ce_block,
-                                       scalars.softcap, with_smoothing=ls > 0, with_argmax=need_argmax)
+            stats = kernels.statistics(
+                logits_of(r0, r1, v0, v1, x),
+                torch.where(owned, local, v1 - v0),
+                ce_block,
+                scalars.softcap,
+                with_smoothing=ls > 0,
+                with_argmax=need_argmax,
+            )
             old_max = row_max[r0:r1]
             new_max = torch.maximum(old_max, stats.row_max)
             row_sum[r0:r1] = row_sum[r0:r1] * torch.exp(old_max - new_max) + stats.row_sum * torch.exp(
@@ -619,8 +640,18 @@ def run_vocab_blocks(
             owned = valid[r0:r1] & (local >= 0) & (local < v1 - v0)
             grad_target = torch.where(owned, local, torch.where(valid[r0:r1], v1 - v0, -1))
             grad = logits_of(r0, r1, v0, v1, x)
-            kernels.gradient(grad, grad_target, ce_block, row_max[r0:r1], inv_sum[r0:r1], w_y[r0:r1], lse[r0:r1],
-                             row_scale[r0:r1], scalars, eps)
+            kernels.gradient(
+                grad,
+                grad_target,
+                ce_block,
+                row_max[r0:r1],
+                inv_sum[r0:r1],
+                w_y[r0:r1],
+                lse[r0:r1],
+                row_scale[r0:r1],
+                scalars,
+                eps,
+            )
             if dx_acc is not None:
                 _accumulate_product(dx_acc[r0:r1], grad, w[v0:v1], first=False)
             if dw_direct:

@@ -21,8 +21,7 @@ per-token upstream gradient folded into each row before the dW/db sums.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Optional, Union
+from functools import cache
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -46,7 +45,7 @@ from flce.driver import (
 from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
 from flce.output import CrossEntropyOutput
 
-LossResult = Union[torch.Tensor, CrossEntropyOutput]
+LossResult = torch.Tensor | CrossEntropyOutput
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class _Plan:
     """
 
     options: LossOptions
-    backend: Optional[BackendSpec]  # None when split_kernels run the chunks instead
+    backend: BackendSpec | None  # None when split_kernels run the chunks instead
     compute_dtype: torch.dtype
     stats: BatchStatistics
     scalars: ChunkScalars
@@ -74,10 +73,30 @@ class _Plan:
         if not any(flags.values()) and self.uses_fused_forward(input, weight, ce_weight):
             return _fused_forward_rows(self, input, weight, target, bias, ce_weight), Gradients(None, None, None)
         if self.split_kernels is not None:
-            return run_vocab_blocks(input, weight, target, bias, ce_weight, self.options, self.split_kernels,
-                                    self.compute_dtype, self.scalars, **flags)
-        return run_chunks(input, weight, target, bias, ce_weight, self.options, self.backend, self.compute_dtype,
-                          self.scalars, **flags)
+            return run_vocab_blocks(
+                input,
+                weight,
+                target,
+                bias,
+                ce_weight,
+                self.options,
+                self.split_kernels,
+                self.compute_dtype,
+                self.scalars,
+                **flags,
+            )
+        return run_chunks(
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            self.options,
+            self.backend,
+            self.compute_dtype,
+            self.scalars,
+            **flags,
+        )
 
     def finish_gradients(self, grads) -> None:
         """Hook run on the final gradients of a backward (the single-device loss has none)."""
@@ -89,18 +108,24 @@ class _Plan:
             weight.dtype != self.compute_dtype or weight.data_ptr() % 16 == 0
         )
         applicable, _ = fused_forward_applicable(
-            self.options, None if self.backend is None else self.backend.name, _cuda_capability(input.device),
-            self.compute_dtype, input.shape[1], weight.shape[0], ce_weight is not None, weight_tma_ready,
+            self.options,
+            None if self.backend is None else self.backend.name,
+            _cuda_capability(input.device),
+            self.compute_dtype,
+            input.shape[1],
+            weight.shape[0],
+            ce_weight is not None,
+            weight_tma_ready,
         )
         return applicable
 
 
-@lru_cache(maxsize=None)
+@cache
 def _capability_of(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _cuda_capability(device: torch.device) -> Optional[tuple[int, int]]:
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda":
         return None
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
@@ -119,7 +144,11 @@ def _fused_forward_rows(plan: _Plan, input, weight, target, bias, ce_weight) -> 
         x = x.clone(memory_format=torch.contiguous_format)
     y = target if target.dtype in (torch.int64, torch.int32) else target.long()
     statistics = fused_forward_statistics(
-        x, weight.to(dtype), y, bias=None if bias is None else bias.to(dtype), softcap=plan.options.softcap,
+        x,
+        weight.to(dtype),
+        y,
+        bias=None if bias is None else bias.to(dtype),
+        softcap=plan.options.softcap,
         with_logit_sum=plan.options.label_smoothing > 0,
     )
     return rows_from_forward_statistics(statistics, target, ce_weight, plan.options, plan.scalars, weight.shape[0])
@@ -130,8 +159,9 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def make_plan(options: LossOptions, device: torch.device, target: torch.Tensor, ce_weight, vocab: int,
-              compute_dtype: torch.dtype) -> _Plan:
+def make_plan(
+    options: LossOptions, device: torch.device, target: torch.Tensor, ce_weight, vocab: int, compute_dtype: torch.dtype
+) -> _Plan:
     """Backend (or split-row kernels for ``vocab_chunk_size``), the one host sync of batch
     statistics, and the kernel scalars: everything decided before the first kernel."""
     split_kernels = None
@@ -167,7 +197,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         defer = plan.options.reduction == "none"
         with _no_autocast(input.device):
             rows, grads = plan.run_chunks(
-                input, weight, target, bias, ce_weight,
+                input,
+                weight,
+                target,
+                bias,
+                ce_weight,
                 grad_input=grad_input and not defer,
                 grad_weight=grad_weight and not defer,
                 grad_bias=grad_bias and not defer,
@@ -192,8 +226,14 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_input, grad_weight, grad_bias = ctx.grad_flags
             with _no_autocast(input.device):
                 _, grads = ctx.plan.run_chunks(
-                    input, weight, target, bias, ce_weight,
-                    grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias,
+                    input,
+                    weight,
+                    target,
+                    bias,
+                    ce_weight,
+                    grad_input=grad_input,
+                    grad_weight=grad_weight,
+                    grad_bias=grad_bias,
                     row_grad_scale=row_scale,
                 )
         ctx.plan.finish_gradients(grads)
@@ -217,7 +257,7 @@ def _package(options: LossOptions, target_shape, loss, z_loss, accuracy, predict
     return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)
 
 
-def _prepare_ce_weight(ce_weight: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _prepare_ce_weight(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
     return None if ce_weight is None else ce_weight.detach().float().contiguous()
 
 
@@ -225,8 +265,8 @@ def fused_linear_cross_entropy_with_options(
     input: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ce_weight: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
     options: LossOptions,
 ) -> LossResult:
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
@@ -258,10 +298,25 @@ def _compiled_fused(input_2d, weight, target, target_1d, bias, ce_weight, option
 
     grad_enabled = torch.is_grad_enabled()
     outputs = ops.fused_linear_cross_entropy_fwd(
-        input_2d, weight, target_1d, bias, ce_weight, options.ignore_index, float(options.lse_square_scale),
-        float(options.label_smoothing), options.reduction, options.softcap, options.use_token_scaling,
-        options.accum_dtype, options.return_z_loss, options.return_token_accuracy, options.return_predicted_tokens,
-        options.backend, options.chunk_size, options.vocab_chunk_size, compute_dtype,
+        input_2d,
+        weight,
+        target_1d,
+        bias,
+        ce_weight,
+        options.ignore_index,
+        float(options.lse_square_scale),
+        float(options.label_smoothing),
+        options.reduction,
+        options.softcap,
+        options.use_token_scaling,
+        options.accum_dtype,
+        options.return_z_loss,
+        options.return_token_accuracy,
+        options.return_predicted_tokens,
+        options.backend,
+        options.chunk_size,
+        options.vocab_chunk_size,
+        compute_dtype,
         grad_enabled and input_2d.requires_grad,
         grad_enabled and weight.requires_grad,
         grad_enabled and bias is not None and bias.requires_grad,
@@ -274,21 +329,21 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
-    ce_weight: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None = None,
+    ce_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
-    accum_dtype: Optional[torch.dtype] = None,
+    accum_dtype: torch.dtype | None = None,
     use_token_scaling: bool = False,
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
-    backend: Optional[str] = None,
-    chunk_size: Optional[int] = None,
-    vocab_chunk_size: Optional[int] = None,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
 ) -> LossResult:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materializing the logits.
 
@@ -340,7 +395,7 @@ def fused_linear_cross_entropy(
 
 
 def _cross_entropy_rows(
-    logits: torch.Tensor, target: torch.Tensor, ce_weight, plan: _Plan, grad_buffer: Optional[torch.Tensor]
+    logits: torch.Tensor, target: torch.Tensor, ce_weight, plan: _Plan, grad_buffer: torch.Tensor | None
 ) -> RowOutputs:
     """Runs the kernel over row chunks of given logits (the torch backend's workspace
     stays bounded); the gradient, if asked for, goes to ``grad_buffer`` (the kernels read
@@ -355,8 +410,13 @@ def _cross_entropy_rows(
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         plan.backend.cross_entropy_chunk(
-            source[start:end], target[start:end], ce_weight, plan.scalars,
-            **rows.chunk_kwargs(start, end), row_grad_scale=None, compute_grad=grad_buffer is not None,
+            source[start:end],
+            target[start:end],
+            ce_weight,
+            plan.scalars,
+            **rows.chunk_kwargs(start, end),
+            row_grad_scale=None,
+            compute_grad=grad_buffer is not None,
             grad_out=None if grad_buffer is None else grad_buffer[start:end],
         )
     return rows
@@ -396,7 +456,7 @@ class CrossEntropyFunction(torch.autograd.Function):
 
 
 def cross_entropy_with_options(
-    logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], options: LossOptions
+    logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: LossOptions
 ) -> LossResult:
     validate_logits_inputs(logits, target, weight, options)
     vocab = logits.shape[-1]
@@ -407,9 +467,19 @@ def cross_entropy_with_options(
         from flce import ops  # registers the ops on first use
 
         outputs = ops.cross_entropy_fwd(
-            logits_2d, target_1d, weight, options.ignore_index, float(options.lse_square_scale),
-            float(options.label_smoothing), options.reduction, options.softcap, options.use_token_scaling,
-            options.return_z_loss, options.return_token_accuracy, options.return_predicted_tokens, options.backend,
+            logits_2d,
+            target_1d,
+            weight,
+            options.ignore_index,
+            float(options.lse_square_scale),
+            float(options.label_smoothing),
+            options.reduction,
+            options.softcap,
+            options.use_token_scaling,
+            options.return_z_loss,
+            options.return_token_accuracy,
+            options.return_predicted_tokens,
+            options.backend,
             torch.is_grad_enabled() and logits.requires_grad,
         )
         return _package(options, tuple(target.shape), *outputs[:4])
@@ -430,17 +500,17 @@ def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    weight: Optional[torch.Tensor] = None,
+    weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
     use_token_scaling: bool = False,
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> LossResult:
     """Cross-entropy on logits the caller already has (``(N, V)`` or ``(B, T, V)``),
     with the same options and math as ``fused_linear_cross_entropy``; ``weight`` is the

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -18,13 +16,13 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     registered as a buffer so it follows ``.to()``.
     """
 
-    def __init__(self, ce_weight: Optional[torch.Tensor] = None, **options) -> None:
+    def __init__(self, ce_weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
         self.options = LossOptions(**options)
         self.register_buffer("ce_weight", ce_weight, persistent=False)
 
     def forward(
-        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor] = None
+        self, input: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None
     ) -> LossResult:
         return fused_linear_cross_entropy_with_options(input, weight, target, bias, self.ce_weight, self.options)
 
@@ -35,7 +33,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
 class CrossEntropyLoss(nn.Module):
     """``forward(logits, target)`` with the options of ``flce.cross_entropy``."""
 
-    def __init__(self, weight: Optional[torch.Tensor] = None, **options) -> None:
+    def __init__(self, weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
         self.options = LossOptions(**options)
         if self.options.accum_dtype is not None:

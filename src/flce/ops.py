@@ -11,8 +11,6 @@ per-token upstream gradient.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -23,14 +21,34 @@ from flce.options import LossOptions
 _EMPTY_SHAPE = (0,)
 
 
-def _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling, accum_dtype,
-             return_z_loss, return_token_accuracy, return_predicted_tokens, backend, chunk_size,
-             vocab_chunk_size) -> LossOptions:
+def _options(
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    use_token_scaling,
+    accum_dtype,
+    return_z_loss,
+    return_token_accuracy,
+    return_predicted_tokens,
+    backend,
+    chunk_size,
+    vocab_chunk_size,
+) -> LossOptions:
     return LossOptions(
-        ignore_index=ignore_index, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing,
-        reduction=reduction, softcap=softcap, return_z_loss=return_z_loss, accum_dtype=accum_dtype,
-        use_token_scaling=use_token_scaling, return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens, backend=backend, chunk_size=chunk_size,
+        ignore_index=ignore_index,
+        lse_square_scale=lse_square_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        accum_dtype=accum_dtype,
+        use_token_scaling=use_token_scaling,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        backend=backend,
+        chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
     )
 
@@ -44,21 +62,21 @@ def fused_linear_cross_entropy_fwd(
     input: Tensor,  # (N, H)
     weight: Tensor,  # (V, H)
     target: Tensor,  # (N,)
-    bias: Optional[Tensor],  # (V,)
-    ce_weight: Optional[Tensor],  # (V,) fp32
+    bias: Tensor | None,  # (V,)
+    ce_weight: Tensor | None,  # (V,) fp32
     ignore_index: int,
     lse_square_scale: float,
     label_smoothing: float,
     reduction: str,
-    softcap: Optional[float],
+    softcap: float | None,
     use_token_scaling: bool,
-    accum_dtype: Optional[torch.dtype],
+    accum_dtype: torch.dtype | None,
     return_z_loss: bool,
     return_token_accuracy: bool,
     return_predicted_tokens: bool,
-    backend: Optional[str],
-    chunk_size: Optional[int],
-    vocab_chunk_size: Optional[int],
+    backend: str | None,
+    chunk_size: int | None,
+    vocab_chunk_size: int | None,
     compute_dtype: torch.dtype,
     grad_input: bool,
     grad_weight: bool,
@@ -66,22 +84,39 @@ def fused_linear_cross_entropy_fwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (loss, z_loss, token_accuracy, predicted_tokens, grad_input, grad_weight, grad_bias);
     entries not requested are empty (0,) tensors."""
-    options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
-                       accum_dtype, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, chunk_size,
-                       vocab_chunk_size)
+    options = _options(
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        use_token_scaling,
+        accum_dtype,
+        return_z_loss,
+        return_token_accuracy,
+        return_predicted_tokens,
+        backend,
+        chunk_size,
+        vocab_chunk_size,
+    )
     plan = make_plan(options, input.device, target, ce_weight, weight.shape[0], compute_dtype)
     defer = reduction == "none"
     with torch.autocast(device_type=input.device.type, enabled=False):
         rows, grads = plan.run_chunks(
-            input, weight, target, bias, ce_weight,
-            grad_input=grad_input and not defer, grad_weight=grad_weight and not defer,
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            grad_input=grad_input and not defer,
+            grad_weight=grad_weight and not defer,
             grad_bias=grad_bias and bias is not None and not defer,
         )
     scalars, stats = plan.scalars, plan.stats
     reduced = reduce_rows(rows, options, scalars, stats)
     empty = _empty_like_device(input)
 
-    def or_empty(t: Optional[Tensor], dtype=torch.float32) -> Tensor:
+    def or_empty(t: Tensor | None, dtype=torch.float32) -> Tensor:
         return _empty_like_device(input, dtype) if t is None else t
 
     return (
@@ -96,9 +131,30 @@ def fused_linear_cross_entropy_fwd(
 
 
 @fused_linear_cross_entropy_fwd.register_fake
-def _(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-      use_token_scaling, accum_dtype, return_z_loss, return_token_accuracy, return_predicted_tokens, backend,
-      chunk_size, vocab_chunk_size, compute_dtype, grad_input, grad_weight, grad_bias):
+def _(
+    input,
+    weight,
+    target,
+    bias,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    use_token_scaling,
+    accum_dtype,
+    return_z_loss,
+    return_token_accuracy,
+    return_predicted_tokens,
+    backend,
+    chunk_size,
+    vocab_chunk_size,
+    compute_dtype,
+    grad_input,
+    grad_weight,
+    grad_bias,
+):
     n_rows = input.shape[0]
     per_row = reduction == "none"
 
@@ -124,31 +180,50 @@ def fused_linear_cross_entropy_bwd(
     input: Tensor,
     weight: Tensor,
     target: Tensor,
-    bias: Optional[Tensor],
-    ce_weight: Optional[Tensor],
+    bias: Tensor | None,
+    ce_weight: Tensor | None,
     ignore_index: int,
     lse_square_scale: float,
     label_smoothing: float,
     reduction: str,
-    softcap: Optional[float],
+    softcap: float | None,
     use_token_scaling: bool,
-    accum_dtype: Optional[torch.dtype],
-    backend: Optional[str],
-    chunk_size: Optional[int],
-    vocab_chunk_size: Optional[int],
+    accum_dtype: torch.dtype | None,
+    backend: str | None,
+    chunk_size: int | None,
+    vocab_chunk_size: int | None,
     compute_dtype: torch.dtype,
     grad_input: bool,
     grad_weight: bool,
     grad_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recomputes the chunks with ``row_grad_scale`` folded in -> (dX, dW, db), empty if not requested."""
-    options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
-                       accum_dtype, False, False, False, backend, chunk_size, vocab_chunk_size)
+    options = _options(
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        use_token_scaling,
+        accum_dtype,
+        False,
+        False,
+        False,
+        backend,
+        chunk_size,
+        vocab_chunk_size,
+    )
     plan = make_plan(options, input.device, target, ce_weight, weight.shape[0], compute_dtype)
     with torch.autocast(device_type=input.device.type, enabled=False):
         _, grads = plan.run_chunks(
-            input, weight, target, bias, ce_weight,
-            grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias and bias is not None,
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            grad_input=grad_input,
+            grad_weight=grad_weight,
+            grad_bias=grad_bias and bias is not None,
             row_grad_scale=row_grad_scale,
         )
     return (
@@ -159,27 +234,61 @@ def fused_linear_cross_entropy_bwd(
 
 
 @fused_linear_cross_entropy_bwd.register_fake
-def _(row_grad_scale, input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
-      reduction, softcap, use_token_scaling, accum_dtype, backend, chunk_size, vocab_chunk_size, compute_dtype,
-      grad_input, grad_weight, grad_bias):
+def _(
+    row_grad_scale,
+    input,
+    weight,
+    target,
+    bias,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    use_token_scaling,
+    accum_dtype,
+    backend,
+    chunk_size,
+    vocab_chunk_size,
+    compute_dtype,
+    grad_input,
+    grad_weight,
+    grad_bias,
+):
     return (
         input.new_empty(input.shape if grad_input else _EMPTY_SHAPE),
         weight.new_empty(weight.shape if grad_weight else _EMPTY_SHAPE),
-        bias.new_empty(bias.shape) if bias is not None and grad_bias else input.new_empty(_EMPTY_SHAPE,
-                                                                                             dtype=torch.float32),
+        bias.new_empty(bias.shape)
+        if bias is not None and grad_bias
+        else input.new_empty(_EMPTY_SHAPE, dtype=torch.float32),
     )
 
 
 _FWD_ARG_NAMES = (
-    "ignore_index", "lse_square_scale", "label_smoothing", "reduction", "softcap", "use_token_scaling",
-    "accum_dtype", "return_z_loss", "return_token_accuracy", "return_predicted_tokens", "backend", "chunk_size",
-    "vocab_chunk_size", "compute_dtype", "grad_input", "grad_weight", "grad_bias",
+    "ignore_index",
+    "lse_square_scale",
+    "label_smoothing",
+    "reduction",
+    "softcap",
+    "use_token_scaling",
+    "accum_dtype",
+    "return_z_loss",
+    "return_token_accuracy",
+    "return_predicted_tokens",
+    "backend",
+    "chunk_size",
+    "vocab_chunk_size",
+    "compute_dtype",
+    "grad_input",
+    "grad_weight",
+    "grad_bias",
 )
 
 
 def _setup_context(ctx, inputs, output):
     input, weight, target, bias, ce_weight = inputs[:5]
-    args = dict(zip(_FWD_ARG_NAMES, inputs[5:]))
+    args = dict(zip(_FWD_ARG_NAMES, inputs[5:], strict=False))
     ctx.args = args
     ctx.has_bias = bias is not None
     if args["reduction"] == "none":
@@ -193,10 +302,26 @@ def _backward(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
     if args["reduction"] == "none":
         input, weight, target, bias, ce_weight = ctx.saved_tensors
         dx, dw, db = fused_linear_cross_entropy_bwd(
-            grad_loss.float().contiguous(), input, weight, target, bias, ce_weight, args["ignore_index"],
-            args["lse_square_scale"], args["label_smoothing"], "none", args["softcap"], args["use_token_scaling"],
-            args["accum_dtype"], args["backend"], args["chunk_size"], args["vocab_chunk_size"],
-            args["compute_dtype"], args["grad_input"], args["grad_weight"], args["grad_bias"],
+            grad_loss.float().contiguous(),
+            input,
+            weight,
+            target,
+            bias,
+            ce_weight,
+            args["ignore_index"],
+            args["lse_square_scale"],
+            args["label_smoothing"],
+            "none",
+            args["softcap"],
+            args["use_token_scaling"],
+            args["accum_dtype"],
+            args["backend"],
+            args["chunk_size"],
+            args["vocab_chunk_size"],
+            args["compute_dtype"],
+            args["grad_input"],
+            args["grad_weight"],
+            args["grad_bias"],
         )
     else:
         dx, dw, db = (g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
@@ -215,43 +340,73 @@ fused_linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup
 def cross_entropy_fwd(
     logits: Tensor,  # (N, V)
     target: Tensor,  # (N,)
-    ce_weight: Optional[Tensor],  # (V,) fp32
+    ce_weight: Tensor | None,  # (V,) fp32
     ignore_index: int,
     lse_square_scale: float,
     label_smoothing: float,
     reduction: str,
-    softcap: Optional[float],
+    softcap: float | None,
     use_token_scaling: bool,
     return_z_loss: bool,
     return_token_accuracy: bool,
     return_predicted_tokens: bool,
-    backend: Optional[str],
+    backend: str | None,
     compute_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (loss, z_loss, token_accuracy, predicted_tokens, dL/dlogits per row with the
     reduction folded in); entries not requested are empty (0,) tensors."""
     from flce.functional import _cross_entropy_rows
 
-    options = _options(ignore_index, lse_square_scale, label_smoothing, reduction, softcap, use_token_scaling,
-                       None, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, None, None)
+    options = _options(
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        use_token_scaling,
+        None,
+        return_z_loss,
+        return_token_accuracy,
+        return_predicted_tokens,
+        backend,
+        None,
+        None,
+    )
     plan = make_plan(options, logits.device, target, ce_weight, logits.shape[1], logits.dtype)
     grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
     with torch.autocast(device_type=logits.device.type, enabled=False):
         rows = _cross_entropy_rows(logits, target, ce_weight, plan, grad)
     reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
 
-    def or_empty(t: Optional[Tensor], dtype=torch.float32) -> Tensor:
+    def or_empty(t: Tensor | None, dtype=torch.float32) -> Tensor:
         return _empty_like_device(logits, dtype) if t is None else t
 
     return (
-        reduced.loss, or_empty(reduced.z_loss), or_empty(reduced.token_accuracy),
-        or_empty(reduced.predicted_tokens, torch.int64), or_empty(grad, logits.dtype),
+        reduced.loss,
+        or_empty(reduced.z_loss),
+        or_empty(reduced.token_accuracy),
+        or_empty(reduced.predicted_tokens, torch.int64),
+        or_empty(grad, logits.dtype),
     )
 
 
 @cross_entropy_fwd.register_fake
-def _(logits, target, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-      use_token_scaling, return_z_loss, return_token_accuracy, return_predicted_tokens, backend, compute_grad):
+def _(
+    logits,
+    target,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    use_token_scaling,
+    return_z_loss,
+    return_token_accuracy,
+    return_predicted_tokens,
+    backend,
+    compute_grad,
+):
     n_rows = logits.shape[0]
     scalar_or_rows = (n_rows,) if reduction == "none" else ()
 

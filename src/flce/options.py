@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -25,15 +24,15 @@ class LossOptions:
     lse_square_scale: float = 0.0
     label_smoothing: float = 0.0
     reduction: str = "mean"
-    softcap: Optional[float] = None
+    softcap: float | None = None
     return_z_loss: bool = False
-    accum_dtype: Optional[torch.dtype] = None
+    accum_dtype: torch.dtype | None = None
     use_token_scaling: bool = False
     return_token_accuracy: bool = False
     return_predicted_tokens: bool = False
-    backend: Optional[str] = None
-    chunk_size: Optional[int] = None
-    vocab_chunk_size: Optional[int] = None
+    backend: str | None = None
+    chunk_size: int | None = None
+    vocab_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_bool_int("ignore_index", self.ignore_index)
@@ -53,9 +52,7 @@ class LossOptions:
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
         if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                f"accum_dtype must be None, torch.float32 or the weight's dtype, got {self.accum_dtype!r}"
-            )
+            raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {self.accum_dtype!r}")
         if self.chunk_size is not None:
             _check_bool_int("chunk_size", self.chunk_size)
             if self.chunk_size <= 0:
@@ -102,7 +99,7 @@ def validate_target(target: torch.Tensor, expected_rows: int, rows_name: str) ->
         )
 
 
-def validate_ce_weight(ce_weight: Optional[torch.Tensor], vocab: int, device: torch.device, name: str) -> None:
+def validate_ce_weight(ce_weight: torch.Tensor | None, vocab: int, device: torch.device, name: str) -> None:
     if ce_weight is None:
         return
     if not isinstance(ce_weight, torch.Tensor):
@@ -115,16 +112,16 @@ def validate_ce_weight(ce_weight: Optional[torch.Tensor], vocab: int, device: to
         raise ValueError(f"{name} is on {ce_weight.device} but the logits are on {device}; put them on one device")
 
 
-def _autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return None
 
 
-def resolve_compute_dtype(device: torch.device, *tensors: Optional[torch.Tensor], names: tuple[str, ...]) -> torch.dtype:
+def resolve_compute_dtype(device: torch.device, *tensors: torch.Tensor | None, names: tuple[str, ...]) -> torch.dtype:
     """dtype the GEMMs and the kernel run in: the autocast dtype inside autocast,
     else the common dtype of the floating inputs (which must then agree)."""
-    present = [(n, t) for n, t in zip(names, tensors) if t is not None]
+    present = [(n, t) for n, t in zip(names, tensors, strict=False) if t is not None]
     for name, tensor in present:
         check_compute_dtype(name, tensor)
     cast = _autocast_dtype(device)
@@ -144,8 +141,8 @@ def validate_fused_inputs(
     input: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    ce_weight: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
     options: LossOptions,
 ) -> torch.dtype:
     """Shape/dtype/device checks for the fused linear + CE; returns the compute dtype."""
@@ -160,9 +157,7 @@ def validate_fused_inputs(
         raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
     hidden = input.shape[-1]
     if weight.shape[1] != hidden:
-        raise ValueError(
-            f"weight must be (V, H) with H = input.shape[-1] = {hidden}, got shape {tuple(weight.shape)}"
-        )
+        raise ValueError(f"weight must be (V, H) with H = input.shape[-1] = {hidden}, got shape {tuple(weight.shape)}")
     vocab = weight.shape[0]
     if vocab == 0:
         raise ValueError("weight must have at least one row (V >= 1)")
@@ -186,7 +181,7 @@ def validate_fused_inputs(
     return dtype
 
 
-def _refuse_dtensor(name: str, tensor: Optional[torch.Tensor]) -> None:
+def _refuse_dtensor(name: str, tensor: torch.Tensor | None) -> None:
     """A sharded DTensor reaching the single-device loss is a usage error, not something
     to gather silently: gathering would double-count gradients under data parallelism."""
     if tensor is None or type(tensor).__name__ != "DTensor":
@@ -203,7 +198,7 @@ def _refuse_dtensor(name: str, tensor: Optional[torch.Tensor]) -> None:
 
 
 def validate_logits_inputs(
-    logits: torch.Tensor, target: torch.Tensor, ce_weight: Optional[torch.Tensor], options: LossOptions
+    logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, options: LossOptions
 ) -> None:
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError("logits and target must be torch.Tensors")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -11,6 +10,6 @@ import torch
 @dataclass
 class CrossEntropyOutput:
     loss: torch.Tensor
-    z_loss: Optional[torch.Tensor] = None
-    token_accuracy: Optional[torch.Tensor] = None
-    predicted_tokens: Optional[torch.Tensor] = None
+    z_loss: torch.Tensor | None = None
+    token_accuracy: torch.Tensor | None = None
+    predicted_tokens: torch.Tensor | None = None

@@ -8,7 +8,6 @@ the (N, V) logits: use it on small shapes only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -25,12 +24,12 @@ def cross_entropy_reference(
     logits: torch.Tensor,  # (N, V) float64 (anything else is upcast)
     target: torch.Tensor,  # (N,)
     *,
-    ce_weight: Optional[torch.Tensor] = None,
+    ce_weight: torch.Tensor | None = None,
     ignore_index: int = -100,
     lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     use_token_scaling: bool = False,
     math_dtype: torch.dtype = torch.float64,
 ) -> ReferenceResult:
@@ -81,7 +80,7 @@ def fused_linear_cross_entropy_reference(
     input: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
     target: torch.Tensor,  # (N,)
-    bias: Optional[torch.Tensor] = None,  # (V,)
+    bias: torch.Tensor | None = None,  # (V,)
     logits_dtype: torch.dtype = torch.float64,
     **options,
 ) -> ReferenceResult:

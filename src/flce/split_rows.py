@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -28,8 +27,8 @@ class BlockStatistics:
     row_max: torch.Tensor  # (C,) max of z' over the block
     row_sum: torch.Tensor  # (C,) sum of exp(z' - row_max)
     target_shifted: torch.Tensor  # (C,) z'_y - row_max where the block holds y (else anything)
-    smooth_shifted: Optional[torch.Tensor]  # (C,) sum_i w_i (z'_i - row_max), with label smoothing
-    argmax: Optional[torch.Tensor]  # (C,) first argmax within the block
+    smooth_shifted: torch.Tensor | None  # (C,) sum_i w_i (z'_i - row_max), with label smoothing
+    argmax: torch.Tensor | None  # (C,) first argmax within the block
 
 
 class TorchSplitRowKernels:
@@ -52,8 +51,9 @@ class TorchSplitRowKernels:
         smooth = (z @ ce_local if ce_local is not None else z.sum(dim=-1)) if with_smoothing else None
         return BlockStatistics(block_max, z.exp_().sum(dim=-1), target_shifted, smooth, argmax)
 
-    def gradient(self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale,
-                 scalars: ChunkScalars, eps: float) -> None:
+    def gradient(
+        self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars: ChunkScalars, eps: float
+    ) -> None:
         """Writes dL/dlogits over ``logits`` (C, V_b), with the whole row's softmax
         ``p_i = exp(z'_i - row_max) * inv_sum``. ``grad_target``: the target's column in the
         block, V_b where the block lacks it, -1 on ignored rows."""
@@ -63,8 +63,18 @@ class TorchSplitRowKernels:
         z, softcap_derivative = apply_softcap(z, scalars.softcap, True)
         p = z.sub_(row_max[:, None]).exp_().mul_(inv_sum[:, None])
         owned = (grad_target >= 0) & (grad_target < logits.shape[1])
-        grad = gradient_from_softmax(p, torch.where(owned, grad_target, 0), owned.float(), w_y, lse, ce_local,
-                                     scalars, eps, softcap_derivative, row_scale * (grad_target >= 0))
+        grad = gradient_from_softmax(
+            p,
+            torch.where(owned, grad_target, 0),
+            owned.float(),
+            w_y,
+            lse,
+            ce_local,
+            scalars,
+            eps,
+            softcap_derivative,
+            row_scale * (grad_target >= 0),
+        )
         logits.copy_(grad)
 
 
@@ -85,16 +95,25 @@ class _InPlaceSplitRowKernels:
             *self._kernels().partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
         )
 
-    def gradient(self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale,
-                 scalars: ChunkScalars, eps: float) -> None:
+    def gradient(
+        self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars: ChunkScalars, eps: float
+    ) -> None:
         ce_scale = scalars.ce_grad_scale
         onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
         smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
         s = scalars.lse_square_scale
         z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
         self._kernels().partial_gradient(
-            logits, grad_target.contiguous(), ce_local, row_max.contiguous(), inv_sum.contiguous(),
-            onehot_coef.contiguous(), smooth_coef, z_coef, scalars.weight_sum, scalars.softcap,
+            logits,
+            grad_target.contiguous(),
+            ce_local,
+            row_max.contiguous(),
+            inv_sum.contiguous(),
+            onehot_coef.contiguous(),
+            smooth_coef,
+            z_coef,
+            scalars.weight_sum,
+            scalars.softcap,
         )
 
 
@@ -112,7 +131,7 @@ class CuteSplitRowKernels(_InPlaceSplitRowKernels):
     _module = "flce.backends.cutedsl.partial"
 
 
-def split_row_kernels(backend: Optional[str], device: torch.device, caller: str):
+def split_row_kernels(backend: str | None, device: torch.device, caller: str):
     """The split-row kernels of ``backend`` (None: ``FLCE_BACKEND``, else Triton on CUDA
     when usable, else PyTorch). Raises ``BackendUnavailableError`` (with the reason) for
     a requested backend that cannot run here."""

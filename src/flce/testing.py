@@ -14,7 +14,6 @@ PyTorch itself achieves in that dtype, so it can fail.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -68,8 +67,8 @@ class Case:
     grads: tuple[str, ...] = ("input", "weight", "bias")  # (): nothing requires grad, the loss-only path
     ignore_index: int = -100
     ignored_fraction: float = 0.2
-    chunk_size: Optional[int] = None
-    vocab_chunk_size: Optional[int] = None
+    chunk_size: int | None = None
+    vocab_chunk_size: int | None = None
     seed: int = 0
     # Explicit options (name, value) pairs; when given they replace FEATURES[feature].
     options: tuple = ()
@@ -91,8 +90,8 @@ class Tensors:
     input: torch.Tensor  # (N, H)
     weight: torch.Tensor  # (V, H)
     target: torch.Tensor  # (N,)
-    bias: Optional[torch.Tensor]  # (V,)
-    ce_weight: Optional[torch.Tensor]  # (V,)
+    bias: torch.Tensor | None  # (V,)
+    ce_weight: torch.Tensor | None  # (V,)
     upstream: torch.Tensor  # () or (N,) upstream gradient
 
 
@@ -116,7 +115,11 @@ def make_tensors(case: Case, device: torch.device) -> Tensors:
         return None if t is None else t.to(device=device, dtype=dtype)
 
     return Tensors(
-        put(x, case.dtype), put(w, case.dtype), target.to(device), put(bias, case.dtype), put(ce_weight, torch.float32),
+        put(x, case.dtype),
+        put(w, case.dtype),
+        target.to(device),
+        put(bias, case.dtype),
+        put(ce_weight, torch.float32),
         upstream.to(device),
     )
 
@@ -126,7 +129,7 @@ def _options(case: Case) -> dict:
     return dict(opts, reduction=case.reduction, ignore_index=case.ignore_index)
 
 
-def _rel_err(value: Optional[torch.Tensor], truth: Optional[torch.Tensor]) -> float:
+def _rel_err(value: torch.Tensor | None, truth: torch.Tensor | None) -> float:
     if value is None or truth is None:
         return 0.0
     value, truth = value.double().cpu(), truth.double().cpu()
@@ -159,8 +162,14 @@ def _run_reference(t: Tensors, case: Case, logits_dtype, math_dtype, grad_names)
     opts = _options(case)
     opts.pop("return_z_loss", None), opts.pop("return_token_accuracy", None), opts.pop("return_predicted_tokens", None)
     result = fused_linear_cross_entropy_reference(
-        leaves["input"], leaves["weight"], t.target, leaves["bias"], logits_dtype=logits_dtype,
-        ce_weight=t.ce_weight, math_dtype=math_dtype, **opts,
+        leaves["input"],
+        leaves["weight"],
+        t.target,
+        leaves["bias"],
+        logits_dtype=logits_dtype,
+        ce_weight=t.ce_weight,
+        math_dtype=math_dtype,
+        **opts,
     )
     if grad_names:  # none for a loss-only case (nothing requires grad)
         (result.loss * t.upstream.to(result.loss.dtype)).sum().backward()
@@ -168,7 +177,7 @@ def _run_reference(t: Tensors, case: Case, logits_dtype, math_dtype, grad_names)
     return result, grads
 
 
-def run_case(case: Case, backend: Optional[str], device: torch.device) -> Outcome:
+def run_case(case: Case, backend: str | None, device: torch.device) -> Outcome:
     """Runs ``case`` through flce and judges every output against float64."""
     t = make_tensors(case, device)
     grad_names = tuple(g for g in case.grads if g != "bias" or case.bias)
@@ -178,8 +187,15 @@ def run_case(case: Case, backend: Optional[str], device: torch.device) -> Outcom
         "bias": None if t.bias is None else t.bias.detach().clone().requires_grad_("bias" in grad_names),
     }
     out = fused_linear_cross_entropy(
-        leaves["input"], leaves["weight"], t.target, bias=leaves["bias"], ce_weight=t.ce_weight,
-        backend=backend, chunk_size=case.chunk_size, vocab_chunk_size=case.vocab_chunk_size, **_options(case),
+        leaves["input"],
+        leaves["weight"],
+        t.target,
+        bias=leaves["bias"],
+        ce_weight=t.ce_weight,
+        backend=backend,
+        chunk_size=case.chunk_size,
+        vocab_chunk_size=case.vocab_chunk_size,
+        **_options(case),
     )
     result = out if isinstance(out, CrossEntropyOutput) else CrossEntropyOutput(out)
     if grad_names:
@@ -285,8 +301,16 @@ def check_cases(device: torch.device) -> list[Case]:
     for feature in FEATURES:
         for reduction in ("mean", "sum", "none"):
             for dtype in dtypes:
-                cases.append(Case(feature=feature, reduction=reduction, dtype=dtype, bias=feature == "all",
-                                  chunk_size=16, seed=len(cases)))
+                cases.append(
+                    Case(
+                        feature=feature,
+                        reduction=reduction,
+                        dtype=dtype,
+                        bias=feature == "all",
+                        chunk_size=16,
+                        seed=len(cases),
+                    )
+                )
     return cases
 
 
@@ -294,13 +318,16 @@ def check_cases_vocabulary_blocks() -> list[Case]:
     """Extra ``flce check`` cases for backends with split-row kernels (``vocab_chunk_size``):
     V = 123 in blocks of 40 (ragged) x token chunks of 16."""
     return [
-        Case(feature=feature, reduction=reduction, dtype=dtype, bias=True, chunk_size=16, vocab_chunk_size=40,
-             seed=1000 + i)
+        Case(
+            feature=feature,
+            reduction=reduction,
+            dtype=dtype,
+            bias=True,
+            chunk_size=16,
+            vocab_chunk_size=40,
+            seed=1000 + i,
+        )
         for i, (feature, reduction, dtype) in enumerate(
-            (f, r, d)
-            for f in ("plain", "all")
-            for r in ("mean", "none")
-            for d in (torch.float32, torch.bfloat16)
+            (f, r, d) for f in ("plain", "all") for r in ("mean", "none") for d in (torch.float32, torch.bfloat16)
         )
     ]
-

@@ -10,7 +10,6 @@ the reference exactly.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -47,8 +46,13 @@ FEATURES = {
         "predicted_out": True,
         "row_grad_scale": True,
     },
-    "no_grad": {"lse_square_scale": 1e-3, "z_loss_out": True, "correct_out": True, "predicted_out": True,
-                "compute_grad": False},
+    "no_grad": {
+        "lse_square_scale": 1e-3,
+        "z_loss_out": True,
+        "correct_out": True,
+        "predicted_out": True,
+        "compute_grad": False,
+    },
 }
 
 
@@ -67,8 +71,9 @@ def make_logits(rows: int, vocab: int, dtype: torch.dtype, seed: int, ties: bool
     return z.to(dtype).to(DEVICE)
 
 
-def make_target(logits: torch.Tensor, ignore_index: int, ignored_fraction: float, seed: int,
-                dtype=torch.int64) -> torch.Tensor:
+def make_target(
+    logits: torch.Tensor, ignore_index: int, ignored_fraction: float, seed: int, dtype=torch.int64
+) -> torch.Tensor:
     rows, vocab = logits.shape
     gen = torch.Generator().manual_seed(seed + 1)
     target = torch.randint(0, vocab, (rows,), generator=gen)
@@ -101,9 +106,15 @@ def run_kernel(fn, logits, target, weight, scalars, opts, row_scale):
         "predicted": torch.full((rows,), -7, dtype=torch.int64, device=DEVICE) if opts.get("predicted_out") else None,
     }
     fn(
-        z, target, weight, scalars,
-        loss_out=out["loss"], z_loss_out=out["z_loss"], correct_out=out["correct"],
-        predicted_out=out["predicted"], row_grad_scale=row_scale,
+        z,
+        target,
+        weight,
+        scalars,
+        loss_out=out["loss"],
+        z_loss_out=out["z_loss"],
+        correct_out=out["correct"],
+        predicted_out=out["predicted"],
+        row_grad_scale=row_scale,
         compute_grad=opts.get("compute_grad", True),
     )
     out["grad"] = z
@@ -115,16 +126,27 @@ def reference(logits, target, weight, scalars, row_scale):
     sum_r rgs_r * (ce_grad_scale * ce_r + z_grad_scale * zl_r) (token scale detached)."""
     z = logits.double().detach().requires_grad_(True)
     ref = cross_entropy_reference(
-        z, target, ce_weight=weight, ignore_index=scalars.ignore_index,
-        lse_square_scale=scalars.lse_square_scale, label_smoothing=scalars.label_smoothing,
-        reduction="none", softcap=scalars.softcap, use_token_scaling=scalars.use_token_scaling,
+        z,
+        target,
+        ce_weight=weight,
+        ignore_index=scalars.ignore_index,
+        lse_square_scale=scalars.lse_square_scale,
+        label_smoothing=scalars.label_smoothing,
+        reduction="none",
+        softcap=scalars.softcap,
+        use_token_scaling=scalars.use_token_scaling,
     )
     ce = ref.loss - ref.z_loss
     rgs = torch.ones_like(ce) if row_scale is None else row_scale.double()
     total = (rgs * (scalars.ce_grad_scale * ce + scalars.z_grad_scale * ref.z_loss)).sum()
     (grad,) = torch.autograd.grad(total, z)
-    return {"loss": ce.detach(), "z_loss": ref.z_loss.detach(), "correct": ref.token_accuracy,
-            "predicted": ref.predicted_tokens, "grad": grad}
+    return {
+        "loss": ce.detach(),
+        "z_loss": ref.z_loss.detach(),
+        "correct": ref.token_accuracy,
+        "predicted": ref.predicted_tokens,
+        "grad": grad,
+    }
 
 
 def make_scalars(target, weight, vocab, opts, ignore_index) -> ChunkScalars:
@@ -159,7 +181,7 @@ def check(
     target_dtype=torch.int64,
     seed: int = 0,
     logits_view=None,
-    config: Optional["cute_ce.KernelConfig"] = None,
+    config: cute_ce.KernelConfig | None = None,
 ) -> None:
     opts = FEATURES[feature]
     base = make_logits(rows, vocab, dtype, seed, ties=ties)
@@ -269,9 +291,16 @@ def test_one_row_and_empty_chunk():
     z = torch.empty(0, 100, device=DEVICE, dtype=torch.bfloat16)
     scalars = make_scalars(torch.empty(0, dtype=torch.int64), None, 100, {}, -100)
     cute_ce.cross_entropy_chunk(
-        z, torch.empty(0, dtype=torch.int64, device=DEVICE), None, scalars,
-        loss_out=torch.empty(0, device=DEVICE), z_loss_out=None, correct_out=None, predicted_out=None,
-        row_grad_scale=None, compute_grad=True,
+        z,
+        torch.empty(0, dtype=torch.int64, device=DEVICE),
+        None,
+        scalars,
+        loss_out=torch.empty(0, device=DEVICE),
+        z_loss_out=None,
+        correct_out=None,
+        predicted_out=None,
+        row_grad_scale=None,
+        compute_grad=True,
     )
 
 

@@ -66,8 +66,15 @@ CONFIGS = [
 def test_compiles_for_sm90a(config, features, monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    d = dict(dtype=torch.bfloat16, vocab=32000, hidden=4096, target_int64=True, has_bias=False, has_softcap=False,
-             with_logit_sum=False)
+    d = dict(
+        dtype=torch.bfloat16,
+        vocab=32000,
+        hidden=4096,
+        target_int64=True,
+        has_bias=False,
+        has_softcap=False,
+        with_logit_sum=False,
+    )
     d.update(features)
     fn = ff.compile_fused_forward(ff.FusedForwardKey(**d), ff.FusedForwardConfig(**config))
     assert fn is not None
@@ -79,8 +86,15 @@ def test_compiles_for_sm90a(config, features, monkeypatch):
 def test_compiles_other_shapes(dtype, vocab, hidden, monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    key = ff.FusedForwardKey(dtype=dtype, vocab=vocab, hidden=hidden, target_int64=True, has_bias=True,
-                             has_softcap=False, with_logit_sum=True)
+    key = ff.FusedForwardKey(
+        dtype=dtype,
+        vocab=vocab,
+        hidden=hidden,
+        target_int64=True,
+        has_bias=True,
+        has_softcap=False,
+        with_logit_sum=True,
+    )
     assert ff.compile_fused_forward(key, ff.DEFAULT_CONFIG) is not None
 
 
@@ -113,8 +127,9 @@ if HAS_DSL:
     def _trace_acc_view(p: cute.Pointer, bm: cutlass.Constexpr, bn: cutlass.Constexpr):
         mX = cute.make_tensor(p, cute.make_layout((256, 64), stride=(64, 1)))
         major = ff.utils.LayoutEnum.from_tensor(mX).sm90_mma_major_mode()
-        tiled_mma = ff.sm90_utils.make_trivial_tiled_mma(cutlass.BFloat16, cutlass.BFloat16, major, major,
-                                                         cutlass.Float32, (bm // 64, 1, 1), tiler_mn=(64, bn))
+        tiled_mma = ff.sm90_utils.make_trivial_tiled_mma(
+            cutlass.BFloat16, cutlass.BFloat16, major, major, cutlass.Float32, (bm // 64, 1, 1), tiler_mn=(64, bn)
+        )
         part = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((bm, bn)))
         frag = cute.make_rmem_tensor(part.shape, cutlass.Float32)
         _check_acc_view(tiled_mma.tv_layout_C_tiled, ff._acc_mn_view(frag).layout, bm, bn)
@@ -282,8 +297,9 @@ def test_llama_vocab_small_n(hidden):
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
 def test_launch_shapes(config):
     x, w, y, b = make_problem(1000, 32000, 2048, torch.bfloat16, seed=7, bias=True)
-    out = ff.fused_forward_statistics(x, w, y, bias=b, softcap=30.0, with_logit_sum=True,
-                                      config=ff.FusedForwardConfig(**config))
+    out = ff.fused_forward_statistics(
+        x, w, y, bias=b, softcap=30.0, with_logit_sum=True, config=ff.FusedForwardConfig(**config)
+    )
     check_against_reference(out, x, w, y, b, 30.0)
 
 
@@ -322,14 +338,27 @@ def test_combine_kernel_matches_torch_twin(with_logit_sum):
     tsum = torch.randn(tiles, rows, generator=gen) * 100
     dev = torch.device("cuda")
     lse, pred, zsum = torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows)
-    ff.combine_tile_statistics(tmax.clone(), tse, targ, tsum, lse_out=lse, predicted_out=pred,
-                               logit_sum_out=zsum if with_logit_sum else None)
-    out = [torch.empty(rows, device=dev), torch.empty(rows, dtype=torch.int64, device=dev), torch.empty(rows, device=dev)]
+    ff.combine_tile_statistics(
+        tmax.clone(), tse, targ, tsum, lse_out=lse, predicted_out=pred, logit_sum_out=zsum if with_logit_sum else None
+    )
+    out = [
+        torch.empty(rows, device=dev),
+        torch.empty(rows, dtype=torch.int64, device=dev),
+        torch.empty(rows, device=dev),
+    ]
     fn = ff.compile_combine(tiles, with_logit_sum)
     args = [t.to(dev) for t in (tmax, tse, targ, tsum)]
-    fn(ff._ptr(args[0], cutlass.Float32, 4), ff._ptr(args[1], cutlass.Float32, 4), ff._ptr(args[2], cutlass.Int32, 4),
-       ff._ptr(args[3], cutlass.Float32, 4), ff._ptr(out[0], cutlass.Float32, 4), ff._ptr(out[1], cutlass.Int64, 8),
-       ff._ptr(out[2], cutlass.Float32, 4), cutlass.Int32(rows), ff._stream(dev))
+    fn(
+        ff._ptr(args[0], cutlass.Float32, 4),
+        ff._ptr(args[1], cutlass.Float32, 4),
+        ff._ptr(args[2], cutlass.Int32, 4),
+        ff._ptr(args[3], cutlass.Float32, 4),
+        ff._ptr(out[0], cutlass.Float32, 4),
+        ff._ptr(out[1], cutlass.Int64, 8),
+        ff._ptr(out[2], cutlass.Float32, 4),
+        cutlass.Int32(rows),
+        ff._stream(dev),
+    )
     assert torch.equal(out[1].cpu(), pred) and bool((pred[::5] == targ[7, ::5]).all())
     torch.testing.assert_close(out[0].cpu(), lse, rtol=0, atol=1e-5)
     if with_logit_sum:

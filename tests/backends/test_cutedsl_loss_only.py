@@ -42,12 +42,22 @@ HOPPER = (9, 0)
 # Every option the fused statistics support at once, without and with class weights (the
 # weighted set has no label smoothing: that pair needs a weighted logit sum).
 ALL_UNWEIGHTED = (
-    ("label_smoothing", 0.2), ("lse_square_scale", 1e-3), ("return_z_loss", True), ("softcap", 4.0),
-    ("use_token_scaling", True), ("return_token_accuracy", True), ("return_predicted_tokens", True),
+    ("label_smoothing", 0.2),
+    ("lse_square_scale", 1e-3),
+    ("return_z_loss", True),
+    ("softcap", 4.0),
+    ("use_token_scaling", True),
+    ("return_token_accuracy", True),
+    ("return_predicted_tokens", True),
 )
 ALL_WEIGHTED = (
-    ("ce_weight", True), ("lse_square_scale", 1e-3), ("return_z_loss", True), ("softcap", 4.0),
-    ("use_token_scaling", True), ("return_token_accuracy", True), ("return_predicted_tokens", True),
+    ("ce_weight", True),
+    ("lse_square_scale", 1e-3),
+    ("return_z_loss", True),
+    ("softcap", 4.0),
+    ("use_token_scaling", True),
+    ("return_token_accuracy", True),
+    ("return_predicted_tokens", True),
 )
 FUSED_FEATURES = {
     "plain": (),
@@ -64,18 +74,36 @@ SMOOTHING_WITH_WEIGHTS = (("label_smoothing", 0.1), ("ce_weight", True), ("retur
 
 
 # ---------------------------------------------------------------------- selection (CPU)
-def _applicable(options=None, backend="cutedsl", capability=HOPPER, dtype=BF16, hidden=4096,
-                vocab=128256, has_ce_weight=False, weight_tma_ready=True):
-    return fused_forward_applicable(options or LossOptions(), backend, capability, dtype, hidden, vocab, has_ce_weight,
-                                    weight_tma_ready)
+def _applicable(
+    options=None,
+    backend="cutedsl",
+    capability=HOPPER,
+    dtype=BF16,
+    hidden=4096,
+    vocab=128256,
+    has_ce_weight=False,
+    weight_tma_ready=True,
+):
+    return fused_forward_applicable(
+        options or LossOptions(), backend, capability, dtype, hidden, vocab, has_ce_weight, weight_tma_ready
+    )
 
 
 def test_selection_accepts_every_supported_feature():
     assert _applicable() == (True, "")
     assert _applicable(dtype=FP16, hidden=64, vocab=1)[0]
-    assert _applicable(LossOptions(label_smoothing=0.1, softcap=30.0, lse_square_scale=1e-4, reduction="none",
-                                   use_token_scaling=True, return_token_accuracy=True,
-                                   return_predicted_tokens=True, return_z_loss=True))[0]
+    assert _applicable(
+        LossOptions(
+            label_smoothing=0.1,
+            softcap=30.0,
+            lse_square_scale=1e-4,
+            reduction="none",
+            use_token_scaling=True,
+            return_token_accuracy=True,
+            return_predicted_tokens=True,
+            return_z_loss=True,
+        )
+    )[0]
     # Class weights are gathered on the host: fine without smoothing.
     assert _applicable(LossOptions(lse_square_scale=1e-4), has_ce_weight=True)[0]
     # A token chunk size bounds the driver's logits buffer; the fused kernel has none.
@@ -120,8 +148,12 @@ def _dense_statistics(z: torch.Tensor, target: torch.Tensor) -> dict:
     vocab = z.shape[1]
     in_range = (target >= 0) & (target < vocab)
     target_logit = z.gather(1, target.clamp(0, vocab - 1).long()[:, None])[:, 0]
-    return dict(lse=torch.logsumexp(z, 1), target_logit=torch.where(in_range, target_logit, torch.zeros_like(
-        target_logit)), predicted=z.argmax(1), logit_sum=z.sum(1))
+    return dict(
+        lse=torch.logsumexp(z, 1),
+        target_logit=torch.where(in_range, target_logit, torch.zeros_like(target_logit)),
+        predicted=z.argmax(1),
+        logit_sum=z.sum(1),
+    )
 
 
 def _scalars(options: LossOptions, target, ce_weight, vocab):
@@ -147,11 +179,13 @@ def test_rows_match_the_chunk_kernel(reduction, feature, ignore_index):
     stats, scalars = _scalars(options, target, ce_weight, vocab)
 
     softcapped = z if options.softcap is None else options.softcap * torch.tanh(z / options.softcap)
-    ours = rows_from_forward_statistics(_dense_statistics(softcapped, target), target, ce_weight, options, scalars,
-                                        vocab)
+    ours = rows_from_forward_statistics(
+        _dense_statistics(softcapped, target), target, ce_weight, options, scalars, vocab
+    )
     expected = RowOutputs.allocate(rows, options, z.device)
-    torch_chunk(z.clone(), target, ce_weight, scalars, **expected.chunk_kwargs(0, rows), row_grad_scale=None,
-                compute_grad=False)
+    torch_chunk(
+        z.clone(), target, ce_weight, scalars, **expected.chunk_kwargs(0, rows), row_grad_scale=None, compute_grad=False
+    )
     for name in ("loss", "z_loss", "correct", "predicted"):
         got, want = getattr(ours, name), getattr(expected, name)
         assert (got is None) == (want is None), name
@@ -167,8 +201,7 @@ def test_rows_refuse_smoothing_with_weights():
     weight = torch.ones(3)
     _, scalars = _scalars(options, target, weight, 3)
     with pytest.raises(ValueError, match="class weights"):
-        rows_from_forward_statistics(_dense_statistics(torch.zeros(2, 3), target), target, weight, options, scalars,
-                                     3)
+        rows_from_forward_statistics(_dense_statistics(torch.zeros(2, 3), target), target, weight, options, scalars, 3)
 
 
 # ---------------------------------------------------------------------- the whole call on CPU
@@ -225,8 +258,18 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("feature", list(FUSED_FEATURES))
 def test_cpu_stand_in_matches_float64(fused_on_cpu, dtype, reduction, feature):
     # N = 93: a ragged count of rows; H = 64: the smallest the kernel takes; V = 1031 prime.
-    case = Case(n_rows=93, hidden=64, vocab=1031, dtype=dtype, reduction=reduction, feature=feature,
-                options=FUSED_FEATURES[feature], bias=feature.startswith("all"), grads=(), seed=len(feature))
+    case = Case(
+        n_rows=93,
+        hidden=64,
+        vocab=1031,
+        dtype=dtype,
+        reduction=reduction,
+        feature=feature,
+        options=FUSED_FEATURES[feature],
+        bias=feature.startswith("all"),
+        grads=(),
+        seed=len(feature),
+    )
     outcome = run_case(case, "cutedsl", CPU)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
     assert len(fused_on_cpu) == 1
@@ -242,8 +285,15 @@ def _problem(n=45, h=64, v=211, dtype=BF16, seed=0):
     return x, w, b, y
 
 
-ALL_OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0, use_token_scaling=True,
-                   return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
+ALL_OPTIONS = dict(
+    label_smoothing=0.1,
+    lse_square_scale=1e-3,
+    softcap=5.0,
+    use_token_scaling=True,
+    return_z_loss=True,
+    return_token_accuracy=True,
+    return_predicted_tokens=True,
+)
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "nothing_requires_grad"])
@@ -257,8 +307,9 @@ def test_cpu_every_loss_only_mode_uses_it(fused_on_cpu, mode):
     assert not out.loss.requires_grad
     # The chunked driver (gradients requested) gives the same outputs, up to its logits
     # being rounded to bf16 where the fused GEMM keeps them in fp32.
-    chunked = flce.fused_linear_cross_entropy(x.clone().requires_grad_(), w, y, bias=b, backend="cutedsl",
-                                              **ALL_OPTIONS)
+    chunked = flce.fused_linear_cross_entropy(
+        x.clone().requires_grad_(), w, y, bias=b, backend="cutedsl", **ALL_OPTIONS
+    )
     assert len(fused_on_cpu) == 1
     torch.testing.assert_close(out.loss, chunked.loss.detach(), rtol=1e-2, atol=0)
     torch.testing.assert_close(out.z_loss, chunked.z_loss, rtol=1e-2, atol=0)
@@ -315,8 +366,14 @@ def test_cpu_autocast_and_odd_layouts(fused_on_cpu):
 
 @pytest.mark.parametrize(
     "why",
-    ["smoothing_with_weights", "fp32", "hidden_not_multiple_of_64", "weight_not_contiguous",
-     "fp32_weight_not_contiguous_autocast", "not_hopper"],
+    [
+        "smoothing_with_weights",
+        "fp32",
+        "hidden_not_multiple_of_64",
+        "weight_not_contiguous",
+        "fp32_weight_not_contiguous_autocast",
+        "not_hopper",
+    ],
 )
 def test_cpu_falls_back_silently_and_correctly(fused_on_cpu, monkeypatch, why):
     x, w, _, y = _problem()
@@ -340,8 +397,9 @@ def test_cpu_falls_back_silently_and_correctly(fused_on_cpu, monkeypatch, why):
     with torch.no_grad(), autocast:
         out = flce.fused_linear_cross_entropy(x, w, y, ce_weight=ce_weight, backend="cutedsl", **kwargs)
     assert len(fused_on_cpu) == 0
-    ref = fused_linear_cross_entropy_reference(x.double(), w.double(), y, None, ce_weight=ce_weight,
-                                               reduction="sum", label_smoothing=0.1)
+    ref = fused_linear_cross_entropy_reference(
+        x.double(), w.double(), y, None, ce_weight=ce_weight, reduction="sum", label_smoothing=0.1
+    )
     torch.testing.assert_close(out.loss.double(), ref.loss, rtol=2e-2, atol=0)
 
 
@@ -358,8 +416,9 @@ def test_cpu_all_rows_ignored_and_no_rows(fused_on_cpu):
 # ---------------------------------------------------------------------- GPU
 HAS_DSL = importlib.util.find_spec("cutlass") is not None
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-needs_hopper = pytest.mark.skipif(not (HAS_DSL and HAS_HOPPER),
-                                  reason="needs nvidia-cutlass-dsl and a CUDA sm_90 (Hopper) GPU")
+needs_hopper = pytest.mark.skipif(
+    not (HAS_DSL and HAS_HOPPER), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 (Hopper) GPU"
+)
 CUDA = torch.device("cuda")
 
 # The kernel is compiled (a few seconds) once per dtype, V and (bias, softcap, logit sum)
@@ -367,11 +426,11 @@ CUDA = torch.device("cuda")
 # V = 151936 (Qwen) with no option and with all the unweighted ones (bias, softcap and the
 # logit sum compiled in). N = 200: not a multiple of the 128-row tile; H = 128: two K tiles.
 # Reductions only change the host-side reduce_rows, shared with the driver.
-GPU_CASES = (
-    [(BF16, 32000, feature) for feature in FUSED_FEATURES]
-    + [(dtype, vocab, feature) for dtype, vocab in ((FP16, 32000), (BF16, 151936), (FP16, 151936))
-       for feature in ("plain", "all_unweighted")]
-)
+GPU_CASES = [(BF16, 32000, feature) for feature in FUSED_FEATURES] + [
+    (dtype, vocab, feature)
+    for dtype, vocab in ((FP16, 32000), (BF16, 151936), (FP16, 151936))
+    for feature in ("plain", "all_unweighted")
+]
 
 
 @needs_hopper
@@ -380,8 +439,18 @@ GPU_CASES = (
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_gpu_loss_only_matches_float64(monkeypatch, dtype, vocab, feature, reduction):
     calls = _count_fused_calls(monkeypatch)
-    case = Case(n_rows=200, hidden=128, vocab=vocab, dtype=dtype, reduction=reduction, feature=feature,
-                options=FUSED_FEATURES[feature], bias=feature.startswith("all"), grads=(), seed=vocab % 97)
+    case = Case(
+        n_rows=200,
+        hidden=128,
+        vocab=vocab,
+        dtype=dtype,
+        reduction=reduction,
+        feature=feature,
+        options=FUSED_FEATURES[feature],
+        bias=feature.startswith("all"),
+        grads=(),
+        seed=vocab % 97,
+    )
     outcome = run_case(case, "cutedsl", CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
     assert len(calls) == 1
@@ -411,8 +480,17 @@ def test_gpu_no_grad_uses_it_and_agrees_with_the_driver(monkeypatch):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_gpu_smoothing_with_weights_falls_back(monkeypatch, reduction):
     calls = _count_fused_calls(monkeypatch)
-    case = Case(n_rows=200, hidden=128, vocab=32000, dtype=BF16, reduction=reduction, feature="all",
-                options=SMOOTHING_WITH_WEIGHTS, grads=(), seed=5)
+    case = Case(
+        n_rows=200,
+        hidden=128,
+        vocab=32000,
+        dtype=BF16,
+        reduction=reduction,
+        feature="all",
+        options=SMOOTHING_WITH_WEIGHTS,
+        grads=(),
+        seed=5,
+    )
     outcome = run_case(case, "cutedsl", CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
     assert len(calls) == 0

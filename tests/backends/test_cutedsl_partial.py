@@ -13,7 +13,6 @@ among ties); ignored rows must get an exactly zero gradient.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import pytest
 import torch
@@ -63,9 +62,19 @@ class Block:
     """Rows of ``v0 + V_r + tail`` columns, the block ``[v0, v0 + V_r)`` of which the
     kernels see, with targets anywhere in the row (owned by the block or not) or ignored."""
 
-    def __init__(self, rows: int, vocab: int, dtype: torch.dtype, feature: str, *, seed: int = 0,
-                 ties: bool = False, view: bool = False, ignored_fraction: float = 0.2,
-                 target_dtype=torch.int64):
+    def __init__(
+        self,
+        rows: int,
+        vocab: int,
+        dtype: torch.dtype,
+        feature: str,
+        *,
+        seed: int = 0,
+        ties: bool = False,
+        view: bool = False,
+        ignored_fraction: float = 0.2,
+        target_dtype=torch.int64,
+    ):
         opts = FEATURES[feature]
         gen = torch.Generator().manual_seed(seed)
         self.dtype, self.vocab, self.opts = dtype, vocab, opts
@@ -104,15 +113,15 @@ class Block:
     def block(self) -> torch.Tensor:
         """A fresh (rows, V_r) block: a strided, unaligned view of the full rows or a
         contiguous copy."""
-        sl = self.full.clone()[:, self.v0:self.v0 + self.vocab]
+        sl = self.full.clone()[:, self.v0 : self.v0 + self.vocab]
         return sl if self._view else sl.contiguous()
 
     @property
-    def ce_local(self) -> Optional[torch.Tensor]:
-        return None if self.ce_full is None else self.ce_full[self.v0:self.v0 + self.vocab]
+    def ce_local(self) -> torch.Tensor | None:
+        return None if self.ce_full is None else self.ce_full[self.v0 : self.v0 + self.vocab]
 
     @property
-    def softcap(self) -> Optional[float]:
+    def softcap(self) -> float | None:
         return SOFTCAP if self.opts.get("softcap") else None
 
     def z64(self, logits: torch.Tensor) -> torch.Tensor:
@@ -131,8 +140,9 @@ def check_statistics(b: Block) -> None:
         logits = b.block()
         before = logits.clone()
         target = b.stats_target if name == "ours" else b.stats_target.long()  # torch gathers need int64
-        outs[name] = kernels.statistics(logits, target, b.ce_local, b.softcap,
-                                        with_smoothing=smoothing, with_argmax=argmax)
+        outs[name] = kernels.statistics(
+            logits, target, b.ce_local, b.softcap, with_smoothing=smoothing, with_argmax=argmax
+        )
         assert torch.equal(logits, before), f"{name}: the statistics changed the logits"
     torch.cuda.synchronize()
     ours, twin = outs["ours"], outs["torch"]

@@ -167,7 +167,9 @@ def assert_matches(ours, twin, ref, name):
     largest reference value (both kernels compute in fp32)."""
     eps = 4 * FP32_EPS * max(1.0, ref.double().abs().max().item())
     err_ours, err_torch = max_err(ours, ref), max_err(twin, ref)
-    assert err_ours <= 3 * err_torch + eps, f"{name}: triton err {err_ours:.3g} vs torch err {err_torch:.3g} (eps {eps:.3g})"
+    assert err_ours <= 3 * err_torch + eps, (
+        f"{name}: triton err {err_ours:.3g} vs torch err {err_torch:.3g} (eps {eps:.3g})"
+    )
 
 
 def check_against_reference_and_twin(logits, target, weight, scalars, rgs, **kwargs):
@@ -276,8 +278,16 @@ def test_row_stride_larger_than_vocab():
     scalars = make_scalars(123, weight, dict(label_smoothing=0.1))
     loss = torch.empty(9, device=DEVICE)
     triton_chunk(
-        view, target, weight, scalars, loss_out=loss, z_loss_out=None, correct_out=None,
-        predicted_out=None, row_grad_scale=None, compute_grad=True,
+        view,
+        target,
+        weight,
+        scalars,
+        loss_out=loss,
+        z_loss_out=None,
+        correct_out=None,
+        predicted_out=None,
+        row_grad_scale=None,
+        compute_grad=True,
     )
     twin = run_chunk(torch_chunk, logits, target, weight, scalars, None)
     torch.testing.assert_close(loss, twin["loss"])
@@ -291,8 +301,16 @@ def test_forward_only_leaves_logits_untouched_and_optional_outputs_absent():
     buf = logits.clone()
     loss = torch.empty(8, device=DEVICE)
     triton_chunk(
-        buf, target, None, scalars, loss_out=loss, z_loss_out=None, correct_out=None,
-        predicted_out=None, row_grad_scale=None, compute_grad=False,
+        buf,
+        target,
+        None,
+        scalars,
+        loss_out=loss,
+        z_loss_out=None,
+        correct_out=None,
+        predicted_out=None,
+        row_grad_scale=None,
+        compute_grad=False,
     )
     assert torch.equal(buf, logits)
     twin = run_chunk(torch_chunk, logits, target, None, scalars, None, compute_grad=False)
@@ -304,8 +322,16 @@ def test_zero_rows_is_a_no_op():
     target = torch.empty(0, dtype=torch.int64, device=DEVICE)
     loss = torch.empty(0, device=DEVICE)
     triton_chunk(
-        logits, target, None, make_scalars(123, None, {}), loss_out=loss, z_loss_out=None,
-        correct_out=None, predicted_out=None, row_grad_scale=None, compute_grad=True,
+        logits,
+        target,
+        None,
+        make_scalars(123, None, {}),
+        loss_out=loss,
+        z_loss_out=None,
+        correct_out=None,
+        predicted_out=None,
+        row_grad_scale=None,
+        compute_grad=True,
     )
 
 
@@ -378,8 +404,16 @@ def test_gpu_row_offsets_beyond_int32():
     scalars = make_scalars(vocab, None, {})
     loss = torch.empty(num_rows, device=DEVICE)
     triton_chunk(
-        logits, target, None, scalars, loss_out=loss, z_loss_out=None, correct_out=None,
-        predicted_out=None, row_grad_scale=None, compute_grad=True,
+        logits,
+        target,
+        None,
+        scalars,
+        loss_out=loss,
+        z_loss_out=None,
+        correct_out=None,
+        predicted_out=None,
+        row_grad_scale=None,
+        compute_grad=True,
     )
     twin = run_chunk(torch_chunk, tail_logits, target[tail], None, scalars, None)
     torch.testing.assert_close(loss[tail], twin["loss"])

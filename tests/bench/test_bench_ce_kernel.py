@@ -17,8 +17,21 @@ from flce.dispatch import availability
 
 REPO = Path(__file__).resolve().parents[2]
 # Odd sizes, so nothing relies on aligned rows; few rounds and calls, so it takes seconds.
-TINY = ["bench", "--kernel", "ce", "--device", "cpu", "--tokens", "12", "--vocab", "250", "--rounds", "2",
-        "--warmup", "1"]
+TINY = [
+    "bench",
+    "--kernel",
+    "ce",
+    "--device",
+    "cpu",
+    "--tokens",
+    "12",
+    "--vocab",
+    "250",
+    "--rounds",
+    "2",
+    "--warmup",
+    "1",
+]
 
 
 def _by_method(rows: list[dict]) -> dict[str, dict]:
@@ -29,9 +42,19 @@ def _by_method(rows: list[dict]) -> dict[str, dict]:
 def test_kernel_bench_writes_bandwidth_and_host_overhead(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    argv = [*TINY, "--methods", "flce:torch,torch:eager,liger", "--overhead-calls", "2",
-            "--features", "label_smoothing,z_loss,softcap,weights", "--ignore-fraction", "0.25",
-            "--out", str(tmp_path)]
+    argv = [
+        *TINY,
+        "--methods",
+        "flce:torch,torch:eager,liger",
+        "--overhead-calls",
+        "2",
+        "--features",
+        "label_smoothing,z_loss,softcap,weights",
+        "--ignore-fraction",
+        "0.25",
+        "--out",
+        str(tmp_path),
+    ]
     monkeypatch.setattr(sys, "argv", ["flce", *argv])  # the command line the JSON records
     assert main(argv) == 0
     payload = json.loads((tmp_path / "bench-kernel-ce.json").read_text())
@@ -41,8 +64,16 @@ def test_kernel_bench_writes_bandwidth_and_host_overhead(
     assert payload["config"]["dtypes"] == ["fp32"] and payload["config"]["shapes"] == [{"n": 12, "v": 250}]
 
     rows = _by_method(payload["results"])
-    assert set(rows) == {"copy", "flce:torch:kernel", "flce:torch", "liger:cute:kernel", "liger:cute",
-                         "liger:triton:kernel", "liger:triton", "torch:eager"}
+    assert set(rows) == {
+        "copy",
+        "flce:torch:kernel",
+        "flce:torch",
+        "liger:cute:kernel",
+        "liger:cute",
+        "liger:triton:kernel",
+        "liger:triton",
+        "torch:eager",
+    }
     assert rows["copy"]["pct_of_copy"] == pytest.approx(100.0)
     for name in ("flce:torch:kernel", "flce:torch", "torch:eager"):
         row = rows[name]
@@ -76,8 +107,21 @@ def test_kernel_bench_writes_bandwidth_and_host_overhead(
 
 @pytest.mark.skipif(not availability("triton", torch.device("cpu"))[0], reason="Triton's interpreter is unavailable")
 def test_in_place_triton_kernel_is_timed_on_restored_logits(tmp_path: Path) -> None:
-    code = main([*TINY, "--tokens", "4", "--vocab", "96", "--methods", "flce:triton:kernel,flce:torch",
-                 "--overhead-calls", "0", "--out", str(tmp_path)])
+    code = main(
+        [
+            *TINY,
+            "--tokens",
+            "4",
+            "--vocab",
+            "96",
+            "--methods",
+            "flce:triton:kernel,flce:torch",
+            "--overhead-calls",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     payload = json.loads((tmp_path / "bench-kernel-ce.json").read_text())
     rows = _by_method(payload["results"])
@@ -111,9 +155,19 @@ def test_list_methods_names_the_kernel_methods(capsys: pytest.CaptureFixture) ->
 def test_parity_script_runs_on_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "device" / "parity_vs_liger.py"), str(tmp_path), "--quick",
-         "--configs", "plain,all"],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "device" / "parity_vs_liger.py"),
+            str(tmp_path),
+            "--quick",
+            "--configs",
+            "plain,all",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     payload = json.loads((tmp_path / "parity_vs_liger.json").read_text())

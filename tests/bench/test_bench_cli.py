@@ -46,7 +46,7 @@ def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: 
             assert row["peak_extra_bytes"] is None  # not tracked off CUDA
     assert all(r["ratio_to_floor"] == 1.0 for r in _rows(payload, "floor:gemm"))
     # Both losses are the same function of the same inputs.
-    for flce_row, eager_row in zip(_rows(payload, "flce:torch"), _rows(payload, "torch:eager")):
+    for flce_row, eager_row in zip(_rows(payload, "flce:torch"), _rows(payload, "torch:eager"), strict=False):
         assert flce_row["loss"] == pytest.approx(eager_row["loss"], rel=1e-4)
     for row in _rows(payload, "liger:triton"):
         assert row["status"] == "skipped" and "liger-kernel is not installed" in row["reason"]
@@ -144,8 +144,29 @@ def test_tensor_parallel_bench_runs_over_gloo(tmp_path):
 
     from flce.cli import main
 
-    code = main(["bench", "--tp", "2", "--device", "cpu", "--tokens", "48", "--vocab", "301", "--hidden", "16",
-                 "--dtype", "fp32", "--rounds", "2", "--warmup", "1", "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "--tp",
+            "2",
+            "--device",
+            "cpu",
+            "--tokens",
+            "48",
+            "--vocab",
+            "301",
+            "--hidden",
+            "16",
+            "--dtype",
+            "fp32",
+            "--rounds",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     result = json.loads((tmp_path / "bench-tp2-fp32.json").read_text())
     assert result["parity"]["passed"] and result["config"]["world_size"] == 2

@@ -42,8 +42,23 @@ RECORDED_KEYS = {
 PEERS = "flce:torch,torch:eager,torch:lce,liger,cce"
 # Tiny, with V and H not powers of two; a quarter of the rows ignored, so accuracy and
 # the reductions' denominators are not trivially the row count.
-TINY = ["--device", "cpu", "--tokens", "64", "--vocab", "250", "--hidden", "36", "--rounds", "1", "--warmup", "0",
-        "--ignore-fraction", "0.25", "--no-plots"]
+TINY = [
+    "--device",
+    "cpu",
+    "--tokens",
+    "64",
+    "--vocab",
+    "250",
+    "--hidden",
+    "36",
+    "--rounds",
+    "1",
+    "--warmup",
+    "0",
+    "--ignore-fraction",
+    "0.25",
+    "--no-plots",
+]
 SHAPE = Shape(n=64, v=250, h=36)
 # Every feature at once: the scalar options change the rows that token scaling weighs.
 ALL = ",".join(FEATURES)
@@ -85,10 +100,16 @@ def _case(features: str, mode: str = "full", reduction: str = "mean", device: st
 def _reference(inputs: bench_methods.Inputs, opts: LossOptions):
     """The float64 reference of the run's loss on the benchmark's inputs."""
     return fused_linear_cross_entropy_reference(
-        inputs.x.detach().double(), inputs.w.detach().double(), inputs.target,
+        inputs.x.detach().double(),
+        inputs.w.detach().double(),
+        inputs.target,
         None if inputs.bias is None else inputs.bias.detach().double(),
-        ce_weight=inputs.ce_weight, ignore_index=opts.ignore_index, lse_square_scale=opts.lse_square_scale,
-        label_smoothing=opts.label_smoothing, reduction=opts.reduction, softcap=opts.softcap,
+        ce_weight=inputs.ce_weight,
+        ignore_index=opts.ignore_index,
+        lse_square_scale=opts.lse_square_scale,
+        label_smoothing=opts.label_smoothing,
+        reduction=opts.reduction,
+        softcap=opts.softcap,
         use_token_scaling=opts.use_token_scaling,
     )
 
@@ -232,10 +253,16 @@ def test_eager_token_scaling_gradient_treats_the_scale_as_a_constant(features: s
     loss.backward()
     x = inputs.x.detach().double().requires_grad_(True)
     reference = fused_linear_cross_entropy_reference(
-        x, inputs.w.detach().double(), inputs.target,
+        x,
+        inputs.w.detach().double(),
+        inputs.target,
         None if inputs.bias is None else inputs.bias.detach().double(),
-        ce_weight=inputs.ce_weight, ignore_index=opts.ignore_index, lse_square_scale=opts.lse_square_scale,
-        label_smoothing=opts.label_smoothing, reduction=opts.reduction, softcap=opts.softcap,
+        ce_weight=inputs.ce_weight,
+        ignore_index=opts.ignore_index,
+        lse_square_scale=opts.lse_square_scale,
+        label_smoothing=opts.label_smoothing,
+        reduction=opts.reduction,
+        softcap=opts.softcap,
         use_token_scaling=True,
     )
     reference.loss.backward()
@@ -266,7 +293,7 @@ def test_flce_method_returns_the_per_token_outputs(monkeypatch: pytest.MonkeyPat
     case = _case(ALL)
     inputs = make_inputs(case, ignore_fraction=0.25)
     loss = _method("flce:torch").make_loss(case, inputs)()
-    (out, kwargs), = returned
+    ((out, kwargs),) = returned
     assert kwargs["bias"] is inputs.bias and kwargs["ce_weight"] is inputs.ce_weight
     ref = _reference(inputs, case.loss)
     assert loss is out.loss
@@ -278,11 +305,31 @@ def test_flce_method_returns_the_per_token_outputs(monkeypatch: pytest.MonkeyPat
 def test_liger_triton_gets_bias_and_flags_when_it_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def fused_loss_085(input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
-                       label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False, accum_dtype=None,
-                       use_token_scaling=False, return_token_accuracy=False, return_predicted_tokens=False):
-        calls.append({"bias": bias, "use_token_scaling": use_token_scaling, "accuracy": return_token_accuracy,
-                      "predicted": return_predicted_tokens})
+    def fused_loss_085(
+        input,
+        weight,
+        target,
+        bias=None,
+        ce_weight=None,
+        ignore_index=-100,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="mean",
+        softcap=None,
+        return_z_loss=False,
+        accum_dtype=None,
+        use_token_scaling=False,
+        return_token_accuracy=False,
+        return_predicted_tokens=False,
+    ):
+        calls.append(
+            {
+                "bias": bias,
+                "use_token_scaling": use_token_scaling,
+                "accuracy": return_token_accuracy,
+                "predicted": return_predicted_tokens,
+            }
+        )
         return (input.sum() * 0, None, None, None)
 
     _fake_liger(monkeypatch, fused_loss_085)
@@ -297,8 +344,19 @@ def test_liger_triton_gets_bias_and_flags_when_it_takes_them(monkeypatch: pytest
 def test_older_liger_triton_is_skipped_for_the_flags_it_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def fused_loss_old(input, weight, target, bias=None, ce_weight=None, ignore_index=-100, lse_square_scale=0.0,
-                       label_smoothing=0.0, reduction="mean", softcap=None, return_z_loss=False):
+    def fused_loss_old(
+        input,
+        weight,
+        target,
+        bias=None,
+        ce_weight=None,
+        ignore_index=-100,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="mean",
+        softcap=None,
+        return_z_loss=False,
+    ):
         calls.append(bias)
         return input.sum() * 0
 
@@ -315,8 +373,17 @@ def test_older_liger_triton_is_skipped_for_the_flags_it_lacks(monkeypatch: pytes
 
 
 def test_torch_lce_without_linear_bias_is_skipped_for_bias(monkeypatch: pytest.MonkeyPatch) -> None:
-    def old_linear_cross_entropy(input, linear_weight, target, *, weight=None, reduction="mean", ignore_index=None,
-                                 label_smoothing=0.0, options=None):
+    def old_linear_cross_entropy(
+        input,
+        linear_weight,
+        target,
+        *,
+        weight=None,
+        reduction="mean",
+        ignore_index=None,
+        label_smoothing=0.0,
+        options=None,
+    ):
         raise AssertionError("not called")
 
     monkeypatch.setattr(F, "linear_cross_entropy", old_linear_cross_entropy)
@@ -348,19 +415,36 @@ def test_cli_runs_each_new_feature_and_skips_peers_that_lack_it(tmp_path: Path, 
         assert lce["status"] == "skipped"
         assert lce["reason"] == f"torch linear_cross_entropy (chunked) does not support {feature}"
     assert rows["cce"]["status"] == "skipped" and "cut-cross-entropy is not installed" in rows["cce"]["reason"]
-    assert rows["liger:triton"]["status"] == "skipped" and "liger-kernel is not installed" in rows["liger:triton"]["reason"]
+    assert (
+        rows["liger:triton"]["status"] == "skipped"
+        and "liger-kernel is not installed" in rows["liger:triton"]["reason"]
+    )
 
 
 @pytest.mark.usefixtures("no_liger")
 @pytest.mark.parametrize("mode", ["full", "fwd", "bwd"])
 def test_cli_runs_all_features_together(tmp_path: Path, mode: str) -> None:
-    payload = _run(tmp_path, "--mode", mode, "--features", "bias,token_scaling,accuracy,predicted,label_smoothing,"
-                   "z_loss,softcap,weights", "--methods", PEERS)
+    payload = _run(
+        tmp_path,
+        "--mode",
+        mode,
+        "--features",
+        "bias,token_scaling,accuracy,predicted,label_smoothing,z_loss,softcap,weights",
+        "--methods",
+        PEERS,
+    )
     assert payload["config"]["features"] == list(FEATURES)
     assert payload["config"]["loss_options"] == {
-        "reduction": "mean", "ignore_index": -100, "label_smoothing": 0.1, "lse_square_scale": 1e-4,
-        "softcap": 30.0, "ce_weight": True, "bias": True, "use_token_scaling": True,
-        "return_token_accuracy": True, "return_predicted_tokens": True,
+        "reduction": "mean",
+        "ignore_index": -100,
+        "label_smoothing": 0.1,
+        "lse_square_scale": 1e-4,
+        "softcap": 30.0,
+        "ce_weight": True,
+        "bias": True,
+        "use_token_scaling": True,
+        "return_token_accuracy": True,
+        "return_predicted_tokens": True,
     }
     rows = _rows(payload)
     for method in ("floor:gemm", "flce:torch", "torch:eager"):
@@ -390,8 +474,25 @@ def test_installed_peers_without_a_feature_give_it_as_the_reason(monkeypatch: py
 
 @pytest.mark.usefixtures("no_liger")
 def test_kernel_bench_takes_the_per_token_features_but_no_bias(tmp_path: Path, capsys) -> None:
-    base = ["bench", "--kernel", "ce", "--device", "cpu", "--tokens", "12", "--vocab", "250", "--rounds", "1",
-            "--warmup", "0", "--overhead-calls", "0", "--methods", "flce:torch,torch:eager"]
+    base = [
+        "bench",
+        "--kernel",
+        "ce",
+        "--device",
+        "cpu",
+        "--tokens",
+        "12",
+        "--vocab",
+        "250",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--overhead-calls",
+        "0",
+        "--methods",
+        "flce:torch,torch:eager",
+    ]
     assert main([*base, "--features", "weights,bias"]) == 2
     assert "--kernel ce does not take --features bias" in capsys.readouterr().err
 
@@ -405,9 +506,11 @@ def test_kernel_bench_takes_the_per_token_features_but_no_bias(tmp_path: Path, c
 
 
 def test_liger_ce_kernels_are_skipped_for_token_scaling() -> None:
-    case = ce_kernel.KernelCase(12, 256, torch.bfloat16, LossOptions.from_features(["token_scaling", "accuracy"]),
-                                torch.device("cuda"))
+    case = ce_kernel.KernelCase(
+        12, 256, torch.bfloat16, LossOptions.from_features(["token_scaling", "accuracy"]), torch.device("cuda")
+    )
     assert ce_kernel._liger_features(case) == "Liger CE does not support token_scaling"
-    on_request = ce_kernel.KernelCase(12, 256, torch.bfloat16, LossOptions.from_features(["accuracy", "predicted"]),
-                                      torch.device("cuda"))
+    on_request = ce_kernel.KernelCase(
+        12, 256, torch.bfloat16, LossOptions.from_features(["accuracy", "predicted"]), torch.device("cuda")
+    )
     assert ce_kernel._liger_features(on_request) is None

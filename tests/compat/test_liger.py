@@ -13,39 +13,92 @@ _NO_DEFAULT = inspect.Parameter.empty
 # (name, default) per parameter, copied from liger-kernel 0.8.5's source.
 LIGER_0_8_5 = {
     "LigerFusedLinearCrossEntropyFunction.forward": [
-        ("ctx", _NO_DEFAULT), ("_input", _NO_DEFAULT), ("weight", _NO_DEFAULT), ("target", _NO_DEFAULT),
-        ("bias", None), ("ce_weight", None), ("ignore_index", -100), ("lse_square_scale", 0.0),
-        ("label_smoothing", 0.0), ("reduction", "mean"), ("softcap", None), ("return_z_loss", False),
-        ("accum_dtype", None), ("use_token_scaling", False), ("return_token_accuracy", False),
-        ("return_predicted_tokens", False), ("ce_impl", None), ("ce_mode", None), ("chunk_mem_const", 1),
+        ("ctx", _NO_DEFAULT),
+        ("_input", _NO_DEFAULT),
+        ("weight", _NO_DEFAULT),
+        ("target", _NO_DEFAULT),
+        ("bias", None),
+        ("ce_weight", None),
+        ("ignore_index", -100),
+        ("lse_square_scale", 0.0),
+        ("label_smoothing", 0.0),
+        ("reduction", "mean"),
+        ("softcap", None),
+        ("return_z_loss", False),
+        ("accum_dtype", None),
+        ("use_token_scaling", False),
+        ("return_token_accuracy", False),
+        ("return_predicted_tokens", False),
+        ("ce_impl", None),
+        ("ce_mode", None),
+        ("chunk_mem_const", 1),
     ],
     "liger_fused_linear_cross_entropy": [
-        ("input", _NO_DEFAULT), ("weight", _NO_DEFAULT), ("target", _NO_DEFAULT), ("bias", None),
-        ("ce_weight", None), ("ignore_index", -100), ("lse_square_scale", 0.0), ("label_smoothing", 0.0),
-        ("reduction", "mean"), ("softcap", None), ("return_z_loss", False), ("accum_dtype", None),
-        ("use_token_scaling", False), ("return_token_accuracy", False), ("return_predicted_tokens", False),
+        ("input", _NO_DEFAULT),
+        ("weight", _NO_DEFAULT),
+        ("target", _NO_DEFAULT),
+        ("bias", None),
+        ("ce_weight", None),
+        ("ignore_index", -100),
+        ("lse_square_scale", 0.0),
+        ("label_smoothing", 0.0),
+        ("reduction", "mean"),
+        ("softcap", None),
+        ("return_z_loss", False),
+        ("accum_dtype", None),
+        ("use_token_scaling", False),
+        ("return_token_accuracy", False),
+        ("return_predicted_tokens", False),
         ("chunk_mem_const", 1),
     ],
     "LigerFusedLinearCrossEntropyLoss.__init__": [
-        ("self", _NO_DEFAULT), ("ce_weight", None), ("ignore_index", -100), ("lse_square_scale", 0.0),
-        ("label_smoothing", 0.0), ("reduction", "mean"), ("softcap", None), ("return_z_loss", False),
-        ("accum_dtype", None), ("use_token_scaling", False), ("return_token_accuracy", False),
+        ("self", _NO_DEFAULT),
+        ("ce_weight", None),
+        ("ignore_index", -100),
+        ("lse_square_scale", 0.0),
+        ("label_smoothing", 0.0),
+        ("reduction", "mean"),
+        ("softcap", None),
+        ("return_z_loss", False),
+        ("accum_dtype", None),
+        ("use_token_scaling", False),
+        ("return_token_accuracy", False),
         ("return_predicted_tokens", False),
     ],
     "LigerFusedLinearCrossEntropyLoss.forward": [
-        ("self", _NO_DEFAULT), ("lin_weight", _NO_DEFAULT), ("_input", _NO_DEFAULT), ("target", _NO_DEFAULT),
+        ("self", _NO_DEFAULT),
+        ("lin_weight", _NO_DEFAULT),
+        ("_input", _NO_DEFAULT),
+        ("target", _NO_DEFAULT),
         ("bias", None),
     ],
     "LigerCrossEntropyFunction.forward": [
-        ("ctx", _NO_DEFAULT), ("_input", _NO_DEFAULT), ("target", _NO_DEFAULT), ("weight", _NO_DEFAULT),
-        ("ignore_index", -100), ("lse_square_scale", 0.0), ("label_smoothing", 0.0), ("reduction", "mean"),
-        ("softcap", None), ("return_z_loss", False), ("return_token_accuracy", False),
+        ("ctx", _NO_DEFAULT),
+        ("_input", _NO_DEFAULT),
+        ("target", _NO_DEFAULT),
+        ("weight", _NO_DEFAULT),
+        ("ignore_index", -100),
+        ("lse_square_scale", 0.0),
+        ("label_smoothing", 0.0),
+        ("reduction", "mean"),
+        ("softcap", None),
+        ("return_z_loss", False),
+        ("return_token_accuracy", False),
         ("return_predicted_tokens", False),
     ],
     "liger_cross_entropy": [
-        ("input", _NO_DEFAULT), ("target", _NO_DEFAULT), ("weight", None), ("size_average", None),
-        ("ignore_index", -100), ("reduce", None), ("reduction", "mean"), ("label_smoothing", 0.0),
-        ("lse_square_scale", 0.0), ("softcap", None), ("return_z_loss", False), ("return_token_accuracy", False),
+        ("input", _NO_DEFAULT),
+        ("target", _NO_DEFAULT),
+        ("weight", None),
+        ("size_average", None),
+        ("ignore_index", -100),
+        ("reduce", None),
+        ("reduction", "mean"),
+        ("label_smoothing", 0.0),
+        ("lse_square_scale", 0.0),
+        ("softcap", None),
+        ("return_z_loss", False),
+        ("return_token_accuracy", False),
         ("return_predicted_tokens", False),
     ],
 }
@@ -70,8 +123,17 @@ def _inputs(requires_grad=True):
     return x, w, b, t
 
 
-OPTIONS = dict(ignore_index=-100, lse_square_scale=1e-3, label_smoothing=0.1, reduction="mean", softcap=5.0,
-               return_z_loss=True, use_token_scaling=True, return_token_accuracy=True, return_predicted_tokens=True)
+OPTIONS = dict(
+    ignore_index=-100,
+    lse_square_scale=1e-3,
+    label_smoothing=0.1,
+    reduction="mean",
+    softcap=5.0,
+    return_z_loss=True,
+    use_token_scaling=True,
+    return_token_accuracy=True,
+    return_predicted_tokens=True,
+)
 
 
 def _grads(*tensors):
@@ -87,7 +149,8 @@ def test_function_functional_and_module_equal_idiomatic_api():
 
     calls = {
         "function": lambda x, w, b: liger.LigerFusedLinearCrossEntropyFunction.apply(
-            x, w, t, b, cw, -100, 1e-3, 0.1, "mean", 5.0, True, None, True, True, True),
+            x, w, t, b, cw, -100, 1e-3, 0.1, "mean", 5.0, True, None, True, True, True
+        ),
         "functional": lambda x, w, b: liger.liger_fused_linear_cross_entropy(x, w, t, b, cw, **OPTIONS),
         "module": lambda x, w, b: liger.LigerFusedLinearCrossEntropyLoss(ce_weight=cw, **OPTIONS)(w, x, t, b),
     }
@@ -105,7 +168,7 @@ def test_function_functional_and_module_equal_idiomatic_api():
         torch.testing.assert_close(accuracy, expected.token_accuracy, rtol=0, atol=0)
         assert torch.equal(predicted, expected.predicted_tokens)
         (loss * 2).backward()
-        for got, want in zip(_grads(x, w, b), expected_grads):
+        for got, want in zip(_grads(x, w, b), expected_grads, strict=False):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -124,13 +187,29 @@ def test_cross_entropy_shims_equal_idiomatic_api_and_keep_logits():
     before = logits.detach().clone()
     t = torch.randint(0, 41, (23,))
     cw = torch.rand(41) + 0.5
-    expected = flce.cross_entropy(logits, t, weight=cw, label_smoothing=0.1, lse_square_scale=1e-3, softcap=6.0,
-                                  return_z_loss=True, return_token_accuracy=True)
+    expected = flce.cross_entropy(
+        logits,
+        t,
+        weight=cw,
+        label_smoothing=0.1,
+        lse_square_scale=1e-3,
+        softcap=6.0,
+        return_z_loss=True,
+        return_token_accuracy=True,
+    )
     expected.loss.backward()
     expected_grad = logits.grad.clone()
     logits.grad = None
-    out = liger.liger_cross_entropy(logits, t, cw, label_smoothing=0.1, lse_square_scale=1e-3, softcap=6.0,
-                                    return_z_loss=True, return_token_accuracy=True)
+    out = liger.liger_cross_entropy(
+        logits,
+        t,
+        cw,
+        label_smoothing=0.1,
+        lse_square_scale=1e-3,
+        softcap=6.0,
+        return_z_loss=True,
+        return_token_accuracy=True,
+    )
     torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=0)
     torch.testing.assert_close(out.token_accuracy, expected.token_accuracy, rtol=0, atol=0)
     out.loss.backward()
@@ -143,12 +222,14 @@ def test_cross_entropy_shims_equal_idiomatic_api_and_keep_logits():
 
 def test_ce_impl_selects_backend_and_rejects_unknown():
     x, w, b, t = _inputs(requires_grad=False)
-    loss = liger.LigerFusedLinearCrossEntropyFunction.apply(x, w, t, b, None, -100, 0.0, 0.0, "mean", None, False,
-                                                            None, False, False, False, "torch")[0]
+    loss = liger.LigerFusedLinearCrossEntropyFunction.apply(
+        x, w, t, b, None, -100, 0.0, 0.0, "mean", None, False, None, False, False, False, "torch"
+    )[0]
     torch.testing.assert_close(loss, flce.fused_linear_cross_entropy(x, w, t, bias=b, backend="torch"))
     with pytest.raises(ValueError, match="ce_impl"):
-        liger.LigerFusedLinearCrossEntropyFunction.apply(x, w, t, b, None, -100, 0.0, 0.0, "mean", None, False,
-                                                         None, False, False, False, "cuda-magic")
+        liger.LigerFusedLinearCrossEntropyFunction.apply(
+            x, w, t, b, None, -100, 0.0, 0.0, "mean", None, False, None, False, False, False, "cuda-magic"
+        )
 
 
 def test_chunk_mem_const_follows_liger_rule_and_keeps_results():

@@ -32,8 +32,9 @@ def _require(backend):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_feature_matrix(backend, dtype, reduction, feature, bias):
     _require(backend)
-    case = Case(n_rows=93, hidden=64, vocab=1031, dtype=dtype, reduction=reduction, feature=feature, bias=bias,
-                chunk_size=40)
+    case = Case(
+        n_rows=93, hidden=64, vocab=1031, dtype=dtype, reduction=reduction, feature=feature, bias=bias, chunk_size=40
+    )
     outcome = run_case(case, backend, CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
 
@@ -79,12 +80,16 @@ def test_64bit_offsets_inside_one_chunk(backend):
     results = {}
     for name, dtype, math in (("truth", torch.float64, torch.float64), ("eager", torch.bfloat16, torch.float32)):
         xr = x.detach()[rows].to(dtype).requires_grad_()
-        ref = fused_linear_cross_entropy_reference(xr, w, t[rows], logits_dtype=dtype, math_dtype=math,
-                                                   reduction="none")
+        ref = fused_linear_cross_entropy_reference(
+            xr, w, t[rows], logits_dtype=dtype, math_dtype=math, reduction="none"
+        )
         ref.loss.sum().backward()
         results[name] = (ref.loss.detach(), xr.grad)
     for index, ours in ((0, loss.detach()[rows]), (1, x.grad[rows])):
-        err, err_torch = _rel_err(ours, results["truth"][index]), _rel_err(results["eager"][index], results["truth"][index])
+        err, err_torch = (
+            _rel_err(ours, results["truth"][index]),
+            _rel_err(results["eager"][index], results["truth"][index]),
+        )
         assert err <= TOLERANCE_FACTOR * err_torch + EPS[torch.bfloat16], (index, err, err_torch)
 
 
@@ -146,8 +151,16 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_vocabulary_blocks_real_vocabularies(backend, vocab, feature, dtype):
     _require(backend)
-    case = Case(n_rows=96, hidden=128, vocab=vocab, dtype=dtype, feature=feature, bias=feature == "all",
-                chunk_size=40, vocab_chunk_size=10000)
+    case = Case(
+        n_rows=96,
+        hidden=128,
+        vocab=vocab,
+        dtype=dtype,
+        feature=feature,
+        bias=feature == "all",
+        chunk_size=40,
+        vocab_chunk_size=10000,
+    )
     outcome = run_case(case, backend, CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
 

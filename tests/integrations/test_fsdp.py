@@ -33,8 +33,9 @@ class Head(torch.nn.Module):
     def forward(self, x, target):
         import flce
 
-        return flce.fused_linear_cross_entropy(torch.tanh(self.proj(x)), self.lm_head.weight, target,
-                                               label_smoothing=0.1)
+        return flce.fused_linear_cross_entropy(
+            torch.tanh(self.proj(x)), self.lm_head.weight, target, label_smoothing=0.1
+        )
 
 
 def _batch(rank):
@@ -48,7 +49,7 @@ def _worker(rank, port, out_dir):
     try:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import distribute_tensor, Shard
+        from torch.distributed.tensor import Shard, distribute_tensor
 
         import flce
 

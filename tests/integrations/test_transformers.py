@@ -11,10 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flce
+
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
-import flce
-from flce.integrations import transformers as flce_hf
+from flce.integrations import transformers as flce_hf  # noqa: E402  (needs transformers)
 
 VOCAB = 160
 COMMON = {
@@ -139,7 +140,7 @@ def test_training_steps_track_hf(arch, optimizer):
     losses_ref, losses_flce = run(ref), run(patched)
     assert losses_ref[-1] < losses_ref[0]  # it does train
     assert losses_flce == pytest.approx(losses_ref, rel=1e-4)
-    for (name, p_ref), (_, p_flce) in zip(ref.named_parameters(), patched.named_parameters()):
+    for (name, p_ref), (_, p_flce) in zip(ref.named_parameters(), patched.named_parameters(), strict=False):
         torch.testing.assert_close(p_flce, p_ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
@@ -353,7 +354,7 @@ def test_hf_trainer_gradient_accumulation(tmp_path, monkeypatch):
         def __init__(self):
             input_ids, _, labels = make_batch(seed=5, batch=8, seq=10)
             labels[::3, :6] = -100  # uneven counts per micro-batch: the normalisation matters
-            self.rows = [{"input_ids": i, "labels": lab} for i, lab in zip(input_ids, labels)]
+            self.rows = [{"input_ids": i, "labels": lab} for i, lab in zip(input_ids, labels, strict=False)]
 
         def __len__(self):
             return len(self.rows)
@@ -396,5 +397,5 @@ def test_hf_trainer_gradient_accumulation(tmp_path, monkeypatch):
     assert len(losses_ref) == 2 and all(math.isfinite(x) for x in losses_ref)
     assert reductions and set(reductions) == {"sum"}  # num_items_in_batch reached the loss
     assert losses_flce == pytest.approx(losses_ref, rel=1e-4)
-    for (name, p_ref), (_, p_flce) in zip(ref.named_parameters(), patched.named_parameters()):
+    for (name, p_ref), (_, p_flce) in zip(ref.named_parameters(), patched.named_parameters(), strict=False):
         torch.testing.assert_close(p_flce, p_ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

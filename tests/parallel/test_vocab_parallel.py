@@ -15,7 +15,6 @@ import random
 import socket
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import pytest
 import torch
@@ -49,7 +48,7 @@ class Spec:
     reduction: str = "mean"
     label_smoothing: float = 0.0
     lse_square_scale: float = 0.0
-    softcap: Optional[float] = None
+    softcap: float | None = None
     ce_weight: bool = False
     use_token_scaling: bool = False
     accuracy: bool = False
@@ -59,12 +58,12 @@ class Spec:
     ignore_index: int = -100
     ignore_fraction: float = 0.2
     grads: tuple = ("input", "weight", "bias")
-    chunk_size: Optional[int] = None
+    chunk_size: int | None = None
     upstream: float = 1.0
     layout: str = "default"  # "default": vocab_start inferred; "given": passed; "reversed": passed, reversed order
     repeat_backward: bool = False
     module: bool = False
-    backend: Optional[str] = None  # the per-shard kernels (None: auto, PyTorch on CPU)
+    backend: str | None = None  # the per-shard kernels (None: auto, PyTorch on CPU)
 
     @property
     def vocab(self) -> int:
@@ -107,27 +106,107 @@ def make_specs(world: int) -> list[Spec]:
     fixed = FIXED_SPLITS[world]
     specs = [
         Spec("plain", 1, fixed, (29,), 16),
-        Spec("all_features", 2, fixed, (4, 9), 12, label_smoothing=0.1, lse_square_scale=1e-2, softcap=4.0,
-             ce_weight=True, accuracy=True, predicted=True, return_z_loss=True, bias=True, chunk_size=7),
-        Spec("token_scaling_sum", 3, fixed, (31,), 8, reduction="sum", use_token_scaling=True, bias=True,
-             accuracy=True, upstream=-0.7),
-        Spec("none_backward", 4, fixed, (3, 7), 8, reduction="none", label_smoothing=0.2, ce_weight=True,
-             return_z_loss=True, lse_square_scale=1e-3, bias=True, chunk_size=5, predicted=True),
-        Spec("ignore_is_class", 5, fixed, (25,), 8, ignore_index=3, accuracy=True, predicted=True,
-             label_smoothing=0.05),
-        Spec("all_ignored", 6, fixed, (9,), 8, ignore_fraction=1.0, ce_weight=True, lse_square_scale=1e-2,
-             accuracy=True, bias=True),
+        Spec(
+            "all_features",
+            2,
+            fixed,
+            (4, 9),
+            12,
+            label_smoothing=0.1,
+            lse_square_scale=1e-2,
+            softcap=4.0,
+            ce_weight=True,
+            accuracy=True,
+            predicted=True,
+            return_z_loss=True,
+            bias=True,
+            chunk_size=7,
+        ),
+        Spec(
+            "token_scaling_sum",
+            3,
+            fixed,
+            (31,),
+            8,
+            reduction="sum",
+            use_token_scaling=True,
+            bias=True,
+            accuracy=True,
+            upstream=-0.7,
+        ),
+        Spec(
+            "none_backward",
+            4,
+            fixed,
+            (3, 7),
+            8,
+            reduction="none",
+            label_smoothing=0.2,
+            ce_weight=True,
+            return_z_loss=True,
+            lse_square_scale=1e-3,
+            bias=True,
+            chunk_size=5,
+            predicted=True,
+        ),
+        Spec(
+            "ignore_is_class", 5, fixed, (25,), 8, ignore_index=3, accuracy=True, predicted=True, label_smoothing=0.05
+        ),
+        Spec(
+            "all_ignored",
+            6,
+            fixed,
+            (9,),
+            8,
+            ignore_fraction=1.0,
+            ce_weight=True,
+            lse_square_scale=1e-2,
+            accuracy=True,
+            bias=True,
+        ),
         Spec("weight_only_grad", 7, fixed, (17,), 8, grads=("weight",), ce_weight=True, label_smoothing=0.1),
         Spec("no_grad", 8, fixed, (17,), 8, grads=(), accuracy=True, predicted=True, softcap=2.0),
-        Spec("repeat_backward", 9, fixed, (19,), 8, bias=True, upstream=2.5, repeat_backward=True,
-             lse_square_scale=1e-2, chunk_size=6),
+        Spec(
+            "repeat_backward",
+            9,
+            fixed,
+            (19,),
+            8,
+            bias=True,
+            upstream=2.5,
+            repeat_backward=True,
+            lse_square_scale=1e-2,
+            chunk_size=6,
+        ),
         Spec("given_layout", 10, fixed, (21,), 8, layout="given", predicted=True, accuracy=True),
-        Spec("reversed_layout", 11, fixed, (21,), 8, layout="reversed", ce_weight=True, label_smoothing=0.1,
-             bias=True, predicted=True, chunk_size=4),
-        Spec("module", 12, fixed, (2, 8), 8, module=True, ce_weight=True, bias=True, reduction="sum",
-             accuracy=True),
-        Spec("one_row_chunks", 13, fixed, (6,), 8, chunk_size=1, softcap=1.5, use_token_scaling=True,
-             label_smoothing=0.3, ce_weight=True, bias=True, predicted=True),
+        Spec(
+            "reversed_layout",
+            11,
+            fixed,
+            (21,),
+            8,
+            layout="reversed",
+            ce_weight=True,
+            label_smoothing=0.1,
+            bias=True,
+            predicted=True,
+            chunk_size=4,
+        ),
+        Spec("module", 12, fixed, (2, 8), 8, module=True, ce_weight=True, bias=True, reduction="sum", accuracy=True),
+        Spec(
+            "one_row_chunks",
+            13,
+            fixed,
+            (6,),
+            8,
+            chunk_size=1,
+            softcap=1.5,
+            use_token_scaling=True,
+            label_smoothing=0.3,
+            ce_weight=True,
+            bias=True,
+            predicted=True,
+        ),
     ]
     # Random shapes, splits and feature combinations.
     for i in range(10):
@@ -167,8 +246,16 @@ def make_specs(world: int) -> list[Spec]:
     return specs
 
 
-TRITON_CASES = ("all_features", "token_scaling_sum", "none_backward", "ignore_is_class", "all_ignored",
-                "reversed_layout", "one_row_chunks", "random3")
+TRITON_CASES = (
+    "all_features",
+    "token_scaling_sum",
+    "none_backward",
+    "ignore_is_class",
+    "all_ignored",
+    "reversed_layout",
+    "one_row_chunks",
+    "random3",
+)
 
 
 def make_tensors(spec: Spec) -> dict:
@@ -215,20 +302,29 @@ def _run_case(spec: Spec, rank: int) -> dict:
         out = loss_fn(x, w, t["target"], b)
     else:
         out = vocab_parallel_fused_linear_cross_entropy(
-            x, w, t["target"], bias_shard=b, ce_weight_shard=cw, vocab_start=vocab_start,
-            chunk_size=spec.chunk_size, **spec.kwargs(),
+            x,
+            w,
+            t["target"],
+            bias_shard=b,
+            ce_weight_shard=cw,
+            vocab_start=vocab_start,
+            chunk_size=spec.chunk_size,
+            **spec.kwargs(),
         )
     loss, z_loss, accuracy, predicted = _unpack(out)
     result = dict(loss=loss.detach(), z_loss=z_loss, accuracy=accuracy, predicted=predicted)
-    leaves = [(name, tensor) for name, tensor in (("input", x), ("weight", w), ("bias", b))
-              if tensor is not None and tensor.requires_grad]
+    leaves = [
+        (name, tensor)
+        for name, tensor in (("input", x), ("weight", w), ("bias", b))
+        if tensor is not None and tensor.requires_grad
+    ]
     if leaves:
         objective = (loss * t["upstream"]).sum()
         grads = torch.autograd.grad(objective, [v for _, v in leaves], retain_graph=spec.repeat_backward)
-        result["grads"] = {name: g for (name, _), g in zip(leaves, grads)}
+        result["grads"] = {name: g for (name, _), g in zip(leaves, grads, strict=False)}
         if spec.repeat_backward:
             again = torch.autograd.grad(objective, [v for _, v in leaves])
-            result["grads_again"] = {name: g for (name, _), g in zip(leaves, again)}
+            result["grads_again"] = {name: g for (name, _), g in zip(leaves, again, strict=False)}
     return result
 
 
@@ -284,7 +380,12 @@ def _dtensor_case(rank: int, world: int) -> dict:
     ce_weight = distribute_tensor(t["ce_weight"], mesh, [Shard(0)])
     x = t["x"].clone().requires_grad_()
     out = vocab_parallel_fused_linear_cross_entropy(
-        x, weight, t["target"], bias_shard=bias, ce_weight_shard=ce_weight, label_smoothing=0.1,
+        x,
+        weight,
+        t["target"],
+        bias_shard=bias,
+        ce_weight_shard=ce_weight,
+        label_smoothing=0.1,
         return_predicted_tokens=True,
     )
     out.loss.backward()
@@ -303,7 +404,10 @@ def _dtensor_case(rank: int, world: int) -> dict:
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     try:
@@ -356,11 +460,16 @@ def _reference(spec: Spec) -> dict:
     grads = {}
     if leaves:
         values = torch.autograd.grad((ref.loss * upstream).sum(), list(leaves.values()))
-        grads = dict(zip(leaves, values))
+        grads = dict(zip(leaves, values, strict=False))
     # The single-process library on the full weight, same options.
     full = flce.fused_linear_cross_entropy(
-        t["x"], t["weight"], t["target"], bias=t["bias"], ce_weight=t["ce_weight"],
-        chunk_size=spec.chunk_size, **dict(spec.kwargs(), backend="torch"),
+        t["x"],
+        t["weight"],
+        t["target"],
+        bias=t["bias"],
+        ce_weight=t["ce_weight"],
+        chunk_size=spec.chunk_size,
+        **dict(spec.kwargs(), backend="torch"),
     )
     return dict(ref=ref, grads=grads, full=_unpack(full), tensors=t)
 
@@ -450,8 +559,9 @@ def test_refusals_are_collective(spawned):
 
 def test_dtensor_adapter(spawned):
     world, results = spawned
-    spec = Spec("dtensor", 77, FIXED_SPLITS[world], (13,), 8, bias=True, ce_weight=True, label_smoothing=0.1,
-                predicted=True)
+    spec = Spec(
+        "dtensor", 77, FIXED_SPLITS[world], (13,), 8, bias=True, ce_weight=True, label_smoothing=0.1, predicted=True
+    )
     expected = _reference(spec)
     ref = expected["ref"]
     vocab = spec.vocab
@@ -486,7 +596,10 @@ def single_group():
         yield dist.group.WORLD
         return
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        rank=0,
+        world_size=1,
         timeout=datetime.timedelta(seconds=30),
     )
     try:
@@ -498,8 +611,9 @@ def single_group():
 SINGLE_OPTIONS = [
     dict(),
     dict(reduction="sum", label_smoothing=0.1, lse_square_scale=1e-2, return_z_loss=True),
-    dict(reduction="none", softcap=3.0, use_token_scaling=True, return_token_accuracy=True,
-         return_predicted_tokens=True),
+    dict(
+        reduction="none", softcap=3.0, use_token_scaling=True, return_token_accuracy=True, return_predicted_tokens=True
+    ),
     dict(label_smoothing=0.2, softcap=2.0, ignore_index=2, return_token_accuracy=True),
 ]
 
@@ -532,11 +646,11 @@ def test_group_of_one_equals_single_process(single_group, options, class_weights
         grads = torch.autograd.grad((loss * upstream).sum(), leaves)
         results.append((_unpack(out), grads))
     (p_out, p_grads), (s_out, s_grads) = results
-    for a, e in zip(p_out, s_out):
+    for a, e in zip(p_out, s_out, strict=False):
         assert (a is None) == (e is None)
         if a is not None:
             torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
-    for a, e in zip(p_grads, s_grads):
+    for a, e in zip(p_grads, s_grads, strict=False):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
 
 
@@ -552,7 +666,7 @@ def test_group_of_one_autocast_and_accum_dtype(single_group):
             loss = fn(xx, ww, target, chunk_size=4, accum_dtype=torch.float32)
         loss.backward()
         outs.append((loss, xx.grad, ww.grad))
-    for a, e in zip(*outs):
+    for a, e in zip(*outs, strict=False):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, rtol=2e-2, atol=1e-3)
 
@@ -594,5 +708,5 @@ def test_group_of_one_repeated_backward_does_not_compound(single_group):
     loss = vocab_parallel_fused_linear_cross_entropy(x, w, target) * 3.0
     first = torch.autograd.grad(loss, (x, w), retain_graph=True)
     second = torch.autograd.grad(loss, (x, w))
-    for a, b in zip(first, second):
+    for a, b in zip(first, second, strict=False):
         torch.testing.assert_close(a, b)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -58,7 +58,7 @@ class ChunkScalars:
     ignore_index: int
     label_smoothing: float
     lse_square_scale: float
-    softcap: Optional[float]
+    softcap: float | None
     use_token_scaling: bool
     ce_grad_scale: float
     z_grad_scale: float
@@ -90,22 +90,20 @@ class ChunkCEKernel(Protocol):
         self,
         logits: torch.Tensor,
         target: torch.Tensor,
-        ce_weight: Optional[torch.Tensor],
+        ce_weight: torch.Tensor | None,
         scalars: ChunkScalars,
         *,
         loss_out: torch.Tensor,
-        z_loss_out: Optional[torch.Tensor],
-        correct_out: Optional[torch.Tensor],
-        predicted_out: Optional[torch.Tensor],
-        row_grad_scale: Optional[torch.Tensor],
+        z_loss_out: torch.Tensor | None,
+        correct_out: torch.Tensor | None,
+        predicted_out: torch.Tensor | None,
+        row_grad_scale: torch.Tensor | None,
         compute_grad: bool,
-        grad_out: Optional[torch.Tensor] = None,
+        grad_out: torch.Tensor | None = None,
     ) -> None: ...
 
 
-def gradient_destination(
-    logits: torch.Tensor, grad_out: Optional[torch.Tensor], compute_grad: bool
-) -> torch.Tensor:
+def gradient_destination(logits: torch.Tensor, grad_out: torch.Tensor | None, compute_grad: bool) -> torch.Tensor:
     """Where a chunk kernel writes the gradient: ``grad_out`` (checked against the
     ``ChunkCEKernel`` contract: the logits' shape, dtype and device, unit stride along V)
     or, without it, the logits themselves."""
@@ -134,7 +132,7 @@ class BackendSpec:
 
     name: str
     cross_entropy_chunk: ChunkCEKernel
-    availability: "callable"
+    availability: callable
     extra_bytes_per_logit: int
     auto_priority: int
     description: str
@@ -153,4 +151,3 @@ def lazy_chunk_kernel(module: str) -> ChunkCEKernel:
 
     cross_entropy_chunk.__doc__ = f"``{module}.cross_entropy_chunk``, imported on first use."
     return cross_entropy_chunk
-

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from flce.bench.methods import Case as LossCase
 from flce.bench.methods import (
     LossOptions,
     Shape,
@@ -47,7 +48,6 @@ from flce.bench.methods import (
     flce_loss_kwargs,
     make_inputs,
 )
-from flce.bench.methods import Case as LossCase
 from flce.bench.runner import Running, SweepSettings, measure_runs, skip_reason, unusable_methods
 from flce.bench.timing import TimingStats, Workload, free_memory
 
@@ -128,7 +128,10 @@ def make_logits_inputs(case: KernelCase, seed: int = 0, ignore_fraction: float =
     """Logits ``X Wᵀ`` of the fused benchmark's inputs (``methods.make_inputs``), so both
     benchmarks see the same kind of rows, from flat to confidently right."""
     loss_case = LossCase(
-        shape=Shape(case.n, case.v, LOGITS_HIDDEN), dtype=torch.float32, mode="fwd", loss=case.loss,
+        shape=Shape(case.n, case.v, LOGITS_HIDDEN),
+        dtype=torch.float32,
+        mode="fwd",
+        loss=case.loss,
         device=case.device,
     )
     fused = make_inputs(loss_case, seed=seed, ignore_fraction=ignore_fraction)
@@ -219,8 +222,13 @@ def _flce_kernel_make(backend: str) -> MakeStepFn:
             for start in range(0, case.n, step):
                 end = min(start + step, case.n)
                 spec.cross_entropy_chunk(
-                    logits[start:end], inputs.target[start:end], inputs.ce_weight, scalars,
-                    **rows.chunk_kwargs(start, end), row_grad_scale=None, compute_grad=True,
+                    logits[start:end],
+                    inputs.target[start:end],
+                    inputs.ce_weight,
+                    scalars,
+                    **rows.chunk_kwargs(start, end),
+                    row_grad_scale=None,
+                    compute_grad=True,
                 )
 
         return Step(run, lambda: reduce_rows(rows, options, scalars, stats).loss)
@@ -250,12 +258,14 @@ def flce_kernel_methods() -> list[KernelMethod]:
     for backend in FLCE_KERNEL_BACKENDS:
         check = _flce_available(backend)
         methods.append(
-            KernelMethod(f"flce:{backend}:kernel", f"flce {backend} chunk kernel", "flce", check,
-                         _flce_kernel_make(backend))
+            KernelMethod(
+                f"flce:{backend}:kernel", f"flce {backend} chunk kernel", "flce", check, _flce_kernel_make(backend)
+            )
         )
         methods.append(
-            KernelMethod(f"flce:{backend}", f"flce.cross_entropy ({backend}), fwd+bwd", "flce", check,
-                         _flce_public_make(backend))
+            KernelMethod(
+                f"flce:{backend}", f"flce.cross_entropy ({backend}), fwd+bwd", "flce", check, _flce_public_make(backend)
+            )
         )
     return methods
 
@@ -294,9 +304,7 @@ def _liger_triton_check(case: KernelCase) -> str | None:
 
 
 def _liger_functional_check(case: KernelCase) -> str | None:
-    return _first_reason(
-        lambda: _import(LIGER_FUNCTIONAL)[1], lambda: _needs_cuda(case), lambda: _liger_features(case)
-    )
+    return _first_reason(lambda: _import(LIGER_FUNCTIONAL)[1], lambda: _needs_cuda(case), lambda: _liger_features(case))
 
 
 def _liger_features(case: KernelCase) -> str | None:
@@ -313,10 +321,22 @@ def _liger_kernel_make(module: str, function: str) -> MakeStepFn:
 
         def run() -> None:
             row_losses = fn(
-                logits, inputs.target, inputs.ce_weight, opts.ignore_index, opts.lse_square_scale,
-                opts.label_smoothing, opts.reduction, opts.softcap, n_valid, weight_denominator, weight_sum,
+                logits,
+                inputs.target,
+                inputs.ce_weight,
+                opts.ignore_index,
+                opts.lse_square_scale,
+                opts.label_smoothing,
+                opts.reduction,
+                opts.softcap,
+                n_valid,
+                weight_denominator,
+                weight_sum,
                 # No z-loss output; accuracy and predictions as asked; with gradients.
-                False, opts.return_token_accuracy, opts.return_predicted_tokens, True,
+                False,
+                opts.return_token_accuracy,
+                opts.return_predicted_tokens,
+                True,
             )[0]
             latest[:] = [row_losses]
 
@@ -341,31 +361,65 @@ def _liger_autograd_make(loss_fn: Callable[[LogitsInputs, LossOptions], Any]) ->
 def _liger_triton_loss(inputs: LogitsInputs, opts: LossOptions) -> Any:
     fn = _import(LIGER_FUNCTIONAL)[0].liger_cross_entropy
     return fn(
-        inputs.logits, inputs.target, weight=inputs.ce_weight, ignore_index=opts.ignore_index,
-        reduction=opts.reduction, label_smoothing=opts.label_smoothing, lse_square_scale=opts.lse_square_scale,
-        softcap=opts.softcap, **opts.flags(),
+        inputs.logits,
+        inputs.target,
+        weight=inputs.ce_weight,
+        ignore_index=opts.ignore_index,
+        reduction=opts.reduction,
+        label_smoothing=opts.label_smoothing,
+        lse_square_scale=opts.lse_square_scale,
+        softcap=opts.softcap,
+        **opts.flags(),
     )
 
 
 def _liger_cute_loss(inputs: LogitsInputs, opts: LossOptions) -> Any:
     fn = _import(LIGER_CUTE_CE)[0].cross_entropy_cutedsl
     return fn(
-        inputs.logits, inputs.target, inputs.ce_weight, opts.ignore_index, opts.lse_square_scale,
-        opts.label_smoothing, opts.reduction, opts.softcap, False, opts.return_token_accuracy,
+        inputs.logits,
+        inputs.target,
+        inputs.ce_weight,
+        opts.ignore_index,
+        opts.lse_square_scale,
+        opts.label_smoothing,
+        opts.reduction,
+        opts.softcap,
+        False,
+        opts.return_token_accuracy,
         opts.return_predicted_tokens,
     )
 
 
 def liger_kernel_methods() -> list[KernelMethod]:
     return [
-        KernelMethod("liger:cute:kernel", "Liger CuTe CE loss-and-grad primitive", "liger", _liger_cute_check,
-                     _liger_kernel_make(LIGER_CUTE_CE, "cross_entropy_loss_and_grad_cutedsl")),
-        KernelMethod("liger:cute", "Liger CuTe CE autograd, fwd+bwd", "liger", _liger_cute_check,
-                     _liger_autograd_make(_liger_cute_loss)),
-        KernelMethod("liger:triton:kernel", "Liger Triton CE loss-and-grad primitive", "liger", _liger_triton_check,
-                     _liger_kernel_make(LIGER_TRITON_CE, "cross_entropy_loss_and_grad_triton")),
-        KernelMethod("liger:triton", "Liger Triton CE (liger_cross_entropy), fwd+bwd", "liger",
-                     _liger_functional_check, _liger_autograd_make(_liger_triton_loss)),
+        KernelMethod(
+            "liger:cute:kernel",
+            "Liger CuTe CE loss-and-grad primitive",
+            "liger",
+            _liger_cute_check,
+            _liger_kernel_make(LIGER_CUTE_CE, "cross_entropy_loss_and_grad_cutedsl"),
+        ),
+        KernelMethod(
+            "liger:cute",
+            "Liger CuTe CE autograd, fwd+bwd",
+            "liger",
+            _liger_cute_check,
+            _liger_autograd_make(_liger_cute_loss),
+        ),
+        KernelMethod(
+            "liger:triton:kernel",
+            "Liger Triton CE loss-and-grad primitive",
+            "liger",
+            _liger_triton_check,
+            _liger_kernel_make(LIGER_TRITON_CE, "cross_entropy_loss_and_grad_triton"),
+        ),
+        KernelMethod(
+            "liger:triton",
+            "Liger Triton CE (liger_cross_entropy), fwd+bwd",
+            "liger",
+            _liger_functional_check,
+            _liger_autograd_make(_liger_triton_loss),
+        ),
     ]
 
 
@@ -465,8 +519,7 @@ def run_case(
     del runs, steps, inputs
     free_memory(config.device)
     return [
-        finished.get(m.name) or KernelResult(m.name, m.label, case, m.is_floor, reason=skipped[m.name])
-        for m in methods
+        finished.get(m.name) or KernelResult(m.name, m.label, case, m.is_floor, reason=skipped[m.name]) for m in methods
     ]
 
 
@@ -498,9 +551,7 @@ def run_kernel_sweep(
 
 def result_rows(results: Sequence[KernelResult]) -> list[dict[str, Any]]:
     """JSON-ready rows, with the bandwidth and the percentage of the copy's of the same case."""
-    copy_speed = {
-        (r.case.n, r.case.v, r.case.dtype): r.gb_per_s for r in results if r.method == COPY and r.ok
-    }
+    copy_speed = {(r.case.n, r.case.v, r.case.dtype): r.gb_per_s for r in results if r.method == COPY and r.ok}
     rows = []
     for r in results:
         t = r.timing

@@ -116,7 +116,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--methods",
         type=_name_list,
-        help="comma list of methods or families (flce, torch, liger, cce); default all (on the CPU: flce:torch,torch:eager); the floor always runs",
+        help=(
+            "comma list of methods or families (flce, torch, liger, cce); default all "
+            "(on the CPU: flce:torch,torch:eager); the floor always runs"
+        ),
     )
     g.add_argument(
         "--chunk-size", type=_chunk_list, help="comma list of chunk sizes for the flce backends ('auto' = default)"
@@ -320,8 +323,17 @@ def run_tensor_parallel(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     out_file = out_dir / f"bench-tp{world}-{args.dtype or ('bf16' if device.type == 'cuda' else 'fp32')}.json"
     child = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        "-m", "flce.bench.tensor_parallel", "--out", str(out_file), "--device", device.type,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={world}",
+        "-m",
+        "flce.bench.tensor_parallel",
+        "--out",
+        str(out_file),
+        "--device",
+        device.type,
     ]
     for flag, values in (("--tokens", args.tokens), ("--vocab", args.vocab), ("--hidden", args.hidden)):
         if values:
@@ -437,9 +449,7 @@ def _overhead_config(
     if calls == 0:
         return None
     names = {m.name for m in methods}
-    backends = tuple(
-        b for b in ce_kernel.FLCE_KERNEL_BACKENDS if {f"flce:{b}", f"flce:{b}:kernel"} & names
-    )
+    backends = tuple(b for b in ce_kernel.FLCE_KERNEL_BACKENDS if {f"flce:{b}", f"flce:{b}:kernel"} & names)
     return host_overhead.OverheadConfig(
         dtype=config.dtypes[0], device=config.device, backends=backends, calls=calls, seed=config.seed
     )

@@ -35,6 +35,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     """The ``--dtype`` name of ``dtype`` (bf16, fp16, fp32)."""
     return next(k for k, v in DTYPES.items() if v == dtype)
 
+
 FLCE_BACKENDS = ("torch", "triton", "cutedsl")
 FLOOR = "floor:gemm"
 

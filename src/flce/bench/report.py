@@ -266,7 +266,7 @@ def _print_plain_grid(title: str, header: Sequence[str], cells: Sequence[Sequenc
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     print(title)
     for line in lines:
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
+        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=False)))
 
 
 # ----------------------------------------------------------------------------- plots
@@ -319,7 +319,7 @@ def plot_results(rows: Sequence[dict[str, Any]], out_dir: Path, title: str) -> l
         groups = _series_groups(rows, axis)
         for key, group in groups.items():
             others = [a for a in AXES if a != axis]
-            fixed = ", ".join(f"{a.upper()}={k}" for a, k in zip(others, key))
+            fixed = ", ".join(f"{a.upper()}={k}" for a, k in zip(others, key, strict=False))
             has_memory = any(r["peak_extra_bytes"] is not None for r in group if r["status"] == "ok")
             panels = 2 if has_memory else 1
             fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.5), squeeze=False)
@@ -334,7 +334,7 @@ def plot_results(rows: Sequence[dict[str, Any]], out_dir: Path, title: str) -> l
             axes[0][-1].legend(fontsize=7)
             fig.suptitle(f"{title} ({fixed})", fontsize=9)
             fig.tight_layout()
-            suffix = "" if len(groups) == 1 else "_" + "_".join(f"{a}{k}" for a, k in zip(others, key))
+            suffix = "" if len(groups) == 1 else "_" + "_".join(f"{a}{k}" for a, k in zip(others, key, strict=False))
             path = out_dir / f"vs_{axis}{suffix}.png"
             fig.savefig(path, dpi=120)
             plt.close(fig)
@@ -365,7 +365,7 @@ def _plot_chunk_tradeoff(rows: Sequence[dict[str, Any]], out_dir: Path, title: s
         xs = [r["peak_extra_gib"] if use_memory else r["chunk_size"] for r in curve]
         ys = [r["median_ms"] for r in curve]
         ax.plot(xs, ys, "-o", markersize=3, label=f"{base} N={n} V={v} H={h}")
-        for x, y, r in zip(xs, ys, curve):
+        for x, y, r in zip(xs, ys, curve, strict=False):
             ax.annotate(str(r["chunk_size"]), (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
         auto = defaults.get((base, n, v, h))
         if auto is not None and use_memory:  # the library's own choice, as a star on the same axes

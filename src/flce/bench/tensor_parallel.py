@@ -236,9 +236,7 @@ def main(argv=None) -> int:
         def single_step(**extra):
             x_single.grad = None
             full.grad = None
-            out = flce.fused_linear_cross_entropy(
-                x_single, full, target, backend=args.single_backend, **opts, **extra
-            )
+            out = flce.fused_linear_cross_entropy(x_single, full, target, backend=args.single_backend, **opts, **extra)
             loss = out if isinstance(out, torch.Tensor) else out.loss
             loss.backward()
             return out
@@ -282,20 +280,27 @@ def main(argv=None) -> int:
         floor = 1e-3 if low_precision else 1e-6
         checks = {
             "loss": abs(loss_p - loss_s) <= 1e-4 * max(1.0, abs(loss_s)),
-            "dx": parity["dx_parallel_vs_fp32"]["rel_fro"]
-            <= slack * parity["dx_single_vs_fp32"]["rel_fro"] + floor,
-            "dw": parity["dw_parallel_vs_fp32"]["rel_fro"]
-            <= slack * parity["dw_single_vs_fp32"]["rel_fro"] + floor,
+            "dx": parity["dx_parallel_vs_fp32"]["rel_fro"] <= slack * parity["dx_single_vs_fp32"]["rel_fro"] + floor,
+            "dw": parity["dw_parallel_vs_fp32"]["rel_fro"] <= slack * parity["dw_single_vs_fp32"]["rel_fro"] + floor,
             "predicted": mismatched <= max(1, n // 1000),
         }
         parity["checks"] = checks
         parity["passed"] = all(checks.values())
         result = {
             "config": {
-                "n": n, "hidden": hidden, "vocab": vocab, "dtype": args.dtype, "world_size": world,
-                "warmup": args.warmup, "iters": args.iters, "ignore_fraction": args.ignore_fraction, **opts,
-                "torch": torch.__version__, "backend": dist.get_backend(),
-                "single_backend": args.single_backend or "auto", "parallel_backend": args.backend or "auto",
+                "n": n,
+                "hidden": hidden,
+                "vocab": vocab,
+                "dtype": args.dtype,
+                "world_size": world,
+                "warmup": args.warmup,
+                "iters": args.iters,
+                "ignore_fraction": args.ignore_fraction,
+                **opts,
+                "torch": torch.__version__,
+                "backend": dist.get_backend(),
+                "single_backend": args.single_backend or "auto",
+                "parallel_backend": args.backend or "auto",
             },
             "per_rank": per_rank_all,
             "single_gpu": {"fwd_bwd": single_time, "peak_extra_bytes": single_peak},
@@ -305,11 +310,19 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-        print(json.dumps({"parity": parity, "speedup_vs_single": result["speedup_vs_single"],
-                          "per_rank_ms": [p["fwd_bwd"]["median_ms"] for p in per_rank_all],
-                          "single_ms": single_time["median_ms"],
-                          "per_rank_peak": [p["peak_extra_bytes"] for p in per_rank_all],
-                          "single_peak": single_peak}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "parity": parity,
+                    "speedup_vs_single": result["speedup_vs_single"],
+                    "per_rank_ms": [p["fwd_bwd"]["median_ms"] for p in per_rank_all],
+                    "single_ms": single_time["median_ms"],
+                    "per_rank_peak": [p["peak_extra_bytes"] for p in per_rank_all],
+                    "single_peak": single_peak,
+                },
+                indent=2,
+            )
+        )
     dist.barrier()
     dist.destroy_process_group()
     return 0 if rank != 0 or result["parity"]["passed"] else 1

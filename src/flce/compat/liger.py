@@ -12,7 +12,6 @@ flce backend ("torch", "triton", "cutedsl"; Liger's "nvidia-cutedsl" means "cute
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -32,7 +31,7 @@ __all__ = [
 _LIGER_IMPL_ALIASES = {"nvidia-cutedsl": "cutedsl", "cutedsl": "cutedsl", "triton": "triton", "torch": "torch"}
 
 
-def _backend_from_ce_impl(ce_impl) -> Optional[str]:
+def _backend_from_ce_impl(ce_impl) -> str | None:
     if ce_impl is None:
         return None
     if ce_impl not in _LIGER_IMPL_ALIASES:
@@ -40,7 +39,7 @@ def _backend_from_ce_impl(ce_impl) -> Optional[str]:
     return _LIGER_IMPL_ALIASES[ce_impl]
 
 
-def _liger_chunk_size(n_rows: int, vocab: int, hidden: int, chunk_mem_const) -> Optional[int]:
+def _liger_chunk_size(n_rows: int, vocab: int, hidden: int, chunk_mem_const) -> int | None:
     """Liger's chunk rule for a non-default ``chunk_mem_const``: logits per chunk bounded
     by ``chunk_mem_const * N * H`` elements, rounded to a power of two; the default (1)
     keeps flce's memory-budget sizing."""
@@ -53,9 +52,25 @@ def _liger_chunk_size(n_rows: int, vocab: int, hidden: int, chunk_mem_const) -> 
     return min(1 << (rows - 1).bit_length(), n_rows)
 
 
-def _fused(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction,
-           softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy, return_predicted_tokens,
-           ce_impl, chunk_mem_const):
+def _fused(
+    input,
+    weight,
+    target,
+    bias,
+    ce_weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    return_z_loss,
+    accum_dtype,
+    use_token_scaling,
+    return_token_accuracy,
+    return_predicted_tokens,
+    ce_impl,
+    chunk_mem_const,
+):
     options = LossOptions(
         ignore_index=ignore_index,
         lse_square_scale=lse_square_scale,
@@ -108,9 +123,25 @@ class LigerFusedLinearCrossEntropyFunction:
         chunk_mem_const: int = 1,
     ):
         return _as_tuple(
-            _fused(_input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
-                   reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
-                   return_predicted_tokens, ce_impl, chunk_mem_const)
+            _fused(
+                _input,
+                weight,
+                target,
+                bias,
+                ce_weight,
+                ignore_index,
+                lse_square_scale,
+                label_smoothing,
+                reduction,
+                softcap,
+                return_z_loss,
+                accum_dtype,
+                use_token_scaling,
+                return_token_accuracy,
+                return_predicted_tokens,
+                ce_impl,
+                chunk_mem_const,
+            )
         )
 
     @staticmethod
@@ -128,7 +159,7 @@ def liger_fused_linear_cross_entropy(
     lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
     accum_dtype=None,
     use_token_scaling: bool = False,
@@ -137,9 +168,25 @@ def liger_fused_linear_cross_entropy(
     chunk_mem_const: int = 1,
 ):
     """Liger's functional FLCE: the bare loss, or ``CrossEntropyOutput`` when a ``return_*`` flag is set."""
-    return _fused(input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing,
-                  reduction, softcap, return_z_loss, accum_dtype, use_token_scaling, return_token_accuracy,
-                  return_predicted_tokens, None, chunk_mem_const)
+    return _fused(
+        input,
+        weight,
+        target,
+        bias,
+        ce_weight,
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        return_z_loss,
+        accum_dtype,
+        use_token_scaling,
+        return_token_accuracy,
+        return_predicted_tokens,
+        None,
+        chunk_mem_const,
+    )
 
 
 class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
@@ -147,14 +194,14 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(
         self,
-        ce_weight: Optional[torch.FloatTensor] = None,
+        ce_weight: torch.FloatTensor | None = None,
         ignore_index: int = -100,
         lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-        softcap: Optional[float] = None,
+        softcap: float | None = None,
         return_z_loss: bool = False,
-        accum_dtype: Optional[torch.dtype] = None,
+        accum_dtype: torch.dtype | None = None,
         use_token_scaling: bool = False,
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
@@ -162,9 +209,15 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         super().__init__()
         # Validate now, as Liger does at construction (with clear exceptions, not asserts).
         LossOptions(
-            ignore_index=ignore_index, lse_square_scale=lse_square_scale, label_smoothing=label_smoothing,
-            reduction=reduction, softcap=softcap, return_z_loss=return_z_loss, accum_dtype=accum_dtype,
-            use_token_scaling=use_token_scaling, return_token_accuracy=return_token_accuracy,
+            ignore_index=ignore_index,
+            lse_square_scale=lse_square_scale,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+            softcap=softcap,
+            return_z_loss=return_z_loss,
+            accum_dtype=accum_dtype,
+            use_token_scaling=use_token_scaling,
+            return_token_accuracy=return_token_accuracy,
             return_predicted_tokens=return_predicted_tokens,
         )
         self.ce_weight = ce_weight
@@ -180,13 +233,40 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         self.return_predicted_tokens = return_predicted_tokens
 
     def forward(self, lin_weight, _input, target, bias=None):
-        return _fused(_input, lin_weight, target, bias, self.ce_weight, self.ignore_index, self.lse_square_scale,
-                      self.label_smoothing, self.reduction, self.softcap, self.return_z_loss, self.accum_dtype,
-                      self.use_token_scaling, self.return_token_accuracy, self.return_predicted_tokens, None, 1)
+        return _fused(
+            _input,
+            lin_weight,
+            target,
+            bias,
+            self.ce_weight,
+            self.ignore_index,
+            self.lse_square_scale,
+            self.label_smoothing,
+            self.reduction,
+            self.softcap,
+            self.return_z_loss,
+            self.accum_dtype,
+            self.use_token_scaling,
+            self.return_token_accuracy,
+            self.return_predicted_tokens,
+            None,
+            1,
+        )
 
 
-def _ce(input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-        return_z_loss, return_token_accuracy, return_predicted_tokens):
+def _ce(
+    input,
+    target,
+    weight,
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    return_z_loss,
+    return_token_accuracy,
+    return_predicted_tokens,
+):
     options = LossOptions(
         ignore_index=ignore_index,
         lse_square_scale=lse_square_scale,
@@ -208,19 +288,30 @@ class LigerCrossEntropyFunction:
         ctx,
         _input: torch.Tensor,
         target: torch.Tensor,
-        weight: Optional[torch.FloatTensor],
+        weight: torch.FloatTensor | None,
         ignore_index: int = -100,
         lse_square_scale: float = 0.0,
         label_smoothing: float = 0.0,
         reduction: str = "mean",
-        softcap: Optional[float] = None,
+        softcap: float | None = None,
         return_z_loss: bool = False,
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
         return _as_tuple(
-            _ce(_input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-                return_z_loss, return_token_accuracy, return_predicted_tokens)
+            _ce(
+                _input,
+                target,
+                weight,
+                ignore_index,
+                lse_square_scale,
+                label_smoothing,
+                reduction,
+                softcap,
+                return_z_loss,
+                return_token_accuracy,
+                return_predicted_tokens,
+            )
         )
 
     @staticmethod
@@ -238,7 +329,7 @@ def liger_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     lse_square_scale: float = 0.0,
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
@@ -248,5 +339,16 @@ def liger_cross_entropy(
     for name, value in (("size_average", size_average), ("reduce", reduce)):
         if value is not None:
             raise ValueError(f"{name} is a deprecated placeholder and must be None; use reduction=")
-    return _ce(input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, softcap,
-               return_z_loss, return_token_accuracy, return_predicted_tokens)
+    return _ce(
+        input,
+        target,
+        weight,
+        ignore_index,
+        lse_square_scale,
+        label_smoothing,
+        reduction,
+        softcap,
+        return_z_loss,
+        return_token_accuracy,
+        return_predicted_tokens,
+    )

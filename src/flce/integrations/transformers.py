@@ -132,7 +132,8 @@ def _check_config(config) -> None:
         value = getattr(config, name, None)
         if value is not None and float(value) != 1.0:
             raise NotImplementedError(
-                f"{type(config).__name__}.{name}={value}: scaled output logits are not supported by the flce integration"
+                f"{type(config).__name__}.{name}={value}: scaled output logits are not supported "
+                "by the flce integration"
             )
 
 
@@ -373,7 +374,8 @@ def _resolve_class(model_type_or_class) -> type:
     key = model_type_or_class.lower()
     if key not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"unsupported model_type {model_type_or_class!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)} (or pass the class)"
+            f"unsupported model_type {model_type_or_class!r}; supported: {sorted(SUPPORTED_MODEL_TYPES)} "
+            "(or pass the class)"
         )
     module_name, class_name = SUPPORTED_MODEL_TYPES[key]
     module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")

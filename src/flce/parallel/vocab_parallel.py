@@ -50,7 +50,6 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass, replace
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -73,7 +72,7 @@ from flce.options import FLOAT_DTYPES, LossOptions, _check_bool_int, validate_ce
 from flce.output import CrossEntropyOutput
 from flce.split_rows import split_row_kernels
 
-LossResult = Union[torch.Tensor, CrossEntropyOutput]
+LossResult = torch.Tensor | CrossEntropyOutput
 
 __all__ = ["VocabParallelFusedLinearCrossEntropyLoss", "vocab_parallel_fused_linear_cross_entropy"]
 
@@ -181,11 +180,11 @@ def _describe(values: list[int]) -> str:
 
 def _plan(
     input, weight, target, bias, ce_weight, options: LossOptions, group, vocab_start
-) -> tuple[_ParallelPlan, Optional[torch.Tensor]]:
+) -> tuple[_ParallelPlan, torch.Tensor | None]:
     """Local validation, then one all_gather of every rank's record; refuses (on every
     rank alike) inconsistent calls; returns the plan and the full class weights."""
     world = dist.get_world_size(group)
-    local_error: Optional[Exception] = None
+    local_error: Exception | None = None
     compute_dtype = None
     try:
         compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
@@ -335,11 +334,11 @@ def _all_reduce(tensor: torch.Tensor, op, plan: _ParallelPlan) -> None:
 def _chunk(
     logits: torch.Tensor,  # (C, V_r) compute dtype; overwritten with the gradient if compute_grad
     target: torch.Tensor,  # (C,) global ids
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32, full
-    ce_local: Optional[torch.Tensor],  # (V_r,) fp32 view of ce_weight
+    ce_weight: torch.Tensor | None,  # (V,) fp32, full
+    ce_local: torch.Tensor | None,  # (V_r,) fp32 view of ce_weight
     plan: _ParallelPlan,
     out: dict,
-    row_grad_scale: Optional[torch.Tensor],  # (C,) fp32
+    row_grad_scale: torch.Tensor | None,  # (C,) fp32
     compute_grad: bool,
 ) -> bool:
     """Loss rows of one chunk (written to ``out``) and, if asked, the local gradient with
@@ -356,8 +355,14 @@ def _chunk(
     owned = valid & (local_target >= 0) & (local_target < vocab_local)
 
     kernels = plan.local_kernels
-    stats = kernels.statistics(logits, torch.where(owned, local_target, vocab_local), ce_local, c,
-                               with_smoothing=ls > 0, with_argmax=plan.need_argmax)
+    stats = kernels.statistics(
+        logits,
+        torch.where(owned, local_target, vocab_local),
+        ce_local,
+        c,
+        with_smoothing=ls > 0,
+        with_argmax=plan.need_argmax,
+    )
 
     # 1. Global row maximum (and first global argmax): one MAX all-reduce.
     global_argmax = None
@@ -385,9 +390,7 @@ def _chunk(
 
     # 3. Loss rows (the same on every rank), with the single-device formulas.
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
-    ce, zl, token_scale = loss_rows(
-        log_s, shifted_target, packed[:, 2] if ls > 0 else None, lse, w_y, sc, eps
-    )
+    ce, zl, token_scale = loss_rows(log_s, shifted_target, packed[:, 2] if ls > 0 else None, lse, w_y, sc, eps)
     out["loss_out"].copy_(torch.where(valid, ce, zero))
     if out["z_loss_out"] is not None:
         out["z_loss_out"].copy_(torch.where(valid, zl, zero))
@@ -414,14 +417,14 @@ def _run_local_chunks(
     input: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V_r, H)
     target: torch.Tensor,  # (N,)
-    bias: Optional[torch.Tensor],  # (V_r,)
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32, full
+    bias: torch.Tensor | None,  # (V_r,)
+    ce_weight: torch.Tensor | None,  # (V,) fp32, full
     plan: _ParallelPlan,
     *,
     grad_input: bool,
     grad_weight: bool,
     grad_bias: bool,
-    row_grad_scale: Optional[torch.Tensor] = None,  # (N,) fp32
+    row_grad_scale: torch.Tensor | None = None,  # (N,) fp32
 ) -> tuple[RowOutputs, Gradients]:
     """Every chunk of this rank's shard through the shared driver (``flce.driver.run_chunks``)
     with ``_chunk`` as its chunk kernel: per-row outputs (replicated) and the local
@@ -429,8 +432,19 @@ def _run_local_chunks(
     v0 = plan.vocab_start
     ce_local = None if ce_weight is None else ce_weight[v0 : v0 + weight.shape[0]]
 
-    def shard_kernel(logits, target_chunk, _ce_weight, _scalars, *, loss_out, z_loss_out, correct_out,
-                     predicted_out, row_grad_scale, compute_grad):
+    def shard_kernel(
+        logits,
+        target_chunk,
+        _ce_weight,
+        _scalars,
+        *,
+        loss_out,
+        z_loss_out,
+        correct_out,
+        predicted_out,
+        row_grad_scale,
+        compute_grad,
+    ):
         out = dict(loss_out=loss_out, z_loss_out=z_loss_out, correct_out=correct_out, predicted_out=predicted_out)
         _chunk(logits, target_chunk, ce_weight, ce_local, plan, out, row_grad_scale, compute_grad)
 
@@ -446,8 +460,19 @@ def _run_local_chunks(
     # Every rank must run the same chunks (each runs the collectives): the plan's size.
     options = replace(plan.options, chunk_size=plan.chunk_size)
     return run_chunks(
-        input, weight, target, bias, ce_weight, options, spec, plan.compute_dtype, plan.scalars,
-        grad_input=grad_input, grad_weight=grad_weight, grad_bias=grad_bias, row_grad_scale=row_grad_scale,
+        input,
+        weight,
+        target,
+        bias,
+        ce_weight,
+        options,
+        spec,
+        plan.compute_dtype,
+        plan.scalars,
+        grad_input=grad_input,
+        grad_weight=grad_weight,
+        grad_bias=grad_bias,
+        row_grad_scale=row_grad_scale,
     )
 
 
@@ -517,8 +542,13 @@ def _unwrap_dtensors(input, target, weight_shard, bias_shard, ce_weight_shard, p
         return t.to_local()
 
     return (
-        input, target, local, local_of("bias_shard", bias_shard), local_of("ce_weight_shard", ce_weight_shard),
-        group, start,
+        input,
+        target,
+        local,
+        local_of("bias_shard", bias_shard),
+        local_of("ce_weight_shard", ce_weight_shard),
+        group,
+        start,
     )
 
 
@@ -530,12 +560,12 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     input: torch.Tensor,
     weight_shard: torch.Tensor,
     target: torch.Tensor,
-    bias_shard: Optional[torch.Tensor],
-    ce_weight_shard: Optional[torch.Tensor],
+    bias_shard: torch.Tensor | None,
+    ce_weight_shard: torch.Tensor | None,
     options: LossOptions,
     *,
     process_group=None,
-    vocab_start: Optional[int] = None,
+    vocab_start: int | None = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
     split_row_kernels(options.backend, input.device, _ENTRY)  # refuse an unusable backend before any collective
@@ -552,8 +582,15 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     else:
         with _no_autocast(input.device):
             rows, _ = _run_local_chunks(
-                input_2d, weight_shard, target_1d, bias_shard, ce_full, plan,
-                grad_input=False, grad_weight=False, grad_bias=False,
+                input_2d,
+                weight_shard,
+                target_1d,
+                bias_shard,
+                ce_full,
+                plan,
+                grad_input=False,
+                grad_weight=False,
+                grad_bias=False,
             )
         reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
         outputs = (reduced.loss, reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens)
@@ -566,21 +603,21 @@ def vocab_parallel_fused_linear_cross_entropy(
     target: torch.Tensor,
     *,
     process_group=None,
-    vocab_start: Optional[int] = None,
-    bias_shard: Optional[torch.Tensor] = None,
-    ce_weight_shard: Optional[torch.Tensor] = None,
+    vocab_start: int | None = None,
+    bias_shard: torch.Tensor | None = None,
+    ce_weight_shard: torch.Tensor | None = None,
     ignore_index: int = -100,
     lse_square_scale: float = 0.0,
     label_smoothing: float = 0.0,
     reduction: str = "mean",
-    softcap: Optional[float] = None,
+    softcap: float | None = None,
     return_z_loss: bool = False,
-    accum_dtype: Optional[torch.dtype] = None,
+    accum_dtype: torch.dtype | None = None,
     use_token_scaling: bool = False,
     return_token_accuracy: bool = False,
     return_predicted_tokens: bool = False,
-    chunk_size: Optional[int] = None,
-    backend: Optional[str] = None,
+    chunk_size: int | None = None,
+    backend: str | None = None,
 ) -> LossResult:
     """The fused linear + cross-entropy loss with the LM-head weight sharded over the
     vocabulary across the ranks of ``process_group``; call it on every rank.
@@ -635,8 +672,14 @@ def vocab_parallel_fused_linear_cross_entropy(
         backend=backend,
     )
     return vocab_parallel_fused_linear_cross_entropy_with_options(
-        input, weight_shard, target, bias_shard, ce_weight_shard, options,
-        process_group=process_group, vocab_start=vocab_start,
+        input,
+        weight_shard,
+        target,
+        bias_shard,
+        ce_weight_shard,
+        options,
+        process_group=process_group,
+        vocab_start=vocab_start,
     )
 
 
@@ -650,10 +693,10 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
 
     def __init__(
         self,
-        ce_weight_shard: Optional[torch.Tensor] = None,
+        ce_weight_shard: torch.Tensor | None = None,
         *,
         process_group=None,
-        vocab_start: Optional[int] = None,
+        vocab_start: int | None = None,
         **options,
     ) -> None:
         super().__init__()
@@ -667,11 +710,17 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
         input: torch.Tensor,
         weight_shard: torch.Tensor,
         target: torch.Tensor,
-        bias_shard: Optional[torch.Tensor] = None,
+        bias_shard: torch.Tensor | None = None,
     ) -> LossResult:
         return vocab_parallel_fused_linear_cross_entropy_with_options(
-            input, weight_shard, target, bias_shard, self.ce_weight_shard, self.options,
-            process_group=self.process_group, vocab_start=self.vocab_start,
+            input,
+            weight_shard,
+            target,
+            bias_shard,
+            self.ce_weight_shard,
+            self.options,
+            process_group=self.process_group,
+            vocab_start=self.vocab_start,
         )
 
     def extra_repr(self) -> str:

@@ -6,8 +6,7 @@ first call, so a missing optional dependency only shows up in ``availability``.
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import torch
 
@@ -22,8 +21,8 @@ FUSED_FORWARD_MAX_VOCAB = (2**31 - 1) // 2  # the kernel's int32 column indices
 
 def fused_forward_applicable(
     options: LossOptions,
-    backend: Optional[str],
-    capability: Optional[tuple[int, int]],
+    backend: str | None,
+    capability: tuple[int, int] | None,
     compute_dtype: torch.dtype,
     hidden: int,
     vocab: int,
@@ -69,8 +68,7 @@ def fused_forward_applicable(
     return True, ""
 
 
-
-@lru_cache(maxsize=None)
+@cache
 def _dsl_installed() -> tuple[bool, str]:
     """Whether nvidia-cutlass-dsl is installed (package metadata only, no import)."""
     try:
@@ -89,8 +87,8 @@ def _dsl_installed() -> tuple[bool, str]:
     return True, ""
 
 
-@lru_cache(maxsize=None)
-def _device_ok(device_type: str, index: Optional[int]) -> tuple[bool, str]:
+@cache
+def _device_ok(device_type: str, index: int | None) -> tuple[bool, str]:
     if device_type != "cuda":
         return False, f"needs a CUDA device, got {device_type}"
     try:

@@ -28,8 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -111,7 +110,7 @@ def row_threads(num_vec: int) -> int:
     return 256 if num_vec >= 256 else max(32, _pow2_ceil(num_vec))
 
 
-@lru_cache(maxsize=None)
+@cache
 def default_config(key: KernelKey) -> KernelConfig:
     """Launch heuristics, from H200 timings at N=8192, V=128256 (scripts/device/cutedsl_smoke.py --sweep).
 
@@ -558,11 +557,30 @@ class ChunkCrossEntropy(RowStream):
         mCorrect = cute.make_tensor(p_correct, rows)  # (M,)
         mPred = cute.make_tensor(p_predicted, rows)  # (M,)
         mRowScale = cute.make_tensor(p_row_scale, rows)  # (M,)
-        mWeight = cute.make_tensor(p_weight, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec)))  # (vec, V/vec)
+        mWeight = cute.make_tensor(
+            p_weight, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec))
+        )  # (vec, V/vec)
         self.kernel(
-            p_logits, p_grad, mTarget, mWeight, mLoss, mZLoss, mCorrect, mPred, mRowScale,
-            row_stride, grad_row_stride, ignore_index, label_smoothing, eps, z_scale, softcap, inv_softcap,
-            ce_grad_scale, z_grad_scale, weight_sum,
+            p_logits,
+            p_grad,
+            mTarget,
+            mWeight,
+            mLoss,
+            mZLoss,
+            mCorrect,
+            mPred,
+            mRowScale,
+            row_stride,
+            grad_row_stride,
+            ignore_index,
+            label_smoothing,
+            eps,
+            z_scale,
+            softcap,
+            inv_softcap,
+            ce_grad_scale,
+            z_grad_scale,
+            weight_sum,
         ).launch(
             grid=[num_rows * self.cluster, 1, 1],
             block=[self.threads, 1, 1],
@@ -737,9 +755,7 @@ class ChunkCrossEntropy(RowStream):
                         if vidx < v_end:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
-                            self._grad_step(
-                                frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap
-                            )
+                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
                         rd_slot = R + ((rd_slot - R + 1) & (self.stages - 1))
                         wr_slot = R + ((wr_slot - R + 1) & (self.stages - 1))
                         vidx = vidx - T
@@ -750,9 +766,7 @@ class ChunkCrossEntropy(RowStream):
                         if vidx < v_end:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, t], frag)
-                            self._grad_step(
-                                frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap
-                            )
+                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
                         vidx = vidx + T
             else:
                 vidx = v0 + tid
@@ -760,9 +774,7 @@ class ChunkCrossEntropy(RowStream):
                     if vidx < v_end:
                         frag = cute.make_rmem_tensor((VEC,), self.dtype)
                         cute.autovec_copy(gRow[None, vidx], frag)
-                        self._grad_step(
-                            frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap
-                        )
+                        self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
                     vidx = vidx + T
 
 
@@ -805,7 +817,7 @@ def _vector_width(logits: torch.Tensor) -> int:
     return vec
 
 
-def compile_kernel(key: KernelKey, config: Optional[KernelConfig] = None):
+def compile_kernel(key: KernelKey, config: KernelConfig | None = None):
     """The compiled kernel for ``key`` (cached); ``config`` overrides the heuristics."""
     if config is None:
         fn = _COMPILED_DEFAULT.get(key)
@@ -851,7 +863,7 @@ def compile_kernel(key: KernelKey, config: Optional[KernelConfig] = None):
     return fn
 
 
-def _ptr(tensor: Optional[torch.Tensor], dtype, align: int) -> cute.Pointer:
+def _ptr(tensor: torch.Tensor | None, dtype, align: int) -> cute.Pointer:
     if tensor is None:
         return _null_ptr(dtype, align)
     return cute.runtime.make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
@@ -860,17 +872,17 @@ def _ptr(tensor: Optional[torch.Tensor], dtype, align: int) -> cute.Pointer:
 def cross_entropy_chunk(
     logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient (compute_grad, no grad_out)
     target: torch.Tensor,  # (M,) int64 or int32
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    ce_weight: torch.Tensor | None,  # (V,) fp32
     scalars: ChunkScalars,
     *,
     loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: Optional[torch.Tensor],  # (M,) fp32
-    correct_out: Optional[torch.Tensor],  # (M,) fp32
-    predicted_out: Optional[torch.Tensor],  # (M,) int64
-    row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
+    z_loss_out: torch.Tensor | None,  # (M,) fp32
+    correct_out: torch.Tensor | None,  # (M,) fp32
+    predicted_out: torch.Tensor | None,  # (M,) int64
+    row_grad_scale: torch.Tensor | None,  # (M,) fp32
     compute_grad: bool,
-    grad_out: Optional[torch.Tensor] = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
-    config: Optional[KernelConfig] = None,
+    grad_out: torch.Tensor | None = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
+    config: KernelConfig | None = None,
 ) -> None:
     num_rows, vocab = logits.shape
     if num_rows == 0:
@@ -883,8 +895,12 @@ def cross_entropy_chunk(
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32, got {target.dtype}")
     target = target if target.is_contiguous() else target.contiguous()
-    for name, t in (("loss_out", loss_out), ("z_loss_out", z_loss_out), ("correct_out", correct_out),
-                    ("predicted_out", predicted_out)):
+    for name, t in (
+        ("loss_out", loss_out),
+        ("z_loss_out", z_loss_out),
+        ("correct_out", correct_out),
+        ("predicted_out", predicted_out),
+    ):
         if t is not None and num_rows > 1 and t.stride(0) != 1:
             raise ValueError(f"{name} must be contiguous")
     if row_grad_scale is not None and num_rows > 1 and row_grad_scale.stride(0) != 1:
@@ -914,15 +930,29 @@ def cross_entropy_chunk(
     fn = compile_kernel(key, config)
     if logits.device.index is not None and logits.device.index != torch.cuda.current_device():
         with torch.cuda.device(logits.device):
-            _launch(fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out,
-                    predicted_out, row_grad_scale)
+            _launch(
+                fn,
+                key,
+                logits,
+                grad,
+                target,
+                weight,
+                scalars,
+                loss_out,
+                z_loss_out,
+                correct_out,
+                predicted_out,
+                row_grad_scale,
+            )
         return
-    _launch(fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
-            row_grad_scale)
+    _launch(
+        fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out, row_grad_scale
+    )
 
 
-def _launch(fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out,
-            row_grad_scale):
+def _launch(
+    fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out, row_grad_scale
+):
     num_rows, vocab = logits.shape
     ls = float(scalars.label_smoothing)
     c = scalars.softcap

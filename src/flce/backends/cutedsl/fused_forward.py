@@ -58,8 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -290,10 +289,25 @@ class FusedForwardKernel:
         cluster_cols = _cdiv(T, cn)
         launched = cutlass.min(cluster_rows * cluster_cols, max_clusters)
         self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b,
-            mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
-            tiled_mma, cta_layout_mnk, a_smem_layout_staged, b_smem_layout_staged,
-            num_rows, cluster_rows, softcap, inv_softcap,
+            tma_atom_a,
+            tma_tensor_a,
+            tma_atom_b,
+            tma_tensor_b,
+            mTarget,
+            mBias,
+            mMax,
+            mSumExp,
+            mArg,
+            mSum,
+            mTgtLogit,
+            tiled_mma,
+            cta_layout_mnk,
+            a_smem_layout_staged,
+            b_smem_layout_staged,
+            num_rows,
+            cluster_rows,
+            softcap,
+            inv_softcap,
         ).launch(
             grid=[launched * cm, cn, 1],
             block=[self.threads, 1, 1],
@@ -304,8 +318,11 @@ class FusedForwardKernel:
 
     @staticmethod
     def _make_tma(tensor: cute.Tensor, smem_layout_staged, smem_tile, mcast: int):
-        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp() if mcast == 1 else (
-            cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            if mcast == 1
+            else (cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp())
+        )
         smem_layout = cute.slice_(smem_layout_staged, (None, None, 0))
         return cute.nvgpu.cpasync.make_tiled_tma_atom(op, tensor, smem_layout, smem_tile, num_multicast=mcast)
 
@@ -380,8 +397,12 @@ class FusedForwardKernel:
 
         sA = storage.sA.get_tensor(a_smem_layout_staged.outer, swizzle=a_smem_layout_staged.inner)  # (BM, BK, stages)
         sB = storage.sB.get_tensor(b_smem_layout_staged.outer, swizzle=b_smem_layout_staged.inner)  # (BN, BK, stages)
-        gA = cute.local_tile(mA, self.tile_shape_mnk, (None, None, None), proj=(1, None, 1))  # (BM, BK, m_tiles, k_tiles)
-        gB = cute.local_tile(mB, self.tile_shape_mnk, (None, None, None), proj=(None, 1, 1))  # (BN, BK, n_tiles, k_tiles)
+        gA = cute.local_tile(
+            mA, self.tile_shape_mnk, (None, None, None), proj=(1, None, 1)
+        )  # (BM, BK, m_tiles, k_tiles)
+        gB = cute.local_tile(
+            mB, self.tile_shape_mnk, (None, None, None), proj=(None, 1, 1)
+        )  # (BN, BK, n_tiles, k_tiles)
         a_cta_layout = cute.make_layout(cute.slice_(cta_layout_mnk, (0, None, 0)).shape)
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_atom_a, cluster_coord_mnk[1], a_cta_layout, cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
@@ -401,17 +422,28 @@ class FusedForwardKernel:
             if warp_idx == 0:
                 producer_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 for i in cutlass.range(my_tiles, unroll=1):
-                    pid_m, pid_n = self._tile_coords(cluster_id + i * clusters_launched, cluster_rows,
-                                                     cluster_cols, bidx_in_cluster)
+                    pid_m, pid_n = self._tile_coords(
+                        cluster_id + i * clusters_launched, cluster_rows, cluster_cols, bidx_in_cluster
+                    )
                     tAgA_tile = tAgA[(None, pid_m, None)]  # (TMA, k_tiles)
                     tBgB_tile = tBgB[(None, pid_n, None)]  # (TMA, k_tiles)
                     for k in cutlass.range(k_tile_cnt, unroll=1):
                         mainloop_pipeline.producer_acquire(producer_state)
                         bar = mainloop_pipeline.producer_get_barrier(producer_state)
-                        cute.copy(tma_atom_a, tAgA_tile[(None, k)], tAsA[(None, producer_state.index)],
-                                  tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-                        cute.copy(tma_atom_b, tBgB_tile[(None, k)], tBsB[(None, producer_state.index)],
-                                  tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                        cute.copy(
+                            tma_atom_a,
+                            tAgA_tile[(None, k)],
+                            tAsA[(None, producer_state.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=a_mcast_mask,
+                        )
+                        cute.copy(
+                            tma_atom_b,
+                            tBgB_tile[(None, k)],
+                            tBsB[(None, producer_state.index)],
+                            tma_bar_ptr=bar,
+                            mcast_mask=b_mcast_mask,
+                        )
                         mainloop_pipeline.producer_commit(producer_state)
                         producer_state.advance()
                 # Keep this CTA (and its barriers) alive until every consumer of the cluster
@@ -448,8 +480,9 @@ class FusedForwardKernel:
                     release_state.advance()
 
             for i in cutlass.range(first_tile, my_tiles, tile_step, unroll=1):
-                pid_m, pid_n = self._tile_coords(cluster_id + i * clusters_launched, cluster_rows,
-                                                 cluster_cols, bidx_in_cluster)
+                pid_m, pid_n = self._tile_coords(
+                    cluster_id + i * clusters_launched, cluster_rows, cluster_cols, bidx_in_cluster
+                )
                 if const_expr(self.config.pingpong):
                     # Start waiting on this tile's stages only once the other warpgroup has
                     # waited on all of the previous tile's: a stage's full barrier is then at
@@ -492,8 +525,22 @@ class FusedForwardKernel:
 
                 # ---------------- epilogue: per-row statistics of this tile, from registers,
                 # while the loader fills the ring with the next tile's k-tiles.
-                self._epilogue(acc, tCcC, pid_m, pid_n, mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit,
-                               num_rows, softcap, inv_softcap)
+                self._epilogue(
+                    acc,
+                    tCcC,
+                    pid_m,
+                    pid_n,
+                    mTarget,
+                    mBias,
+                    mMax,
+                    mSumExp,
+                    mArg,
+                    mSum,
+                    mTgtLogit,
+                    num_rows,
+                    softcap,
+                    inv_softcap,
+                )
                 if const_expr(self.config.pingpong):
                     for _ in cutlass.range(k_tile_cnt, unroll=1):  # the other warpgroup's next tile
                         read_state.advance()
@@ -669,7 +716,7 @@ class FusedForwardKernel:
 
 
 # ---------------------------------------------------------------------- host wrapper
-@lru_cache(maxsize=None)
+@cache
 def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEFAULT_CONFIG):
     """The compiled kernel for ``key`` and ``config`` (cached); the row count is a runtime
     argument, so one compilation serves every N. Compiles for the current device, or for
@@ -698,7 +745,7 @@ def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEF
     )
 
 
-@lru_cache(maxsize=None)
+@cache
 def resident_clusters(device_index: int, cluster_size: int) -> int:
     """How many clusters of ``cluster_size`` CTAs (one per SM: the TMA ring fills shared
     memory) the GPU holds at once: a persistent launch of more would leave a tail of
@@ -713,8 +760,9 @@ def clusters_to_launch(config: FusedForwardConfig, device: torch.device) -> int:
     otherwise no limit (one cluster per tile)."""
     if not config.persistent:
         return INT32_MAX
-    return resident_clusters(device.index if device.index is not None else torch.cuda.current_device(),
-                             config.cluster_m * config.cluster_n)
+    return resident_clusters(
+        device.index if device.index is not None else torch.cuda.current_device(), config.cluster_m * config.cluster_n
+    )
 
 
 def _validate(input, weight, target, bias, softcap) -> None:
@@ -762,8 +810,9 @@ def _validate(input, weight, target, bias, softcap) -> None:
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
 
 
-def rows_per_launch(num_rows: int, vocab: int, with_logit_sum: bool, config: FusedForwardConfig,
-                    workspace_bytes: int) -> int:
+def rows_per_launch(
+    num_rows: int, vocab: int, with_logit_sum: bool, config: FusedForwardConfig, workspace_bytes: int
+) -> int:
     """Rows covered by one launch: as many as keep the (T, rows) statistics within
     ``workspace_bytes``, in whole cluster row blocks, at least one block."""
     block = config.tile_m * config.cluster_m
@@ -776,11 +825,11 @@ def fused_forward_statistics(
     input: torch.Tensor,  # (N, H) bf16/fp16, contiguous
     weight: torch.Tensor,  # (V, H) same dtype, contiguous
     target: torch.Tensor,  # (N,) int64/int32; values outside [0, V) (ignore_index) have no target logit
-    bias: Optional[torch.Tensor] = None,  # (V,) any float dtype
-    softcap: Optional[float] = None,
+    bias: torch.Tensor | None = None,  # (V,) any float dtype
+    softcap: float | None = None,
     with_logit_sum: bool = False,
     *,
-    config: Optional[FusedForwardConfig] = None,
+    config: FusedForwardConfig | None = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
 ) -> dict:
     """Per-row statistics of the logits ``z' = softcap(input @ weight^T + bias)`` without
@@ -882,11 +931,11 @@ def combine_tile_statistics(
     tile_max: torch.Tensor,  # (T, rows) fp32; overwritten
     tile_sumexp: torch.Tensor,  # (T, rows) fp32
     tile_argmax: torch.Tensor,  # (T, rows) int32
-    tile_sum: Optional[torch.Tensor],  # (T, rows) fp32 or None
+    tile_sum: torch.Tensor | None,  # (T, rows) fp32 or None
     *,
     lse_out: torch.Tensor,  # (rows,) fp32
     predicted_out: torch.Tensor,  # (rows,) int64
-    logit_sum_out: Optional[torch.Tensor],  # (rows,) fp32
+    logit_sum_out: torch.Tensor | None,  # (rows,) fp32
 ) -> None:
     """Row statistics from per-tile ones: ``M = max_t m_t``, ``lse = M + log(sum_t s_t
     exp(m_t - M))``; the argmax is the smallest column among the tiles achieving ``M``
@@ -941,15 +990,30 @@ class CombineTileStatisticsKernel:
         rows = cute.make_layout((num_rows,))
         rows_per_block = self.ROWS_PER_WARP * self.WARPS
         self.kernel(
-            cute.make_tensor(p_max, stats), cute.make_tensor(p_sumexp, stats), cute.make_tensor(p_argmax, stats),
-            cute.make_tensor(p_sum, stats), cute.make_tensor(p_lse, rows), cute.make_tensor(p_predicted, rows),
-            cute.make_tensor(p_logit_sum, rows), num_rows,
-        ).launch(grid=[(num_rows + rows_per_block - 1) // rows_per_block, 1, 1], block=[32 * self.WARPS, 1, 1],
-                 stream=stream)
+            cute.make_tensor(p_max, stats),
+            cute.make_tensor(p_sumexp, stats),
+            cute.make_tensor(p_argmax, stats),
+            cute.make_tensor(p_sum, stats),
+            cute.make_tensor(p_lse, rows),
+            cute.make_tensor(p_predicted, rows),
+            cute.make_tensor(p_logit_sum, rows),
+            num_rows,
+        ).launch(
+            grid=[(num_rows + rows_per_block - 1) // rows_per_block, 1, 1], block=[32 * self.WARPS, 1, 1], stream=stream
+        )
 
     @cute.kernel
-    def kernel(self, mMax: cute.Tensor, mSumExp: cute.Tensor, mArg: cute.Tensor, mSum: cute.Tensor,
-               mLse: cute.Tensor, mPred: cute.Tensor, mLogitSum: cute.Tensor, num_rows: Int32):
+    def kernel(
+        self,
+        mMax: cute.Tensor,
+        mSumExp: cute.Tensor,
+        mArg: cute.Tensor,
+        mSum: cute.Tensor,
+        mLse: cute.Tensor,
+        mPred: cute.Tensor,
+        mLogitSum: cute.Tensor,
+        num_rows: Int32,
+    ):
         bidx, _, _ = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
@@ -980,7 +1044,8 @@ class CombineTileStatisticsKernel:
         if row_ok:
             for t in cutlass.range(first_tile, self.num_tiles, self.SLICES, unroll=4):
                 total = total + Float32(mSumExp[t, row]) * cute.math.exp2(
-                    cute.math.fma(Float32(mMax[t, row]), Float32(LOG2_E), neg_max_log2), fastmath=True)
+                    cute.math.fma(Float32(mMax[t, row]), Float32(LOG2_E), neg_max_log2), fastmath=True
+                )
                 if const_expr(self.with_logit_sum):
                     logit_sum = logit_sum + cutlass.Float64(mSum[t, row])
         partial_sum = Float32(logit_sum)
@@ -995,12 +1060,18 @@ class CombineTileStatisticsKernel:
                 mLogitSum[row] = partial_sum
 
 
-@lru_cache(maxsize=None)
+@cache
 def compile_combine(num_tiles: int, with_logit_sum: bool):
     """The compiled combining kernel for ``num_tiles`` tiles (cached; rows are dynamic)."""
     return cute.compile(
         CombineTileStatisticsKernel(num_tiles, with_logit_sum),
-        _null_ptr(Float32, 4), _null_ptr(Float32, 4), _null_ptr(Int32, 4), _null_ptr(Float32, 4),
-        _null_ptr(Float32, 4), _null_ptr(Int64, 8), _null_ptr(Float32, 4),
-        Int32(1), cuda.CUstream(0),
+        _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4),
+        _null_ptr(Int32, 4),
+        _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4),
+        _null_ptr(Int64, 8),
+        _null_ptr(Float32, 4),
+        Int32(1),
+        cuda.CUstream(0),
     )

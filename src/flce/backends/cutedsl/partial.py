@@ -22,8 +22,7 @@ through registers (nothing is reused, so shared memory would buy nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -77,7 +76,7 @@ class GradientKey:
     has_z_grad: bool
 
 
-@lru_cache(maxsize=None)
+@cache
 def default_config(vocab: int, vec: int) -> KernelConfig:
     """One CTA per row, threads as in the chunk kernel, and a cp.async ring of up to 8
     stages (7 tiles in flight) for the statistics; nothing stays resident (one pass)."""
@@ -127,7 +126,9 @@ class PartialStatistics(RowStream):
             cute.make_tensor(p_target_shifted, rows),  # (M,)
             cute.make_tensor(p_smooth, rows),  # (M,)
             cute.make_tensor(p_argmax, rows),  # (M,)
-            row_stride, softcap, inv_softcap,
+            row_stride,
+            softcap,
+            inv_softcap,
         ).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1], smem=self.smem_bytes(), stream=stream)
 
     @cute.kernel
@@ -228,7 +229,10 @@ class PartialGradient(RowStream):
             cute.make_tensor(p_onehot_coef, rows),  # (M,)
             cute.make_tensor(p_smooth_coef, rows),  # (M,)
             cute.make_tensor(p_z_coef, rows),  # (M,)
-            row_stride, weight_sum, softcap, inv_softcap,
+            row_stride,
+            weight_sum,
+            softcap,
+            inv_softcap,
         ).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -326,7 +330,7 @@ def _target(local_target: torch.Tensor, num_rows: int) -> torch.Tensor:
     return local_target if local_target.is_contiguous() else local_target.contiguous()
 
 
-def _row_vector(name: str, t: Optional[torch.Tensor], num_rows: int) -> Optional[torch.Tensor]:
+def _row_vector(name: str, t: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
     """A per-row fp32 input as a contiguous (M,) tensor (a strided view is copied)."""
     if t is None:
         return None
@@ -347,18 +351,18 @@ def _class_weights(ce_weight: torch.Tensor, vocab_local: int) -> torch.Tensor:
     return ce_weight
 
 
-def _softcap_args(softcap: Optional[float]) -> tuple:
+def _softcap_args(softcap: float | None) -> tuple:
     return (Float32(1.0), Float32(1.0)) if softcap is None else (Float32(softcap), Float32(1.0 / softcap))
 
 
 def partial_statistics(
     logits: torch.Tensor,  # (M, V_r) fp16/bf16/fp32, unit stride along V_r
     local_target: torch.Tensor,  # (M,) int64 (or int32), outside [0, V_r) where not owned
-    ce_weight: Optional[torch.Tensor],  # (V_r,) fp32 local slice
-    softcap: Optional[float],
+    ce_weight: torch.Tensor | None,  # (V_r,) fp32 local slice
+    softcap: float | None,
     with_smoothing: bool,
     with_argmax: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """-> (local max, sum exp(z' - max), z'_y - max or 0, smoothing sum or None, argmax or None),
     all (M,): fp32, the argmax int64."""
     _check_logits(logits)
@@ -391,12 +395,24 @@ def partial_statistics(
     align = key.vec * logits.element_size()
     target_t = Int64 if key.target_int64 else Int32
     fn = _compile(
-        PartialStatistics, key, default_config(key.vocab, key.vec),
+        PartialStatistics,
+        key,
+        default_config(key.vocab, key.vec),
         (
-            _null_ptr(dtype, align), _null_ptr(target_t, target_t.width // 8), _null_ptr(Float32, 16),
-            _null_ptr(Float32, 4), _null_ptr(Float32, 4), _null_ptr(Float32, 4), _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4), _null_ptr(Int64, 8),
-            Int32(1), Int64(vocab_local), Float32(1.0), Float32(1.0), cuda.CUstream(0),
+            _null_ptr(dtype, align),
+            _null_ptr(target_t, target_t.width // 8),
+            _null_ptr(Float32, 16),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            _null_ptr(Int64, 8),
+            Int32(1),
+            Int64(vocab_local),
+            Float32(1.0),
+            Float32(1.0),
+            cuda.CUstream(0),
         ),
     )
     with torch.cuda.device(device):
@@ -421,14 +437,14 @@ def partial_statistics(
 def partial_gradient(
     logits: torch.Tensor,  # (M, V_r) overwritten with the gradient
     local_target: torch.Tensor,  # (M,) int64 (or int32): owned index, V_r if not owned, -1 on ignored rows
-    ce_weight: Optional[torch.Tensor],  # (V_r,) fp32 local slice
+    ce_weight: torch.Tensor | None,  # (V_r,) fp32 local slice
     row_max: torch.Tensor,  # (M,) fp32 global max
     inv_sum: torch.Tensor,  # (M,) fp32
     onehot_coef: torch.Tensor,  # (M,) fp32
-    smooth_coef: Optional[torch.Tensor],  # (M,) fp32, with label smoothing
-    z_coef: Optional[torch.Tensor],  # (M,) fp32, with z-loss
+    smooth_coef: torch.Tensor | None,  # (M,) fp32, with label smoothing
+    z_coef: torch.Tensor | None,  # (M,) fp32, with z-loss
     weight_sum: float,
-    softcap: Optional[float],
+    softcap: float | None,
 ) -> None:
     """Writes dL/dlogits over ``logits``: zeros on ignored rows (``local_target < 0``)."""
     _check_logits(logits)
@@ -457,12 +473,24 @@ def partial_gradient(
     align = key.vec * logits.element_size()
     target_t = Int64 if key.target_int64 else Int32
     fn = _compile(
-        PartialGradient, key, default_config(key.vocab, key.vec),
+        PartialGradient,
+        key,
+        default_config(key.vocab, key.vec),
         (
-            _null_ptr(dtype, align), _null_ptr(target_t, target_t.width // 8), _null_ptr(Float32, 16),
-            _null_ptr(Float32, 4), _null_ptr(Float32, 4), _null_ptr(Float32, 4), _null_ptr(Float32, 4),
+            _null_ptr(dtype, align),
+            _null_ptr(target_t, target_t.width // 8),
+            _null_ptr(Float32, 16),
             _null_ptr(Float32, 4),
-            Int32(1), Int64(vocab_local), Float32(1.0), Float32(1.0), Float32(1.0), cuda.CUstream(0),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
+            Int32(1),
+            Int64(vocab_local),
+            Float32(1.0),
+            Float32(1.0),
+            Float32(1.0),
+            cuda.CUstream(0),
         ),
     )
     with torch.cuda.device(logits.device):

@@ -3,8 +3,6 @@ readable twin of the fused kernels (same formulas as ``flce.backends.base``)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from flce.backends.base import ChunkScalars, gradient_destination
@@ -15,7 +13,7 @@ from flce.backends.base import ChunkScalars, gradient_destination
 EXTRA_BYTES_PER_LOGIT = 12
 
 
-def apply_softcap(z: torch.Tensor, softcap: Optional[float], need_derivative: bool):
+def apply_softcap(z: torch.Tensor, softcap: float | None, need_derivative: bool):
     """In place on fp32 ``z`` (M, V): ``z' = c * tanh(z / c)``; returns ``(z', dz'/dz or None)``.
 
     The derivative ``1 - tanh^2`` is computed as ``4u / (1 + u)^2`` with
@@ -35,7 +33,7 @@ def apply_softcap(z: torch.Tensor, softcap: Optional[float], need_derivative: bo
 def loss_rows(
     log_s: torch.Tensor,  # (M,) log of the sum of exp(z' - m)
     shifted_target: torch.Tensor,  # (M,) z'_y - m
-    shifted_smooth_sum: Optional[torch.Tensor],  # (M,) sum_i w_i (z'_i - m), with label smoothing
+    shifted_smooth_sum: torch.Tensor | None,  # (M,) sum_i w_i (z'_i - m), with label smoothing
     lse: torch.Tensor,  # (M,) m + log_s
     w_y: torch.Tensor,  # (M,) class weight of the target (1 without weights)
     scalars: ChunkScalars,
@@ -62,10 +60,10 @@ def gradient_from_softmax(
     onehot_mask: torch.Tensor,  # (M,) fp32: 1 where the target column is in p, else 0
     w_y: torch.Tensor,  # (M,)
     lse: torch.Tensor,  # (M,)
-    ce_weight: Optional[torch.Tensor],  # (V,) class weights of p's columns
+    ce_weight: torch.Tensor | None,  # (V,) class weights of p's columns
     scalars: ChunkScalars,
     eps: float,
-    softcap_derivative: Optional[torch.Tensor],  # (M, V)
+    softcap_derivative: torch.Tensor | None,  # (M, V)
     row_scale: torch.Tensor,  # (M,) token scale x upstream gradient x valid
 ) -> torch.Tensor:
     """dL/dz in the grouped form of ``flce.backends.base``: each group cancels exactly
@@ -87,16 +85,16 @@ def gradient_from_softmax(
 def cross_entropy_chunk(
     logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient if compute_grad and no grad_out
     target: torch.Tensor,  # (M,) int
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32
+    ce_weight: torch.Tensor | None,  # (V,) fp32
     scalars: ChunkScalars,
     *,
     loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: Optional[torch.Tensor],  # (M,) fp32
-    correct_out: Optional[torch.Tensor],  # (M,) fp32
-    predicted_out: Optional[torch.Tensor],  # (M,) int64
-    row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
+    z_loss_out: torch.Tensor | None,  # (M,) fp32
+    correct_out: torch.Tensor | None,  # (M,) fp32
+    predicted_out: torch.Tensor | None,  # (M,) int64
+    row_grad_scale: torch.Tensor | None,  # (M,) fp32
     compute_grad: bool,
-    grad_out: Optional[torch.Tensor] = None,  # (M, V): the gradient goes here instead of over the logits
+    grad_out: torch.Tensor | None = None,  # (M, V): the gradient goes here instead of over the logits
 ) -> None:
     num_rows, vocab = logits.shape
     if num_rows == 0:

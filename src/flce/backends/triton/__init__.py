@@ -7,8 +7,7 @@ the first call, so a missing or broken Triton shows up in ``availability`` inste
 from __future__ import annotations
 
 import os
-from functools import lru_cache
-from typing import Optional
+from functools import cache
 
 import torch
 
@@ -17,8 +16,8 @@ from flce.backends.base import BackendSpec, lazy_chunk_kernel
 _INSTALL_HINT = "pip install 'flce[triton]'"
 
 
-@lru_cache(maxsize=None)
-def _triton_import_error() -> Optional[str]:
+@cache
+def _triton_import_error() -> str | None:
     """None when Triton imports, else why not (checked once; importing is not free)."""
     try:
         import triton  # noqa: F401
@@ -40,7 +39,10 @@ def availability(device: torch.device) -> tuple[bool, str]:
     except Exception as exc:
         return False, f"not a device: {device!r} ({exc})"
     if device.type not in ("cuda", "cpu"):
-        return False, f"the triton backend runs on CUDA devices (or on CPU through Triton's interpreter), not {device.type}"
+        return (
+            False,
+            f"the triton backend runs on CUDA devices (or on CPU through Triton's interpreter), not {device.type}",
+        )
     error = _triton_import_error()
     if error is not None:
         return False, error

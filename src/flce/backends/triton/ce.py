@@ -11,8 +11,6 @@ the readable twin.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -240,8 +238,17 @@ def _ce_chunk_kernel(
 
         # ---- pass 1: online softmax (max m in z' units, sum of exp2((z' - m) log2 e)) ----
         m, s, smooth_sum, _, best_idx = _row_statistics(
-            row_ptr, weight_ptr, V, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, False,
-            WRITE_ARGMAX, BLOCK_V,
+            row_ptr,
+            weight_ptr,
+            V,
+            softcap,
+            inv_softcap,
+            HAS_WEIGHT,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            False,
+            WRITE_ARGMAX,
+            BLOCK_V,
         )
 
         # Differences to the row max are taken before scaling by log2(e): z' - m is exact
@@ -280,8 +287,25 @@ def _ce_chunk_kernel(
             smooth_coef = row_scale * ce_grad_scale * eps
             z_coef = row_scale * z_grad_scale * 2.0 * lse_square_scale * lse
             _write_gradient_row(
-                row_ptr, grad_row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum,
-                softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
+                row_ptr,
+                grad_row_ptr,
+                weight_ptr,
+                V,
+                y,
+                m,
+                inv_s,
+                onehot_coef,
+                smooth_coef,
+                z_coef,
+                weight_sum,
+                softcap,
+                inv_softcap,
+                HAS_WEIGHT,
+                HAS_SOFTCAP,
+                HAS_SMOOTHING,
+                HAS_Z_GRAD,
+                BF16_ROUND_BY_BITS,
+                BLOCK_V,
             )
     else:
         tl.store(loss_ptr + row, 0.0)
@@ -301,17 +325,17 @@ def _ce_chunk_kernel(
 def cross_entropy_chunk(
     logits: torch.Tensor,  # (M, V) fp16/bf16/fp32, unit stride along V; the gradient's place unless grad_out
     target: torch.Tensor,  # (M,) int32/int64
-    ce_weight: Optional[torch.Tensor],  # (V,) fp32 contiguous
+    ce_weight: torch.Tensor | None,  # (V,) fp32 contiguous
     scalars: ChunkScalars,
     *,
     loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: Optional[torch.Tensor],  # (M,) fp32
-    correct_out: Optional[torch.Tensor],  # (M,) fp32
-    predicted_out: Optional[torch.Tensor],  # (M,) int64
-    row_grad_scale: Optional[torch.Tensor],  # (M,) fp32
+    z_loss_out: torch.Tensor | None,  # (M,) fp32
+    correct_out: torch.Tensor | None,  # (M,) fp32
+    predicted_out: torch.Tensor | None,  # (M,) int64
+    row_grad_scale: torch.Tensor | None,  # (M,) fp32
     compute_grad: bool,
-    grad_out: Optional[torch.Tensor] = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
-    config: Optional[CEKernelConfig] = None,
+    grad_out: torch.Tensor | None = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
+    config: CEKernelConfig | None = None,
 ) -> None:
     """The chunk CE kernel of ``flce.backends.base.ChunkCEKernel`` (one launch).
 
@@ -374,4 +398,3 @@ def cross_entropy_chunk(
             _ce_chunk_kernel[(num_rows,)](*args, **flags, num_warps=config.num_warps)
     else:
         _ce_chunk_kernel[(num_rows,)](*args, **flags, num_warps=config.num_warps)
-

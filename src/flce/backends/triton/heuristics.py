@@ -38,7 +38,8 @@ def ce_kernel_config(vocab: int, dtype: torch.dtype, device_type: str) -> CEKern
     # fp32; loss + gradient): blocks of 16384 elements with 32 warps (16 elements per
     # thread) were within ~5% of the best of block_v in 2048..32768 and num_warps in
     # 4..32 on every shape. Against Liger's CE kernel (32768 / 32 warps) on the same
-    # machine: bf16 within 1% (V=128256) or 3-20% faster; fp32 1-6% slower. Smaller blocks cost more loop steps, each ending in cross-warp max/sum
+    # machine: bf16 within 1% (V=128256) or 3-20% faster; fp32 1-6% slower. Smaller blocks cost more loop steps, each
+    # ending in cross-warp max/sum
     # reductions; 32768 won by 3% on V=128256 bf16 but lost 5-20% on V=262144 bf16
     # and V=32000. ``dtype`` does not change the choice (fp32 ranked the same).
     # The kernel is bandwidth-bound either way: ~4.1 TB/s counting its two reads and

@@ -11,8 +11,6 @@ grouped form of ``flce.backends.base``.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -51,7 +49,16 @@ def _partial_statistics_kernel(
 
     # smooth_sum = sum_i w_i z'_i is made relative to m below, with this shard's sum of w.
     m, s, smooth_sum, weight_sum, best_idx = _row_statistics(
-        row_ptr, weight_ptr, V, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, True, WRITE_ARGMAX,
+        row_ptr,
+        weight_ptr,
+        V,
+        softcap,
+        inv_softcap,
+        HAS_WEIGHT,
+        HAS_SOFTCAP,
+        HAS_SMOOTHING,
+        True,
+        WRITE_ARGMAX,
         BLOCK_V,
     )
 
@@ -103,8 +110,25 @@ def _partial_gradient_kernel(
         if HAS_Z_GRAD:
             z_coef = tl.load(z_coef_ptr + row)
         _write_gradient_row(
-            row_ptr, row_ptr, weight_ptr, V, y, m, inv_s, onehot_coef, smooth_coef, z_coef, weight_sum, softcap,
-            inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, HAS_SMOOTHING, HAS_Z_GRAD, BF16_ROUND_BY_BITS, BLOCK_V,
+            row_ptr,
+            row_ptr,
+            weight_ptr,
+            V,
+            y,
+            m,
+            inv_s,
+            onehot_coef,
+            smooth_coef,
+            z_coef,
+            weight_sum,
+            softcap,
+            inv_softcap,
+            HAS_WEIGHT,
+            HAS_SOFTCAP,
+            HAS_SMOOTHING,
+            HAS_Z_GRAD,
+            BF16_ROUND_BY_BITS,
+            BLOCK_V,
         )
     else:
         zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
@@ -130,11 +154,11 @@ def _launch(kernel, logits: torch.Tensor, args: tuple, flags: dict) -> None:
 def partial_statistics(
     logits: torch.Tensor,  # (M, V_r)
     local_target: torch.Tensor,  # (M,) int64, outside [0, V_r) where not owned
-    ce_weight: Optional[torch.Tensor],  # (V_r,) fp32 local slice
-    softcap: Optional[float],
+    ce_weight: torch.Tensor | None,  # (V_r,) fp32 local slice
+    softcap: float | None,
     with_smoothing: bool,
     with_argmax: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """-> (local max, sum exp(z' - max), z'_y - max or 0, smoothing sum or None, argmax or None)."""
     rows = logits.shape[0]
 
@@ -148,12 +172,25 @@ def partial_statistics(
     if ce_weight is not None and not ce_weight.is_contiguous():
         ce_weight = ce_weight.contiguous()
     args = (
-        logits, logits.stride(0), local_target, dummy if ce_weight is None else ce_weight,
-        row_max, row_sum, target_shifted, dummy if smooth is None else smooth, argmax if with_argmax else dummy,
-        logits.shape[1], 1.0 if softcap is None else float(softcap), 1.0 if softcap is None else 1.0 / float(softcap),
+        logits,
+        logits.stride(0),
+        local_target,
+        dummy if ce_weight is None else ce_weight,
+        row_max,
+        row_sum,
+        target_shifted,
+        dummy if smooth is None else smooth,
+        argmax if with_argmax else dummy,
+        logits.shape[1],
+        1.0 if softcap is None else float(softcap),
+        1.0 if softcap is None else 1.0 / float(softcap),
     )
-    flags = dict(HAS_WEIGHT=ce_weight is not None, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=with_smoothing,
-                 WRITE_ARGMAX=with_argmax)
+    flags = dict(
+        HAS_WEIGHT=ce_weight is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SMOOTHING=with_smoothing,
+        WRITE_ARGMAX=with_argmax,
+    )
     _launch(_partial_statistics_kernel, logits, args, flags)
     return row_max, row_sum, target_shifted, smooth, argmax
 
@@ -161,26 +198,37 @@ def partial_statistics(
 def partial_gradient(
     logits: torch.Tensor,  # (M, V_r) overwritten with the gradient
     local_target: torch.Tensor,  # (M,) int64: owned index, V_r if not owned, -1 on ignored rows
-    ce_weight: Optional[torch.Tensor],  # (V_r,) fp32 local slice
+    ce_weight: torch.Tensor | None,  # (V_r,) fp32 local slice
     row_max: torch.Tensor,  # (M,) fp32 global max
     inv_sum: torch.Tensor,  # (M,) fp32
     onehot_coef: torch.Tensor,  # (M,) fp32
-    smooth_coef: Optional[torch.Tensor],  # (M,) fp32, with label smoothing
-    z_coef: Optional[torch.Tensor],  # (M,) fp32, with z-loss
+    smooth_coef: torch.Tensor | None,  # (M,) fp32, with label smoothing
+    z_coef: torch.Tensor | None,  # (M,) fp32, with z-loss
     weight_sum: float,
-    softcap: Optional[float],
+    softcap: float | None,
 ) -> None:
     dummy = row_max
     if ce_weight is not None and not ce_weight.is_contiguous():
         ce_weight = ce_weight.contiguous()
     args = (
-        logits, logits.stride(0), local_target, dummy if ce_weight is None else ce_weight, row_max, inv_sum,
-        onehot_coef, dummy if smooth_coef is None else smooth_coef, dummy if z_coef is None else z_coef,
-        logits.shape[1], float(weight_sum),
-        1.0 if softcap is None else float(softcap), 1.0 if softcap is None else 1.0 / float(softcap),
+        logits,
+        logits.stride(0),
+        local_target,
+        dummy if ce_weight is None else ce_weight,
+        row_max,
+        inv_sum,
+        onehot_coef,
+        dummy if smooth_coef is None else smooth_coef,
+        dummy if z_coef is None else z_coef,
+        logits.shape[1],
+        float(weight_sum),
+        1.0 if softcap is None else float(softcap),
+        1.0 if softcap is None else 1.0 / float(softcap),
     )
     flags = dict(
-        HAS_WEIGHT=ce_weight is not None, HAS_SOFTCAP=softcap is not None, HAS_SMOOTHING=smooth_coef is not None,
+        HAS_WEIGHT=ce_weight is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SMOOTHING=smooth_coef is not None,
         HAS_Z_GRAD=z_coef is not None,
         BF16_ROUND_BY_BITS=logits.dtype == torch.bfloat16 and logits.device.type == "cpu",
     )

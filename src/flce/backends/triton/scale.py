@@ -10,7 +10,7 @@ itself and returns at once when it is 1: the skip costs one small launch.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -38,7 +38,7 @@ def _scale_unless_one_kernel(
             tl.store(values_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
