@@ -32,7 +32,7 @@ def test_check_fails_loudly_on_a_wrong_kernel(monkeypatch, capsys):
 
     broken = BackendSpec("torch", off_by_a_bit, good.availability, 12, 0, "broken")
     monkeypatch.setattr(dispatch, "get_backend", lambda name: broken)
-    monkeypatch.setattr("flce.functional.resolve_backend", lambda name, device: broken)
+    monkeypatch.setattr("flce.plan.resolve_backend", lambda name, device: broken)
     assert main(["check", "--backend", "torch", "--device", "cpu"]) == 1
     assert "FAIL" in capsys.readouterr().out
 

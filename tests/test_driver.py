@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flce
-from flce import driver
+from flce.driver import chunks, sizing, statistics
 from flce.reference import fused_linear_cross_entropy_reference
 
 
@@ -21,60 +21,61 @@ def _inputs(n=21, h=12, v=17, dtype=torch.float32, seed=0):
 
 def test_chunk_size_follows_the_budget_formula():
     # 512 MiB / (128256 * 2 bytes) = 2093 rows -> 4 balanced chunks of 2048 for N = 8192.
-    assert driver.default_chunk_size(8192, 128256, torch.bfloat16, 0, 512 * 2**20) == 2048
+    assert sizing.default_chunk_size(8192, 128256, torch.bfloat16, 0, 512 * 2**20) == 2048
     # The torch backend's fp32 workspace (12 B/logit) shrinks the chunk: 512 MiB / (V * 14)
     # = 299 rows -> 28 chunks -> balanced to 293 rows.
-    assert driver.default_chunk_size(8192, 128256, torch.bfloat16, 12, 512 * 2**20) == 293
+    assert sizing.default_chunk_size(8192, 128256, torch.bfloat16, 12, 512 * 2**20) == 293
     # Balanced: 1000 rows with room for 300 -> 4 chunks of 250, not 300+300+300+100.
-    assert driver.default_chunk_size(1000, 1000, torch.float32, 0, 300 * 1000 * 4) == 250
-    assert driver.default_chunk_size(5, 10, torch.float32, 0, 10**9) == 5  # never above N
-    assert driver.default_chunk_size(5, 10**6, torch.float32, 0, 1) == 1  # at least one row
+    assert sizing.default_chunk_size(1000, 1000, torch.float32, 0, 300 * 1000 * 4) == 250
+    assert sizing.default_chunk_size(5, 10, torch.float32, 0, 10**9) == 5  # never above N
+    assert sizing.default_chunk_size(5, 10**6, torch.float32, 0, 1) == 1  # at least one row
 
 
 def test_chunk_grows_to_the_size_of_dw_when_that_costs_no_peak(monkeypatch):
     monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
     # bf16 weight, fp32 dW accumulation, N*V*2 <= V*H*4 (N <= 2H): one chunk, dW written
     # directly in bf16, never larger than the fp32 accumulator it replaces.
-    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 8192
+    assert sizing.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 8192
     # N > 2H: several chunks, the budget raised to V*H*2 = 1 GiB -> 4096 rows at V = 128256.
-    assert driver.whole_row_chunk_size(16384, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 4096
+    assert sizing.whole_row_chunk_size(16384, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 4096
     # A workspace per logit counts against the one-chunk rule (the torch backend's 12 B).
-    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 12, True) == 547
+    assert sizing.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 12, True) == 547
     # No fp32 accumulator (bf16 accumulation, or no weight gradient): the plain 512 MiB budget.
-    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, False) == 2048
+    assert sizing.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, False) == 2048
     # An fp32 weight's accumulator is dW itself (no cast at the end): no free room.
-    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.float32, torch.float32, 0, True) == 1024
+    assert sizing.whole_row_chunk_size(8192, 128256, 4096, torch.float32, torch.float32, 0, True) == 1024
     # An explicit budget is honoured as given.
     monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "256")
-    assert driver.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 1024
+    assert sizing.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, True) == 1024
 
 
 def test_peak_formula_one_chunk_never_above_several():
     """The one-chunk peak is bounded by the several-chunk peak it replaces."""
     n, v, h = 8192, 128256, 4096
-    one = driver.peak_extra_bytes(n, v, h, 2, 0, chunk=n)
-    several = driver.peak_extra_bytes(n, v, h, 2, 0, chunk=n // 2)
+    one = sizing.peak_extra_bytes(n, v, h, 2, 0, chunk=n)
+    several = sizing.peak_extra_bytes(n, v, h, 2, 0, chunk=n // 2)
     assert one <= several
     assert one == n * v * 2 + v * h * 2 + n * h * 2 + v * 4
 
 
 def test_chunk_budget_env_var(monkeypatch):
     monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "1")
-    assert driver.chunk_budget_bytes() == 2**20
+    assert sizing.chunk_budget_bytes() == 2**20
     monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", "-3")
     with pytest.raises(ValueError, match="FLCE_CHUNK_BUDGET_MIB"):
-        driver.chunk_budget_bytes()
+        sizing.chunk_budget_bytes()
 
 
 def _record_run_chunks(monkeypatch):
     calls = []
-    original = driver.run_chunks
+    original = chunks.run_chunks
 
     def spy(*args, **kwargs):
-        calls.append({k: kwargs[k] for k in ("grad_input", "grad_weight", "grad_bias")})
+        request = args[9]
+        calls.append(dict(grad_input=request.input, grad_weight=request.weight, grad_bias=request.bias))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("flce.functional.run_chunks", spy)
+    monkeypatch.setattr("flce.plan.run_chunks", spy)
     return calls
 
 
@@ -105,8 +106,8 @@ def test_repeated_backward_does_not_compound(reduction):
 
 def test_batch_statistics_is_the_only_sync_and_runs_once(monkeypatch):
     calls = []
-    original = driver.batch_statistics
-    monkeypatch.setattr("flce.functional.batch_statistics", lambda *a: calls.append(1) or original(*a))
+    original = statistics.batch_statistics
+    monkeypatch.setattr("flce.plan.batch_statistics", lambda *a: calls.append(1) or original(*a))
     x, w, b, t = _inputs()
     x.requires_grad_()
     flce.fused_linear_cross_entropy(x, w, t, bias=b, reduction="none").sum().backward()

@@ -30,7 +30,7 @@ def test_harness_catches_small_errors(monkeypatch, kind, dtype, shape):
     if kind == "grad" and dtype != torch.float32 and shape == (1, 1, 49):
         pytest.skip("a few % is inside bf16/fp16 rounding of a single cancelling dot product")
     grad_error = 0.01 if dtype == torch.float32 else 0.05
-    monkeypatch.setattr("flce.functional.resolve_backend", lambda name, device: _broken(kind, grad_error))
+    monkeypatch.setattr("flce.plan.resolve_backend", lambda name, device: _broken(kind, grad_error))
     n, h, v = shape
     case = Case(n_rows=n, hidden=h, vocab=v, dtype=dtype, ignored_fraction=0.0)
     outcome = run_case(case, "torch", torch.device("cpu"))

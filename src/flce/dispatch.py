@@ -1,8 +1,11 @@
-"""Backend registry and selection: argument > ``FLCE_BACKEND`` > auto.
+"""The backend registry and its one selection rule: argument > ``FLCE_BACKEND`` > auto.
 
 Each backend lives in ``flce.backends.<name>`` and exposes ``BACKEND`` (a
-``BackendSpec``). Importing a backend package never fails for a missing optional
-dependency: its ``availability`` says why it cannot run instead.
+``flce.backends.base.BackendSpec``: its chunk kernels, split-row kernels and optional
+fused hooks). Importing a backend package never fails for a missing optional
+dependency: its ``availability`` says why it cannot run instead. Every scheme (token
+chunks, vocabulary blocks, vocab parallelism, fused statistics) takes its kernels from
+the backend this module resolves.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from functools import cache
 
 import torch
 
-from flce.backends.base import BackendSpec
+from flce.backends.base import BackendSpec, SplitRowKernels
 
 BACKEND_NAMES = ("torch", "triton", "cutedsl")
 ENV_VAR = "FLCE_BACKEND"
@@ -73,3 +76,20 @@ def _auto_backend(device_type: str, device_index: int | None) -> BackendSpec:
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
     usable = [get_backend(n) for n in BACKEND_NAMES if get_backend(n).availability(device)[0]]
     return max(usable, key=lambda spec: spec.auto_priority)
+
+
+def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKernels:
+    """The split-row kernels of the backend ``resolve_backend`` picks."""
+    spec = resolve_backend(backend, device)
+    if spec.split_rows is None:
+        raise BackendUnavailableError(f"backend {spec.name!r} has no split-row kernels")
+    return spec.split_rows()
+
+
+def gradient_scaler(device: torch.device):
+    """The first registered ``scale_unless_one`` kernel usable on ``device``, or None."""
+    for name in BACKEND_NAMES:
+        spec = get_backend(name)
+        if spec.scale_unless_one is not None and spec.availability(device)[0]:
+            return spec.scale_unless_one
+    return None

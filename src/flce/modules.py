@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flce.functional import LossResult, cross_entropy_with_options, fused_linear_cross_entropy_with_options
+from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
 from flce.options import LossOptions
+from flce.output import LossResult
 
 
 class FusedLinearCrossEntropyLoss(nn.Module):

@@ -1,12 +1,15 @@
-"""torch.library custom ops, so ``torch.compile(..., fullgraph=True)`` traces through flce.
+"""``torch.library`` custom ops, so ``torch.compile(..., fullgraph=True)`` traces through flce.
 
-Under compilation the public functions call these ops instead of the eager autograd
-functions: each op is opaque to the compiler (its one host sync, the chunk loop and
-the kernels stay inside), has a fake implementation giving output shapes, and
-registered autograd. The forward op returns the gradients it computed as extra
-outputs (empty when not requested); backward scales them out of place, so a repeated
-backward never compounds. ``reduction="none"`` recomputes in a backward op with the
-per-token upstream gradient.
+Under compilation the public functions call ``compiled_loss`` instead of the eager
+autograd Function. Each op is opaque to the compiler (the plan, the chunk loop and the
+kernels stay inside), has a fake implementation giving output shapes, and registered
+autograd; all of them run ``flce.plan``'s one forward/backward pair. The options travel
+field by field, in a schema derived from ``LossOptions`` (``flce.options.options_schema``).
+
+The forward op returns the gradients it computed as extra outputs (empty when not
+requested or deferred); backward scales them out of place (an op must not modify its
+saved outputs), so a repeated backward never compounds. ``reduction="none"`` recomputes
+in a backward op with the per-token upstream gradient.
 """
 
 from __future__ import annotations
@@ -14,426 +17,260 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flce.driver import reduce_rows
-from flce.functional import make_plan
-from flce.options import LossOptions
+from flce.driver.chunks import Gradients, GradRequest
+from flce.driver.scaling import scaled_gradients
+from flce.options import OPTION_FIELDS, LossOptions, option_values, options_from_values, options_schema
+from flce.plan import LinearOperands, LogitsOperands, Operands, backward, forward, make_plan, refuse_create_graph
+from flce.rows.cross_entropy import Reduced
 
-_EMPTY_SHAPE = (0,)
-
-
-def _options(
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    reduction,
-    softcap,
-    use_token_scaling,
-    accum_dtype,
-    return_z_loss,
-    return_token_accuracy,
-    return_predicted_tokens,
-    backend,
-    chunk_size,
-    vocab_chunk_size,
-) -> LossOptions:
-    return LossOptions(
-        ignore_index=ignore_index,
-        lse_square_scale=lse_square_scale,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-        softcap=softcap,
-        return_z_loss=return_z_loss,
-        accum_dtype=accum_dtype,
-        use_token_scaling=use_token_scaling,
-        return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens,
-        backend=backend,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
-    )
+_EMPTY = (0,)
+_N_OPTIONS = len(OPTION_FIELDS)
+_REDUCED = "Tensor loss, Tensor z_loss, Tensor token_accuracy, Tensor predicted_tokens"
 
 
-def _empty_like_device(t: Tensor, dtype=torch.float32) -> Tensor:
-    return torch.empty(_EMPTY_SHAPE, dtype=dtype, device=t.device)
+def _define(name: str, arguments: str, returns: str, impl, fake):
+    """A custom op ``flce::name`` whose schema is spelled here once; ``impl`` and ``fake``
+    take the arguments positionally."""
+    op = torch.library.custom_op(f"flce::{name}", impl, mutates_args=(), schema=f"({arguments}) -> ({returns})")
+    op.register_fake(fake)
+    return op
 
 
-@torch.library.custom_op("flce::fused_linear_cross_entropy_fwd", mutates_args=())
-def fused_linear_cross_entropy_fwd(
-    input: Tensor,  # (N, H)
-    weight: Tensor,  # (V, H)
-    target: Tensor,  # (N,)
-    bias: Tensor | None,  # (V,)
-    ce_weight: Tensor | None,  # (V,) fp32
-    ignore_index: int,
-    lse_square_scale: float,
-    label_smoothing: float,
-    reduction: str,
-    softcap: float | None,
-    use_token_scaling: bool,
-    accum_dtype: torch.dtype | None,
-    return_z_loss: bool,
-    return_token_accuracy: bool,
-    return_predicted_tokens: bool,
-    backend: str | None,
-    chunk_size: int | None,
-    vocab_chunk_size: int | None,
-    compute_dtype: torch.dtype,
-    grad_input: bool,
-    grad_weight: bool,
-    grad_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (loss, z_loss, token_accuracy, predicted_tokens, grad_input, grad_weight, grad_bias);
-    entries not requested are empty (0,) tensors."""
-    options = _options(
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        use_token_scaling,
-        accum_dtype,
-        return_z_loss,
-        return_token_accuracy,
-        return_predicted_tokens,
-        backend,
-        chunk_size,
-        vocab_chunk_size,
-    )
-    plan = make_plan(options, input.device, target, ce_weight, weight.shape[0], compute_dtype)
-    defer = reduction == "none"
-    with torch.autocast(device_type=input.device.type, enabled=False):
-        rows, grads = plan.run_chunks(
-            input,
-            weight,
-            target,
-            bias,
-            ce_weight,
-            grad_input=grad_input and not defer,
-            grad_weight=grad_weight and not defer,
-            grad_bias=grad_bias and bias is not None and not defer,
-        )
-    scalars, stats = plan.scalars, plan.stats
-    reduced = reduce_rows(rows, options, scalars, stats)
-    empty = _empty_like_device(input)
+def _split(args: tuple, n_tensors: int) -> tuple[tuple, LossOptions, tuple]:
+    """(tensors, options, the remaining arguments) of an op's positional arguments."""
+    options = options_from_values(args[n_tensors : n_tensors + _N_OPTIONS])
+    return args[:n_tensors], options, args[n_tensors + _N_OPTIONS :]
 
-    def or_empty(t: Tensor | None, dtype=torch.float32) -> Tensor:
-        return _empty_like_device(input, dtype) if t is None else t
 
+def _or_empty(t: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
+    return like.new_empty(_EMPTY, dtype=dtype) if t is None else t
+
+
+def _reduced_outputs(reduced: Reduced, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    f32 = torch.float32
     return (
         reduced.loss,
-        or_empty(reduced.z_loss),
-        or_empty(reduced.token_accuracy),
-        or_empty(reduced.predicted_tokens, torch.int64),
-        or_empty(grads.input, input.dtype),
-        or_empty(grads.weight, weight.dtype),
-        empty if grads.bias is None else grads.bias,
+        _or_empty(reduced.z_loss, like, f32),
+        _or_empty(reduced.token_accuracy, like, f32),
+        _or_empty(reduced.predicted_tokens, like, torch.int64),
     )
 
 
-@fused_linear_cross_entropy_fwd.register_fake
-def _(
-    input,
-    weight,
-    target,
-    bias,
-    ce_weight,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    reduction,
-    softcap,
-    use_token_scaling,
-    accum_dtype,
-    return_z_loss,
-    return_token_accuracy,
-    return_predicted_tokens,
-    backend,
-    chunk_size,
-    vocab_chunk_size,
-    compute_dtype,
-    grad_input,
-    grad_weight,
-    grad_bias,
-):
-    n_rows = input.shape[0]
-    per_row = reduction == "none"
+def _fake_reduced(options: LossOptions, n_rows: int, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    scalar_or_rows = (n_rows,) if options.reduction == "none" else ()
 
-    def f32(shape):
-        return input.new_empty(shape, dtype=torch.float32)
+    def f32(present: bool) -> Tensor:
+        return like.new_empty(scalar_or_rows if present else _EMPTY, dtype=torch.float32)
 
-    scalar_or_rows = (n_rows,) if per_row else ()
-    defer = per_row
     return (
-        f32(scalar_or_rows),
-        f32(scalar_or_rows if return_z_loss else _EMPTY_SHAPE),
-        f32(scalar_or_rows if return_token_accuracy else _EMPTY_SHAPE),
-        input.new_empty((n_rows,) if return_predicted_tokens else _EMPTY_SHAPE, dtype=torch.int64),
-        input.new_empty(input.shape if grad_input and not defer else _EMPTY_SHAPE),
-        weight.new_empty(weight.shape if grad_weight and not defer else _EMPTY_SHAPE),
-        (bias.new_empty(bias.shape) if bias is not None and grad_bias and not defer else f32(_EMPTY_SHAPE)),
+        f32(True),
+        f32(options.return_z_loss),
+        f32(options.return_token_accuracy),
+        like.new_empty((n_rows,) if options.return_predicted_tokens else _EMPTY, dtype=torch.int64),
     )
 
 
-@torch.library.custom_op("flce::fused_linear_cross_entropy_bwd", mutates_args=())
-def fused_linear_cross_entropy_bwd(
-    row_grad_scale: Tensor,  # (N,) fp32 upstream gradient per row
-    input: Tensor,
-    weight: Tensor,
-    target: Tensor,
-    bias: Tensor | None,
-    ce_weight: Tensor | None,
-    ignore_index: int,
-    lse_square_scale: float,
-    label_smoothing: float,
-    reduction: str,
-    softcap: float | None,
-    use_token_scaling: bool,
-    accum_dtype: torch.dtype | None,
-    backend: str | None,
-    chunk_size: int | None,
-    vocab_chunk_size: int | None,
-    compute_dtype: torch.dtype,
-    grad_input: bool,
-    grad_weight: bool,
-    grad_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Recomputes the chunks with ``row_grad_scale`` folded in -> (dX, dW, db), empty if not requested."""
-    options = _options(
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        use_token_scaling,
-        accum_dtype,
-        False,
-        False,
-        False,
-        backend,
-        chunk_size,
-        vocab_chunk_size,
-    )
-    plan = make_plan(options, input.device, target, ce_weight, weight.shape[0], compute_dtype)
-    with torch.autocast(device_type=input.device.type, enabled=False):
-        _, grads = plan.run_chunks(
-            input,
-            weight,
-            target,
-            bias,
-            ce_weight,
-            grad_input=grad_input,
-            grad_weight=grad_weight,
-            grad_bias=grad_bias and bias is not None,
-            row_grad_scale=row_grad_scale,
-        )
+def _plan_for(operands: Operands, options: LossOptions, compute_dtype: torch.dtype):
+    vocab = operands.logits.shape[1] if isinstance(operands, LogitsOperands) else operands.weight.shape[0]
+    device = operands.tensors()[0].device
+    return make_plan(options, device, operands.target, operands.ce_weight, vocab, compute_dtype)
+
+
+def _fake_gradients(input, weight, bias, grad_input, grad_weight, grad_bias) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradient outputs' shapes and dtypes, as the ops fill them (``_or_empty``)."""
+
+    def grad_like(t: Tensor | None, wanted: bool, empty_dtype: torch.dtype) -> Tensor:
+        return t.new_empty(t.shape) if t is not None and wanted else input.new_empty(_EMPTY, dtype=empty_dtype)
+
     return (
-        _empty_like_device(input, input.dtype) if grads.input is None else grads.input,
-        _empty_like_device(input, weight.dtype) if grads.weight is None else grads.weight,
-        _empty_like_device(input) if grads.bias is None else grads.bias,
+        grad_like(input, grad_input, input.dtype),
+        grad_like(weight, grad_weight, weight.dtype),
+        grad_like(bias, grad_bias, torch.float32),
     )
 
 
-@fused_linear_cross_entropy_bwd.register_fake
-def _(
-    row_grad_scale,
-    input,
-    weight,
-    target,
-    bias,
-    ce_weight,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    reduction,
-    softcap,
-    use_token_scaling,
-    accum_dtype,
-    backend,
-    chunk_size,
-    vocab_chunk_size,
-    compute_dtype,
-    grad_input,
-    grad_weight,
-    grad_bias,
-):
+def _gradient_outputs(grads: Gradients, input: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return (
-        input.new_empty(input.shape if grad_input else _EMPTY_SHAPE),
-        weight.new_empty(weight.shape if grad_weight else _EMPTY_SHAPE),
-        bias.new_empty(bias.shape)
-        if bias is not None and grad_bias
-        else input.new_empty(_EMPTY_SHAPE, dtype=torch.float32),
+        _or_empty(grads.input, input, input.dtype),
+        _or_empty(grads.weight, input, weight.dtype),
+        _or_empty(grads.bias, input, torch.float32),
     )
 
 
-_FWD_ARG_NAMES = (
-    "ignore_index",
-    "lse_square_scale",
-    "label_smoothing",
-    "reduction",
-    "softcap",
-    "use_token_scaling",
-    "accum_dtype",
-    "return_z_loss",
-    "return_token_accuracy",
-    "return_predicted_tokens",
-    "backend",
-    "chunk_size",
-    "vocab_chunk_size",
-    "compute_dtype",
-    "grad_input",
-    "grad_weight",
-    "grad_bias",
+# ------------------------------------------------------------- fused linear CE
+# Arguments: input (N, H), weight (V, H), target (N,), bias (V,)?, ce_weight (V,) fp32?,
+# the options, compute_dtype, grad_input, grad_weight, grad_bias.
+_LINEAR = "Tensor input, Tensor weight, Tensor target, Tensor? bias, Tensor? ce_weight"
+_LINEAR_REST = "ScalarType compute_dtype, bool grad_input, bool grad_weight, bool grad_bias"
+
+
+def _linear_forward(*args):
+    """-> (loss, z_loss, token_accuracy, predicted_tokens, grad_input, grad_weight, grad_bias);
+    entries not requested (or deferred to backward) are empty (0,) tensors."""
+    (input, weight, target, bias, ce_weight), options, (compute_dtype, *flags) = _split(args, 5)
+    operands = LinearOperands(input, weight, bias, target, ce_weight)
+    request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
+    result = forward(_plan_for(operands, options, compute_dtype), operands, request)
+    grads = result.gradients or Gradients(None, None, None)
+    return _reduced_outputs(result.reduced, input) + _gradient_outputs(grads, input, weight)
+
+
+def _linear_forward_fake(*args):
+    (input, weight, _, bias, _), options, (_, grad_input, grad_weight, grad_bias) = _split(args, 5)
+    now = options.reduction != "none"  # mean/sum compute the gradients in the forward
+    return _fake_reduced(options, input.shape[0], input) + _fake_gradients(
+        input, weight, bias, grad_input and now, grad_weight and now, grad_bias and now
+    )
+
+
+def _linear_backward(*args):
+    """Recomputes the chunks with the upstream gradient (first argument) folded into each
+    row -> (dX, dW, db), empty where not requested."""
+    (grad_loss, input, weight, target, bias, ce_weight), options, (compute_dtype, *flags) = _split(args, 6)
+    operands = LinearOperands(input, weight, bias, target, ce_weight)
+    request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
+    plan = _plan_for(operands, options, compute_dtype)
+    grads = backward(plan, operands, request, grad_loss, None, owned=False)
+    return _gradient_outputs(grads, input, weight)
+
+
+def _linear_backward_fake(*args):
+    (_, input, weight, _, bias, _), _, (_, grad_input, grad_weight, grad_bias) = _split(args, 6)
+    return _fake_gradients(input, weight, bias, grad_input, grad_weight, grad_bias)
+
+
+fused_linear_cross_entropy_fwd = _define(
+    "fused_linear_cross_entropy_fwd",
+    f"{_LINEAR}, {options_schema()}, {_LINEAR_REST}",
+    f"{_REDUCED}, Tensor grad_input, Tensor grad_weight, Tensor grad_bias",
+    _linear_forward,
+    _linear_forward_fake,
+)
+fused_linear_cross_entropy_bwd = _define(
+    "fused_linear_cross_entropy_bwd",
+    f"Tensor grad_loss, {_LINEAR}, {options_schema()}, {_LINEAR_REST}",
+    "Tensor grad_input, Tensor grad_weight, Tensor grad_bias",
+    _linear_backward,
+    _linear_backward_fake,
 )
 
 
-def _setup_context(ctx, inputs, output):
-    input, weight, target, bias, ce_weight = inputs[:5]
-    args = dict(zip(_FWD_ARG_NAMES, inputs[5:], strict=False))
-    ctx.args = args
-    ctx.has_bias = bias is not None
-    if args["reduction"] == "none":
-        ctx.save_for_backward(input, weight, target, bias, ce_weight)
+def _linear_setup_context(ctx, inputs, output):
+    tensors, options, rest = _split(inputs, 5)
+    ctx.arguments = inputs[5:]  # the options and the rest, for the backward op
+    ctx.flags = rest[1:]
+    ctx.has_bias = tensors[3] is not None
+    ctx.deferred = options.reduction == "none"
+    ctx.save_for_backward(*(tensors if ctx.deferred else output[4:]))
+
+
+def _linear_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
+    refuse_create_graph()
+    grad_input, grad_weight, grad_bias = ctx.flags
+    if ctx.deferred:
+        dx, dw, db = fused_linear_cross_entropy_bwd(grad_loss, *ctx.saved_tensors, *ctx.arguments)
     else:
-        ctx.save_for_backward(*output[4:])
+        dx, dw, db = scaled_gradients(ctx.saved_tensors, grad_loss)
+    return (
+        dx if grad_input else None,
+        dw if grad_weight else None,
+        None,
+        db if grad_bias and ctx.has_bias else None,
+        None,
+    ) + (None,) * len(ctx.arguments)
 
 
-def _backward(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
-    args = ctx.args
-    if args["reduction"] == "none":
-        input, weight, target, bias, ce_weight = ctx.saved_tensors
-        dx, dw, db = fused_linear_cross_entropy_bwd(
-            grad_loss.float().contiguous(),
-            input,
-            weight,
-            target,
-            bias,
-            ce_weight,
-            args["ignore_index"],
-            args["lse_square_scale"],
-            args["label_smoothing"],
-            "none",
-            args["softcap"],
-            args["use_token_scaling"],
-            args["accum_dtype"],
-            args["backend"],
-            args["chunk_size"],
-            args["vocab_chunk_size"],
-            args["compute_dtype"],
-            args["grad_input"],
-            args["grad_weight"],
-            args["grad_bias"],
-        )
+fused_linear_cross_entropy_fwd.register_autograd(_linear_backward_autograd, setup_context=_linear_setup_context)
+
+
+# ------------------------------------------------------------ CE on given logits
+# Arguments: logits (N, V), target (N,), ce_weight (V,) fp32?, the options, grad_logits.
+_LOGITS = "Tensor logits, Tensor target, Tensor? ce_weight"
+
+
+def _logits_forward(*args):
+    """-> (loss, z_loss, token_accuracy, predicted_tokens, dL/dlogits with the reduction
+    folded in); entries not requested (or deferred to backward) are empty (0,) tensors."""
+    (logits, target, ce_weight), options, (grad_logits,) = _split(args, 3)
+    operands = LogitsOperands(logits, target, ce_weight)
+    result = forward(_plan_for(operands, options, logits.dtype), operands, GradRequest(input=grad_logits))
+    grads = result.gradients or Gradients(None, None, None)
+    return _reduced_outputs(result.reduced, logits) + (_or_empty(grads.input, logits, logits.dtype),)
+
+
+def _logits_forward_fake(*args):
+    (logits, _, _), options, (grad_logits,) = _split(args, 3)
+    now = grad_logits and options.reduction != "none"
+    return _fake_reduced(options, logits.shape[0], logits) + (logits.new_empty(logits.shape if now else _EMPTY),)
+
+
+def _logits_backward(*args):
+    """Recomputes dL/dlogits with the upstream gradient (first argument) folded into each row."""
+    (grad_loss, logits, target, ce_weight), options, () = _split(args, 4)
+    operands = LogitsOperands(logits, target, ce_weight)
+    plan = _plan_for(operands, options, logits.dtype)
+    return backward(plan, operands, GradRequest(input=True), grad_loss, None, owned=False).input
+
+
+def _logits_backward_fake(*args):
+    return args[1].new_empty(args[1].shape)
+
+
+cross_entropy_fwd = _define(
+    "cross_entropy_fwd",
+    f"{_LOGITS}, {options_schema()}, bool grad_logits",
+    f"{_REDUCED}, Tensor grad_logits",
+    _logits_forward,
+    _logits_forward_fake,
+)
+cross_entropy_bwd = _define(
+    "cross_entropy_bwd",
+    f"Tensor grad_loss, {_LOGITS}, {options_schema()}",
+    "Tensor grad_logits",
+    _logits_backward,
+    _logits_backward_fake,
+)
+
+
+def _logits_setup_context(ctx, inputs, output):
+    tensors, options, (grad_logits,) = _split(inputs, 3)
+    ctx.options_values, ctx.grad_logits = inputs[3 : 3 + _N_OPTIONS], grad_logits
+    ctx.deferred = options.reduction == "none"
+    ctx.save_for_backward(*(tensors if ctx.deferred else (output[4],)))
+
+
+def _logits_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _grad):
+    refuse_create_graph()
+    if not ctx.grad_logits:
+        return (None,) * (4 + _N_OPTIONS)
+    if ctx.deferred:
+        grad = cross_entropy_bwd(grad_loss, *ctx.saved_tensors, *ctx.options_values)
     else:
-        dx, dw, db = (g * grad_loss.to(g.dtype) for g in ctx.saved_tensors)
-    return (
-        dx if args["grad_input"] else None,
-        dw if args["grad_weight"] else None,
-        None,
-        db if args["grad_bias"] and ctx.has_bias else None,
-    ) + (None,) * (1 + len(_FWD_ARG_NAMES))
+        (grad,) = scaled_gradients(ctx.saved_tensors, grad_loss)
+    return (grad,) + (None,) * (3 + _N_OPTIONS)
 
 
-fused_linear_cross_entropy_fwd.register_autograd(_backward, setup_context=_setup_context)
+cross_entropy_fwd.register_autograd(_logits_backward_autograd, setup_context=_logits_setup_context)
 
 
-@torch.library.custom_op("flce::cross_entropy_fwd", mutates_args=())
-def cross_entropy_fwd(
-    logits: Tensor,  # (N, V)
-    target: Tensor,  # (N,)
-    ce_weight: Tensor | None,  # (V,) fp32
-    ignore_index: int,
-    lse_square_scale: float,
-    label_smoothing: float,
-    reduction: str,
-    softcap: float | None,
-    use_token_scaling: bool,
-    return_z_loss: bool,
-    return_token_accuracy: bool,
-    return_predicted_tokens: bool,
-    backend: str | None,
-    compute_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (loss, z_loss, token_accuracy, predicted_tokens, dL/dlogits per row with the
-    reduction folded in); entries not requested are empty (0,) tensors."""
-    from flce.functional import _cross_entropy_rows
-
-    options = _options(
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        use_token_scaling,
-        None,
-        return_z_loss,
-        return_token_accuracy,
-        return_predicted_tokens,
-        backend,
-        None,
-        None,
-    )
-    plan = make_plan(options, logits.device, target, ce_weight, logits.shape[1], logits.dtype)
-    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device) if compute_grad else None
-    with torch.autocast(device_type=logits.device.type, enabled=False):
-        rows = _cross_entropy_rows(logits, target, ce_weight, plan, grad)
-    reduced = reduce_rows(rows, options, plan.scalars, plan.stats)
-
-    def or_empty(t: Tensor | None, dtype=torch.float32) -> Tensor:
-        return _empty_like_device(logits, dtype) if t is None else t
-
-    return (
-        reduced.loss,
-        or_empty(reduced.z_loss),
-        or_empty(reduced.token_accuracy),
-        or_empty(reduced.predicted_tokens, torch.int64),
-        or_empty(grad, logits.dtype),
-    )
+# ----------------------------------------------------------------- entry point
 
 
-@cross_entropy_fwd.register_fake
-def _(
-    logits,
-    target,
-    ce_weight,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    reduction,
-    softcap,
-    use_token_scaling,
-    return_z_loss,
-    return_token_accuracy,
-    return_predicted_tokens,
-    backend,
-    compute_grad,
-):
-    n_rows = logits.shape[0]
-    scalar_or_rows = (n_rows,) if reduction == "none" else ()
+def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch.dtype) -> tuple:
+    """The reduced outputs of a call under ``torch.compile``, through the ops above."""
+    grad_enabled = torch.is_grad_enabled()
 
-    def f32(shape):
-        return logits.new_empty(shape, dtype=torch.float32)
+    def wants(t: Tensor | None) -> bool:
+        return grad_enabled and t is not None and t.requires_grad
 
-    return (
-        f32(scalar_or_rows),
-        f32(scalar_or_rows if return_z_loss else _EMPTY_SHAPE),
-        f32(scalar_or_rows if return_token_accuracy else _EMPTY_SHAPE),
-        logits.new_empty((n_rows,) if return_predicted_tokens else _EMPTY_SHAPE, dtype=torch.int64),
-        logits.new_empty(logits.shape if compute_grad else _EMPTY_SHAPE),
-    )
-
-
-def _ce_setup_context(ctx, inputs, output):
-    ctx.compute_grad = inputs[-1]
-    ctx.save_for_backward(output[4])
-
-
-def _ce_backward(ctx, grad_loss, _z, _acc, _pred, _grad):
-    (grad,) = ctx.saved_tensors
-    if not ctx.compute_grad:
-        return (None,) * 14
-    scale = grad_loss.float()[:, None] if grad_loss.dim() == 1 else grad_loss.float()
-    # The product in fp32, rounded once to the gradient's dtype (no fp32 temporary).
-    return (torch.mul(grad, scale, out=torch.empty_like(grad)),) + (None,) * 13
-
-
-cross_entropy_fwd.register_autograd(_ce_backward, setup_context=_ce_setup_context)
+    values = option_values(options)
+    if isinstance(operands, LogitsOperands):
+        o = operands
+        outputs = cross_entropy_fwd(o.logits, o.target, o.ce_weight, *values, wants(o.logits))
+    else:
+        o = operands
+        outputs = fused_linear_cross_entropy_fwd(
+            o.input, o.weight, o.target, o.bias, o.ce_weight, *values, compute_dtype,
+            wants(o.input), wants(o.weight), wants(o.bias),
+        )  # fmt: skip
+    return outputs[:4]

@@ -8,7 +8,7 @@ one batched device-to-host read (``flce.driver.batch_statistics``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -35,7 +35,7 @@ class LossOptions:
     vocab_chunk_size: int | None = None
 
     def __post_init__(self) -> None:
-        _check_bool_int("ignore_index", self.ignore_index)
+        check_int("ignore_index", self.ignore_index)
         _check_number("lse_square_scale", self.lse_square_scale)
         if self.lse_square_scale < 0:
             raise ValueError(f"lse_square_scale must be >= 0, got {self.lse_square_scale}")
@@ -54,11 +54,11 @@ class LossOptions:
         if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
             raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {self.accum_dtype!r}")
         if self.chunk_size is not None:
-            _check_bool_int("chunk_size", self.chunk_size)
+            check_int("chunk_size", self.chunk_size)
             if self.chunk_size <= 0:
                 raise ValueError(f"chunk_size must be a positive int or None, got {self.chunk_size}")
         if self.vocab_chunk_size is not None:
-            _check_bool_int("vocab_chunk_size", self.vocab_chunk_size)
+            check_int("vocab_chunk_size", self.vocab_chunk_size)
             if self.vocab_chunk_size <= 0:
                 raise ValueError(f"vocab_chunk_size must be a positive int or None, got {self.vocab_chunk_size}")
         if self.backend is not None and not isinstance(self.backend, str):
@@ -74,12 +74,46 @@ class LossOptions:
         return self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
 
 
+# ------------------------------------------- the options as custom-op arguments
+
+OPTION_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LossOptions))
+# Annotation (as written in LossOptions) -> torch.library schema type.
+_SCHEMA_TYPES = {"int": "int", "float": "float", "str": "str", "bool": "bool", "torch.dtype": "ScalarType"}
+
+
+def _schema_type(annotation: str) -> str:
+    base, optional = annotation.removesuffix(" | None"), annotation.endswith(" | None")
+    return _SCHEMA_TYPES[base] + ("?" if optional else "")
+
+
+def options_schema() -> str:
+    """``LossOptions``' fields as a ``torch.library`` schema fragment (``"int ignore_index,
+    float lse_square_scale, ..."``): the custom ops take the options field by field
+    without spelling them out."""
+    return ", ".join(f"{_schema_type(f.type)} {f.name}" for f in fields(LossOptions))
+
+
+_FLOAT_FIELDS = frozenset(f.name for f in fields(LossOptions) if f.type.startswith("float"))
+
+
+def option_values(options: LossOptions) -> tuple:
+    """The field values in ``OPTION_FIELDS`` order, floats as ``float`` (the schema's type)."""
+    return tuple(
+        float(v) if name in _FLOAT_FIELDS and v is not None else v
+        for name, v in ((name, getattr(options, name)) for name in OPTION_FIELDS)
+    )
+
+
+def options_from_values(values) -> LossOptions:
+    return LossOptions(**dict(zip(OPTION_FIELDS, values, strict=True)))
+
+
 def _check_number(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite float, got {value!r}")
 
 
-def _check_bool_int(name: str, value) -> None:
+def check_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
 

@@ -1,10 +1,13 @@
-"""The structured result returned when a ``return_*`` flag is set (same fields as Liger's)."""
+"""The public results: a bare loss tensor, or a ``CrossEntropyOutput`` when a ``return_*``
+flag is set (same fields as Liger's)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from flce.options import LossOptions
 
 
 @dataclass
@@ -13,3 +16,30 @@ class CrossEntropyOutput:
     z_loss: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None
     predicted_tokens: torch.Tensor | None = None
+
+
+LossResult = torch.Tensor | CrossEntropyOutput
+
+
+def package_result(
+    options: LossOptions,
+    target_shape: tuple[int, ...],
+    loss: torch.Tensor,
+    z_loss: torch.Tensor | None,
+    accuracy: torch.Tensor | None,
+    predicted: torch.Tensor | None,
+) -> LossResult:
+    """The public result. Outputs not asked for are dropped first (the custom ops return
+    empty placeholders for them); per-token outputs take ``target``'s shape."""
+    z_loss = z_loss if options.return_z_loss else None
+    accuracy = accuracy if options.return_token_accuracy else None
+    predicted = predicted if options.return_predicted_tokens else None
+    if options.reduction == "none" and len(target_shape) > 1:
+        loss = loss.view(target_shape)
+        z_loss = None if z_loss is None else z_loss.view(target_shape)
+        accuracy = None if accuracy is None else accuracy.view(target_shape)
+    if predicted is not None and len(target_shape) > 1:
+        predicted = predicted.view(target_shape)
+    if not options.returns_structured:
+        return loss
+    return CrossEntropyOutput(loss=loss, z_loss=z_loss, token_accuracy=accuracy, predicted_tokens=predicted)

@@ -2,11 +2,12 @@
 
 A call that needs no gradient computes its per-row outputs from
 ``fused_forward_statistics`` (lse, z'_y, argmax, sum z') where
-``flce.backends.cutedsl.fused_forward_applicable`` allows it, else from the chunked
-driver; both must mean the same thing.
+the backend's ``loss_only`` slot applies (``flce.driver.fused.loss_only_refusal`` for the
+options, ``flce.backends.cutedsl.fused_forward_applicable`` for the device and operands),
+else from the chunked driver; both must mean the same thing.
 
-CPU part (runs in CI): the selection function's every condition; the row formulas of
-``flce.driver.rows_from_forward_statistics`` against the torch backend's chunk kernel on
+CPU part (runs in CI): the selection functions' every condition; the row formulas of
+``flce.driver.fused.run_fused_statistics`` against the torch backend's chunk kernel on
 the same logits; and the whole public call with the kernel replaced by a dense stand-in
 computing the same statistics (and asserting the kernel's operand requirements), judged
 by the parity harness against float64, with the fallbacks.
@@ -20,18 +21,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import sys
-import types
 
 import pytest
 import torch
 
 import flce
-from flce import functional
+from flce import plan as flce_plan
+from flce.backends import cutedsl
+from flce.backends.base import LossOnlyStatistics
 from flce.backends.cutedsl import fused_forward_applicable
 from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
 from flce.dispatch import get_backend
-from flce.driver import RowOutputs, batch_statistics, chunk_scalars, reduce_rows, rows_from_forward_statistics
+from flce.driver import fused
+from flce.driver.chunks import allocate_rows
+from flce.driver.statistics import batch_statistics, chunk_scalars
 from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
 from flce.testing import Case, run_case
@@ -76,22 +79,25 @@ SMOOTHING_WITH_WEIGHTS = (("label_smoothing", 0.1), ("ce_weight", True), ("retur
 # ---------------------------------------------------------------------- selection (CPU)
 def _applicable(
     options=None,
-    backend="cutedsl",
     capability=HOPPER,
     dtype=BF16,
     hidden=4096,
     vocab=128256,
     has_ce_weight=False,
     weight_tma_ready=True,
+    monkeypatch=None,
 ):
-    return fused_forward_applicable(
-        options or LossOptions(), backend, capability, dtype, hidden, vocab, has_ce_weight, weight_tma_ready
-    )
+    """Both selection steps: the options' (any backend), then the device's and operands'."""
+    refusal = fused.loss_only_refusal(options or LossOptions(), has_ce_weight)
+    if refusal is not None:
+        return False, refusal
+    monkeypatch.setattr(cutedsl, "_capability", lambda device_type, index: capability)
+    return fused_forward_applicable(torch.device("cuda"), dtype, hidden, vocab, weight_tma_ready)
 
 
-def test_selection_accepts_every_supported_feature():
-    assert _applicable() == (True, "")
-    assert _applicable(dtype=FP16, hidden=64, vocab=1)[0]
+def test_selection_accepts_every_supported_feature(monkeypatch):
+    assert _applicable(monkeypatch=monkeypatch) == (True, "")
+    assert _applicable(dtype=FP16, hidden=64, vocab=1, monkeypatch=monkeypatch)[0]
     assert _applicable(
         LossOptions(
             label_smoothing=0.1,
@@ -102,20 +108,24 @@ def test_selection_accepts_every_supported_feature():
             return_token_accuracy=True,
             return_predicted_tokens=True,
             return_z_loss=True,
-        )
+        ),
+        monkeypatch=monkeypatch,
     )[0]
     # Class weights are gathered on the host: fine without smoothing.
-    assert _applicable(LossOptions(lse_square_scale=1e-4), has_ce_weight=True)[0]
+    assert _applicable(LossOptions(lse_square_scale=1e-4), has_ce_weight=True, monkeypatch=monkeypatch)[0]
     # A token chunk size bounds the driver's logits buffer; the fused kernel has none.
-    assert _applicable(LossOptions(chunk_size=7))[0]
+    assert _applicable(LossOptions(chunk_size=7), monkeypatch=monkeypatch)[0]
+
+
+def test_only_backends_with_the_slot_have_the_route():
+    # The route is the backend's loss_only slot: the Triton and torch backends have none.
+    assert get_backend("cutedsl").loss_only is not None
+    assert get_backend("triton").loss_only is None and get_backend("torch").loss_only is None
 
 
 @pytest.mark.parametrize(
     "change,reason",
     [
-        (dict(backend="triton"), "not 'cutedsl'"),
-        (dict(backend="torch"), "not 'cutedsl'"),
-        (dict(backend=None), "not 'cutedsl'"),  # vocab_chunk_size's split-row kernels
         (dict(options=LossOptions(vocab_chunk_size=4096)), "vocab_chunk_size"),
         (dict(capability=None), "sm_90a"),
         (dict(capability=(8, 0)), "sm_90a"),
@@ -128,8 +138,8 @@ def test_selection_accepts_every_supported_feature():
         (dict(weight_tma_ready=False), "contiguous"),
     ],
 )
-def test_selection_falls_back(change, reason):
-    ok, why = _applicable(**change)
+def test_selection_falls_back(monkeypatch, change, reason):
+    ok, why = _applicable(**change, monkeypatch=monkeypatch)
     assert not ok and reason in why
 
 
@@ -176,13 +186,17 @@ def test_rows_match_the_chunk_kernel(reduction, feature, ignore_index):
     opts = dict(FUSED_FEATURES[feature])
     ce_weight = (torch.rand(vocab, generator=gen) + 0.5) if opts.pop("ce_weight", False) else None
     options = LossOptions(reduction=reduction, ignore_index=ignore_index, **opts)
-    stats, scalars = _scalars(options, target, ce_weight, vocab)
+    _, scalars = _scalars(options, target, ce_weight, vocab)
 
-    softcapped = z if options.softcap is None else options.softcap * torch.tanh(z / options.softcap)
-    ours = rows_from_forward_statistics(
-        _dense_statistics(softcapped, target), target, ce_weight, options, scalars, vocab
+    hook = LossOnlyStatistics(
+        applicable=None, statistics=lambda x, w, y, bias, softcap, with_logit_sum: _dense_statistics(x.float(), y)
     )
-    expected = RowOutputs.allocate(rows, options, z.device)
+    softcapped = z if options.softcap is None else options.softcap * torch.tanh(z / options.softcap)
+    # The "GEMM" of an identity weight: the statistics of the given logits.
+    ours = fused.run_fused_statistics(
+        hook, softcapped, torch.eye(vocab), target, None, ce_weight, options, torch.float32, scalars
+    )
+    expected = allocate_rows(rows, options, z.device)
     torch_chunk(
         z.clone(), target, ce_weight, scalars, **expected.chunk_kwargs(0, rows), row_grad_scale=None, compute_grad=False
     )
@@ -191,17 +205,6 @@ def test_rows_match_the_chunk_kernel(reduction, feature, ignore_index):
         assert (got is None) == (want is None), name
         if got is not None:
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=name)
-    got, want = reduce_rows(ours, options, scalars, stats), reduce_rows(expected, options, scalars, stats)
-    torch.testing.assert_close(got.loss, want.loss, rtol=2e-5, atol=2e-5)
-
-
-def test_rows_refuse_smoothing_with_weights():
-    options = LossOptions(label_smoothing=0.1)
-    target = torch.tensor([0, 1])
-    weight = torch.ones(3)
-    _, scalars = _scalars(options, target, weight, 3)
-    with pytest.raises(ValueError, match="class weights"):
-        rows_from_forward_statistics(_dense_statistics(torch.zeros(2, 3), target), target, weight, options, scalars, 3)
 
 
 # ---------------------------------------------------------------------- the whole call on CPU
@@ -229,24 +232,25 @@ def _kernel_stand_in(input, weight, target, bias=None, softcap=None, with_logit_
 def fused_on_cpu(monkeypatch):
     """Makes the CPU look like a Hopper GPU with the cutedsl backend: the chunked driver
     runs the torch chunk kernel, the fused path the dense stand-in. -> list of calls."""
-    spec = dataclasses.replace(get_backend("torch"), name="cutedsl")
-    monkeypatch.setattr(functional, "resolve_backend", lambda backend, device: spec)
-    monkeypatch.setattr(functional, "_cuda_capability", lambda device: HOPPER)
-    stand_in = types.ModuleType("flce.backends.cutedsl.fused_forward")
-    stand_in.fused_forward_statistics = _kernel_stand_in
-    monkeypatch.setitem(sys.modules, "flce.backends.cutedsl.fused_forward", stand_in)
+    spec = dataclasses.replace(
+        get_backend("torch"),
+        name="cutedsl",
+        loss_only=LossOnlyStatistics(applicable=fused_forward_applicable, statistics=_kernel_stand_in),
+    )
+    monkeypatch.setattr(flce_plan, "resolve_backend", lambda backend, device: spec)
+    monkeypatch.setattr(cutedsl, "_capability", lambda device_type, index: HOPPER)
     return _count_fused_calls(monkeypatch)
 
 
 def _count_fused_calls(monkeypatch) -> list:
     calls = []
-    real = functional._fused_forward_rows
+    real = fused.run_fused_statistics
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(functional, "_fused_forward_rows", counted)
+    monkeypatch.setattr(flce_plan, "run_fused_statistics", counted)
     return calls
 
 
@@ -393,7 +397,7 @@ def test_cpu_falls_back_silently_and_correctly(fused_on_cpu, monkeypatch, why):
         x, w = x.float(), w.float().t().contiguous().t()
         autocast = torch.autocast("cpu", dtype=BF16)
     elif why == "not_hopper":
-        monkeypatch.setattr(functional, "_cuda_capability", lambda device: (10, 0))
+        monkeypatch.setattr(cutedsl, "_capability", lambda device_type, index: (10, 0))
     with torch.no_grad(), autocast:
         out = flce.fused_linear_cross_entropy(x, w, y, ce_weight=ce_weight, backend="cutedsl", **kwargs)
     assert len(fused_on_cpu) == 0

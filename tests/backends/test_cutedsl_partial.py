@@ -1,5 +1,5 @@
 """The cutedsl split-row kernels (``flce.backends.cutedsl.partial``) against the torch
-split-row kernels (``flce.split_rows.TorchSplitRowKernels``) and float64 math.
+split-row kernels (``flce.backends.torch.partial.TorchSplitRowKernels``) and float64 math.
 
 A block of ``V_r`` columns is cut out of a longer row (so the whole row's max and sum,
 which the gradient takes, differ from the block's own). Each fp32 output and the gradient
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from flce.backends.base import ChunkScalars
-from flce.split_rows import CuteSplitRowKernels, TorchSplitRowKernels, split_row_kernels
+from flce.backends.torch.partial import TorchSplitRowKernels
+from flce.dispatch import get_backend, split_row_kernels
 from tests.backends.cutedsl_gpu import DEVICE, DTYPES, EPS_FP32, EPS_GRAD, K, skip_module_without_cutedsl
 
 skip_module_without_cutedsl("cutedsl split-row kernel tests")
@@ -136,7 +137,7 @@ class Block:
 def check_statistics(b: Block) -> None:
     smoothing, argmax = bool(b.opts.get("smoothing")), bool(b.opts.get("argmax"))
     outs = {}
-    for name, kernels in (("ours", CuteSplitRowKernels()), ("torch", TorchSplitRowKernels())):
+    for name, kernels in (("ours", get_backend("cutedsl").split_rows()), ("torch", TorchSplitRowKernels())):
         logits = b.block()
         before = logits.clone()
         target = b.stats_target if name == "ours" else b.stats_target.long()  # torch gathers need int64
@@ -250,7 +251,7 @@ def check_gradient(b: Block) -> None:
     w_y = b.ce_full[safe_target] if b.ce_full is not None else torch.ones_like(lse)
 
     grads = {}
-    for name, kernels in (("ours", CuteSplitRowKernels()), ("torch", TorchSplitRowKernels())):
+    for name, kernels in (("ours", get_backend("cutedsl").split_rows()), ("torch", TorchSplitRowKernels())):
         logits = b.block()
         target = b.grad_target if name == "ours" else b.grad_target.long()
         kernels.gradient(logits, target, b.ce_local, row_max, inv_sum, w_y, lse, b.row_scale, scalars, eps)
@@ -366,8 +367,7 @@ def test_bad_inputs_are_refused():
 
 
 def test_split_row_kernels_picks_cutedsl():
-    kernels = split_row_kernels("cutedsl", DEVICE, "test")
-    assert isinstance(kernels, CuteSplitRowKernels)
+    kernels = split_row_kernels("cutedsl", DEVICE)
     assert kernels.name == "cutedsl" and kernels.extra_bytes_per_logit == 0
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flce.backends.triton import availability
-from flce.driver import scale_gradients_
+from flce.driver.scaling import scale_gradients_
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not availability(DEVICE)[0], reason=availability(DEVICE)[1] or "triton available")

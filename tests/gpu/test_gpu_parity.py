@@ -119,12 +119,12 @@ def test_no_memory_growth_over_200_steps(backend):
 @pytest.mark.parametrize("backend", ["triton", "cutedsl", "torch"])
 @pytest.mark.parametrize("n,v", [(8192, 32000), (8192, 128256), (4096, 151936)])
 def test_peak_memory_follows_the_documented_formula(backend, n, v):
-    """Peak extra memory within 10% of the formula in flce/driver.py's docstring (for the
+    """Peak extra memory within 10% of the formula in flce/driver/sizing.py's docstring (for the
     torch backend, whose workspace term is an upper bound: at most the formula + 10%)."""
     _require(backend)
     import flce
     from flce.dispatch import get_backend
-    from flce.driver import peak_extra_bytes, whole_row_chunk_size
+    from flce.driver.sizing import peak_extra_bytes, whole_row_chunk_size
 
     h = 4096
     x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -168,7 +168,7 @@ def test_vocabulary_blocks_real_vocabularies(backend, vocab, feature, dtype):
 @pytest.mark.parametrize("chunk_size", [2048, None], ids=["2048-rows", "one-chunk"])
 def test_vocabulary_blocks_peak_memory(chunk_size):
     """Exact fp32 dW with only a block of it in fp32: peak extra within the formula of
-    flce.driver.run_vocab_blocks (+10%), far below the whole-row driver's. With one row
+    flce.driver.vocab_blocks (+10%), far below the whole-row driver's. With one row
     chunk (the default here) each dW block is written directly: no V_b x H fp32 term."""
     _require("triton")
     import flce

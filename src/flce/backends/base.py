@@ -1,68 +1,36 @@
-"""The contract between the shared chunked driver and a backend's cross-entropy kernel.
+"""The contracts between the drivers and a backend: the kernels a backend supplies and
+the ``BackendSpec`` it registers with ``flce.dispatch``.
 
-A backend supplies one function, a *chunk CE kernel*, that takes a block of rows of
-logits and computes, per row and in fp32 whatever the logits dtype, every quantity
-the loss needs, and (optionally) overwrites the logits in place with the gradient.
-The driver (``flce.driver``) owns everything else: GEMMs, chunking, reductions,
-dW/db accumulation, autograd. Backends differ in their kernels, not in their control flow.
+A backend supplies, per loss head, kernels over blocks of rows of logits that compute
+per row, in fp32 whatever the logits dtype, every quantity the loss needs and (when
+asked) the gradient with respect to the logits, written in place or into ``grad_out``.
+The drivers (``flce.driver``) own everything else: GEMMs, chunking, reductions, dW/db
+accumulation, autograd. Backends differ in their kernels, not in their control flow.
 
-Per-row math (``z`` a row of logits, ``y`` its target, ``c`` the softcap, ``w`` the
-class weights, ``W = sum(w)`` (``V`` without weights), ``ls`` the label smoothing,
-``eps = ls / V``, ``s`` the z-loss scale)::
+The cross-entropy kernels answer to the row math of ``flce.rows.cross_entropy``
+(formulas, the grouped gradient form and why, ignored rows).
 
-    z'    = c * tanh(z / c)            (z' = z without softcap)
-    lse   = logsumexp(z'),  p = softmax(z')
-    ce    = (1 - ls) * w_y * (lse - z'_y) + eps * (W * lse - sum_i w_i z'_i)
-    zl    = s * lse**2
-    st    = p_y  (detached)  if use_token_scaling else 1
-    loss_out = st * ce,  z_loss_out = st * zl
+Slots of a ``BackendSpec``:
 
-    dce_i = ((1 - ls) * w_y + eps * W) * p_i - eps * w_i - (1 - ls) * w_y * [i == y]
-    dzl_i = 2 * s * lse * p_i
-    grad_i = st * row_grad_scale * (ce_grad_scale * dce_i + z_grad_scale * dzl_i) * dz'_i/dz_i
-    dz'_i/dz_i = 1 - (z'_i / c)**2      (1 without softcap)
-
-Numerics: evaluate the gradient in the grouped form
-
-    grad_i = ce_grad_scale * ((1 - ls) * w_y * (p_i - [i == y]) + eps * (W * p_i - w_i))
-           + z_grad_scale * 2 * s * lse * p_i
-
-(then ``* st * row_grad_scale * dz'_i/dz_i``), with ``p_i = exp((z'_i - m) - log(sum))``
-from the row max ``m``. Each group cancels exactly where the true value is ~0 (a
-confident row, ``p_y ~ 1``; ``V = 1``), where the expanded coefficient form
-``a * p_i - b_i - c * [i == y]`` leaves rounding residue larger than the true gradient.
-
-Rows whose target equals ``ignore_index`` get loss 0, z-loss 0, correct 0,
-predicted -1 and an all-zero gradient row. ``ignore_index`` may be a real class id.
+- ``cross_entropy_chunk`` (``ChunkCEKernel``): whole rows of a token chunk;
+- ``split_rows`` (``SplitRowKernels``): rows split into column blocks (vocabulary blocks,
+  vocab-parallel shards): block statistics, then the gradient given the whole row's;
+- ``loss_only`` (``LossOnlyStatistics``, optional): whole-row statistics straight from
+  the GEMM, for calls without gradients;
+- ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
+  forward computed, skipped on the device when the scale is 1.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-@dataclass(frozen=True)
-class ChunkScalars:
-    """Scalars that are the same for every chunk of one call.
-
-    ``ce_grad_scale`` and ``z_grad_scale`` fold the reduction into the gradient:
-    for ``reduction="mean"`` they are ``1 / sum(w_y)`` (``1 / n_valid`` without
-    weights) and ``1 / n_valid``; for ``"sum"`` and ``"none"`` both are 1. They are 0
-    when every row is ignored, so nothing divides by zero.
-    """
-
-    ignore_index: int
-    label_smoothing: float
-    lse_square_scale: float
-    softcap: float | None
-    use_token_scaling: bool
-    ce_grad_scale: float
-    z_grad_scale: float
-    weight_sum: float  # sum of ce_weight over the vocabulary (V when there are no weights)
+from flce.rows.cross_entropy import BlockStatistics, ChunkScalars
 
 
 class ChunkCEKernel(Protocol):
@@ -119,35 +87,140 @@ def gradient_destination(logits: torch.Tensor, grad_out: torch.Tensor | None, co
     return grad_out
 
 
+class SplitRowKernels(Protocol):
+    """Kernels for rows whose vocabulary is split into column blocks: per block, statistics
+    relative to the block's own max; later, given the whole row's max and sum, the
+    gradient (``flce.driver.vocab_blocks``, ``flce.parallel``).
+
+    ``extra_bytes_per_logit``: the fp32 workspace per logit beyond the block (0 in place).
+    """
+
+    name: str
+    extra_bytes_per_logit: int
+
+    def statistics(
+        self,
+        logits: torch.Tensor,  # (C, V_b) compute dtype, unit stride along V_b
+        local_target: torch.Tensor,  # (C,) int64 column of the target, outside [0, V_b) where absent
+        ce_local: torch.Tensor | None,  # (V_b,) fp32 class weights of the block's columns
+        softcap: float | None,
+        *,
+        with_smoothing: bool,
+        with_argmax: bool,
+    ) -> BlockStatistics: ...
+
+    def gradient(
+        self,
+        logits: torch.Tensor,  # (C, V_b); overwritten with dL/dlogits
+        grad_target: torch.Tensor,  # (C,) target column in the block, V_b where absent, -1 on ignored rows
+        ce_local: torch.Tensor | None,  # (V_b,) fp32
+        row_max: torch.Tensor,  # (C,) fp32 the whole row's max of z'
+        inv_sum: torch.Tensor,  # (C,) fp32 1 / sum_i exp(z'_i - row_max) over the whole row
+        w_y: torch.Tensor,  # (C,) fp32 class weight of the target
+        lse: torch.Tensor,  # (C,) fp32
+        row_scale: torch.Tensor,  # (C,) fp32 flce.rows.cross_entropy.row_scale (0 on ignored rows)
+        scalars: ChunkScalars,
+        eps: float,  # label_smoothing / V (the whole vocabulary)
+    ) -> None: ...
+
+
+class InPlaceSplitRowKernels:
+    """``SplitRowKernels`` from a kernel module with ``partial_statistics`` and
+    ``partial_gradient`` (the contract of ``flce.backends.triton.partial``), imported on
+    first use: no fp32 copy of the block."""
+
+    extra_bytes_per_logit = 0
+
+    def __init__(self, name: str, module: str) -> None:
+        self.name = name
+        self._module = module
+
+    def _kernels(self):
+        return importlib.import_module(self._module)
+
+    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax) -> BlockStatistics:
+        return BlockStatistics(
+            *self._kernels().partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
+        )
+
+    def gradient(
+        self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars: ChunkScalars, eps: float
+    ) -> None:
+        # The grouped gradient's per-row coefficients (flce.rows.cross_entropy), folded here
+        # so the kernel does one FMA chain per element.
+        ce_scale = scalars.ce_grad_scale
+        onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
+        smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
+        s = scalars.lse_square_scale
+        z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
+        self._kernels().partial_gradient(
+            logits,
+            grad_target.contiguous(),
+            ce_local,
+            row_max.contiguous(),
+            inv_sum.contiguous(),
+            onehot_coef.contiguous(),
+            smooth_coef,
+            z_coef,
+            scalars.weight_sum,
+            scalars.softcap,
+        )
+
+
+@dataclass(frozen=True)
+class LossOnlyStatistics:
+    """Optional slot: whole-row statistics of ``z' = softcap(x W^T + b)`` from one GEMM whose
+    epilogue reduces each logits tile (no logits buffer), for calls without gradients.
+
+    ``applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)`` -> ``(ok, reason)``;
+    ``statistics(x, w, target, bias=, softcap=, with_logit_sum=)`` -> dict of (N,) tensors
+    ``lse``, ``target_logit``, ``predicted`` (and ``logit_sum``).
+    """
+
+    applicable: Callable[[torch.device, torch.dtype, int, int, bool], tuple[bool, str]]
+    statistics: Callable[..., dict]
+
+
 @dataclass(frozen=True)
 class BackendSpec:
     """What a backend registers with ``flce.dispatch``.
 
     ``availability(device)`` returns ``(True, "")`` or ``(False, reason)``; the reason
     is shown to users (``flce info``, errors on explicit request). It must be cheap and
-    must not raise. ``extra_bytes_per_logit`` is the kernel's fp32 workspace per logit
-    beyond the chunk itself (0 for in-place kernels); the driver's chunk sizing uses it.
-    ``auto_priority``: higher wins in auto dispatch among available backends.
+    must not raise. ``extra_bytes_per_logit`` is the chunk kernel's fp32 workspace per
+    logit beyond the chunk itself (0 for in-place kernels); the driver's chunk sizing
+    uses it. ``auto_priority``: higher wins in auto dispatch among available backends.
+    ``split_rows`` builds the backend's ``SplitRowKernels`` (every registered backend has
+    them; a spec without them cannot run the vocabulary-block or vocab-parallel schemes).
     """
 
     name: str
     cross_entropy_chunk: ChunkCEKernel
-    availability: callable
+    availability: Callable[[torch.device], tuple[bool, str]]
     extra_bytes_per_logit: int
     auto_priority: int
     description: str
+    split_rows: Callable[[], SplitRowKernels] | None = None
+    loss_only: LossOnlyStatistics | None = None
+    scale_unless_one: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+
+def lazy_function(module: str, name: str) -> Callable:
+    """``module.name``, imported on its first call, so importing a backend package never
+    needs the optional dependency (Triton, CUTLASS) of its kernels."""
+    function = None
+
+    def call(*args, **kwargs):
+        nonlocal function
+        if function is None:
+            function = getattr(importlib.import_module(module), name)
+        return function(*args, **kwargs)
+
+    call.__doc__ = f"``{module}.{name}``, imported on first use."
+    call.__name__ = name
+    return call
 
 
 def lazy_chunk_kernel(module: str) -> ChunkCEKernel:
-    """A ``ChunkCEKernel`` that imports ``module`` (and its DSL: Triton, CUTLASS) on its
-    first call, so importing a backend package never needs the optional dependency."""
-    kernel = None
-
-    def cross_entropy_chunk(*args, **kwargs) -> None:
-        nonlocal kernel
-        if kernel is None:
-            kernel = importlib.import_module(module).cross_entropy_chunk
-        kernel(*args, **kwargs)
-
-    cross_entropy_chunk.__doc__ = f"``{module}.cross_entropy_chunk``, imported on first use."
-    return cross_entropy_chunk
+    """The ``cross_entropy_chunk`` of ``module``, imported on first use."""
+    return lazy_function(module, "cross_entropy_chunk")

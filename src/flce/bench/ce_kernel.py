@@ -204,13 +204,15 @@ def _flce_available(backend: str) -> KernelCheckFn:
 def _flce_kernel_make(backend: str) -> MakeStepFn:
     def make(case: KernelCase, inputs: LogitsInputs) -> Step:
         from flce.dispatch import get_backend
-        from flce.driver import RowOutputs, batch_statistics, chunk_scalars, default_chunk_size, reduce_rows
+        from flce.driver.chunks import allocate_rows
+        from flce.driver.sizing import default_chunk_size
+        from flce.driver.statistics import batch_statistics, chunk_scalars
 
         spec = get_backend(backend)
         options = flce_options(case.loss)
         stats = batch_statistics(inputs.target, inputs.ce_weight, case.v, options.ignore_index)
         scalars = chunk_scalars(options, stats)
-        rows = RowOutputs.allocate(case.n, options, case.device)
+        rows = allocate_rows(case.n, options, case.device)
         # In-place kernels take all rows in one launch; a kernel with a workspace per logit
         # (the torch backend) gets the chunks the library would give it, so memory stays bounded.
         step = case.n
@@ -231,7 +233,7 @@ def _flce_kernel_make(backend: str) -> MakeStepFn:
                     compute_grad=True,
                 )
 
-        return Step(run, lambda: reduce_rows(rows, options, scalars, stats).loss)
+        return Step(run, lambda: rows.loss.sum() * scalars.ce_grad_scale)
 
     return make
 
@@ -277,7 +279,7 @@ def _liger_batch_numbers(case: KernelCase, inputs: LogitsInputs) -> tuple[int, i
     """Liger's per-call host numbers, read once, untimed: the non-ignored rows, their
     summed class weight and the weights' sum. Without weights Liger passes the row count
     (an int) and 0.0; the same Python types give the same Triton specialization."""
-    from flce.driver import batch_statistics
+    from flce.driver.statistics import batch_statistics
 
     stats = batch_statistics(inputs.target, inputs.ce_weight, case.v, case.loss.ignore_index)
     if inputs.ce_weight is None:

@@ -10,8 +10,13 @@ from functools import cache
 
 import torch
 
-from flce.backends.base import BackendSpec, lazy_chunk_kernel
-from flce.options import LossOptions
+from flce.backends.base import (
+    BackendSpec,
+    InPlaceSplitRowKernels,
+    LossOnlyStatistics,
+    lazy_chunk_kernel,
+    lazy_function,
+)
 
 MIN_CAPABILITY = (9, 0)
 INSTALL_HINT = "pip install 'flce[cutedsl]'"
@@ -20,32 +25,19 @@ FUSED_FORWARD_MAX_VOCAB = (2**31 - 1) // 2  # the kernel's int32 column indices
 
 
 def fused_forward_applicable(
-    options: LossOptions,
-    backend: str | None,
-    capability: tuple[int, int] | None,
+    device: torch.device,
     compute_dtype: torch.dtype,
     hidden: int,
     vocab: int,
-    has_ce_weight: bool,
     weight_tma_ready: bool,
 ) -> tuple[bool, str]:
-    """Whether a loss-only call (no gradient anywhere) computes its per-row outputs from
-    ``fused_forward.fused_forward_statistics`` (one GEMM whose epilogue keeps a few numbers
-    per row; no logits buffer at all) instead of the chunked driver. ``(True, "")``, or
-    ``(False, reason)``: the caller then runs the chunked driver, which supports everything.
-
-    ``backend`` is the resolved backend's name (None for ``vocab_chunk_size``'s split-row
-    kernels), ``capability`` the CUDA device's compute capability (None off CUDA), and
-    ``weight_tma_ready`` whether the weight, once in ``compute_dtype``, is contiguous and
-    16-byte aligned.
-    """
-    # The user chose (or auto dispatch picked) the CuTe DSL backend: on this device and
-    # installation the fused kernel's dependencies are then known to be present.
-    if backend != "cutedsl":
-        return False, f"backend is {backend!r}, not 'cutedsl'"
-    # vocab_chunk_size asks for the vocabulary-block scheme explicitly; it is honoured.
-    if options.vocab_chunk_size is not None:
-        return False, "vocab_chunk_size selects the vocabulary-block driver"
+    """Whether ``fused_forward.fused_forward_statistics`` (one GEMM whose epilogue keeps a
+    few numbers per row; no logits buffer at all) can compute a call's whole-row
+    statistics: ``(True, "")``, or ``(False, reason)``, and the caller runs the chunked
+    driver, which supports everything. ``weight_tma_ready``: whether the weight, once in
+    ``compute_dtype``, is contiguous and 16-byte aligned. The backend is usable on
+    ``device`` (the registry checked), so the kernel's dependencies are present."""
+    capability = _capability(device.type, device.index)
     # WGMMA and TMA multicast are sm_90a instructions: Hopper only, not later architectures.
     if capability is None or capability[0] != 9:
         return False, f"the fused kernel is built for sm_90a (Hopper), device has {capability}"
@@ -58,14 +50,18 @@ def fused_forward_applicable(
         return False, f"H={hidden} is not a positive multiple of {FUSED_FORWARD_BLOCK_K}"
     if vocab > FUSED_FORWARD_MAX_VOCAB:
         return False, f"V={vocab} exceeds the kernel's int32 column indices"
-    # Label smoothing with class weights needs sum_i w_i z'_i; the kernel sums z'_i only.
-    if options.label_smoothing > 0 and has_ce_weight:
-        return False, "label smoothing with class weights needs a weighted logit sum"
     # TMA reads the weight in place, which needs it row-major and aligned; the chunked
     # driver takes any layout without copying the V x H weight.
     if not weight_tma_ready:
         return False, "the weight is not contiguous and 16-byte aligned"
     return True, ""
+
+
+@cache
+def _capability(device_type: str, index: int | None) -> tuple[int, int] | None:
+    if device_type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
 @cache
@@ -118,8 +114,13 @@ def availability(device: torch.device) -> tuple[bool, str]:
 BACKEND = BackendSpec(
     name="cutedsl",
     cross_entropy_chunk=lazy_chunk_kernel("flce.backends.cutedsl.ce"),
+    split_rows=lambda: InPlaceSplitRowKernels("cutedsl", "flce.backends.cutedsl.partial"),
     availability=availability,
     extra_bytes_per_logit=0,
     auto_priority=20,
     description="CuTe DSL chunk CE kernel (sm_90+): one pass of online softmax, gradient in place",
+    loss_only=LossOnlyStatistics(
+        applicable=fused_forward_applicable,
+        statistics=lazy_function("flce.backends.cutedsl.fused_forward", "fused_forward_statistics"),
+    ),
 )

@@ -6,6 +6,7 @@ import torch
 
 from flce.backends.base import BackendSpec
 from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT, cross_entropy_chunk
+from flce.backends.torch.partial import TorchSplitRowKernels
 
 
 def availability(device: torch.device) -> tuple[bool, str]:
@@ -15,6 +16,7 @@ def availability(device: torch.device) -> tuple[bool, str]:
 BACKEND = BackendSpec(
     name="torch",
     cross_entropy_chunk=cross_entropy_chunk,
+    split_rows=TorchSplitRowKernels,
     availability=availability,
     extra_bytes_per_logit=EXTRA_BYTES_PER_LOGIT,
     auto_priority=0,

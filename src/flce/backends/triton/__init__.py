@@ -11,7 +11,7 @@ from functools import cache
 
 import torch
 
-from flce.backends.base import BackendSpec, lazy_chunk_kernel
+from flce.backends.base import BackendSpec, InPlaceSplitRowKernels, lazy_chunk_kernel, lazy_function
 
 _INSTALL_HINT = "pip install 'flce[triton]'"
 
@@ -64,8 +64,10 @@ def availability(device: torch.device) -> tuple[bool, str]:
 BACKEND = BackendSpec(
     name="triton",
     cross_entropy_chunk=lazy_chunk_kernel("flce.backends.triton.ce"),
+    split_rows=lambda: InPlaceSplitRowKernels("triton", "flce.backends.triton.partial"),
     availability=availability,
     extra_bytes_per_logit=0,
     auto_priority=10,
     description="fused two-pass Triton CE kernel, in place (no fp32 workspace); CUDA GPUs",
+    scale_unless_one=lazy_function("flce.backends.triton.scale", "scale_unless_one_"),
 )

@@ -1,0 +1,34 @@
+"""The upstream-gradient scaling of gradients computed in the forward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from flce.dispatch import gradient_scaler
+
+
+def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> None:
+    """Multiplies each gradient by the 0-dim upstream gradient in place.
+
+    Where a backend registers a scaling kernel for the device (Triton's, on CUDA and
+    under its interpreter) the pass over dW and dX is skipped on the device when
+    ``grad_loss`` is exactly 1, as it is for ``loss.backward()``, without reading it on
+    the host; elsewhere a plain ``mul_``.
+    """
+    present = [g for g in gradients if g is not None]
+    if not present:
+        return
+    scale_unless_one_ = gradient_scaler(present[0].device)
+    for gradient in present:
+        if scale_unless_one_ is not None and gradient.is_contiguous():
+            scale_unless_one_(gradient, grad_loss)
+        else:
+            gradient.mul_(grad_loss.to(gradient.dtype))
+
+
+def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> list[torch.Tensor | None]:
+    """Each gradient times the 0-dim upstream gradient, out of place (for callers that
+    must not modify the gradients they hold, such as a custom op's saved outputs)."""
+    return [None if g is None else g * grad_loss.to(g.dtype) for g in gradients]

@@ -1,0 +1,188 @@
+"""The vocabulary-block scheme (``vocab_chunk_size=``): token chunks x vocabulary blocks.
+
+Pass 1 runs the logits GEMM block by block and merges each block's row statistics
+(max, sum of exp, target logit, smoothing sum, argmax) into the whole row's
+(``flce.rows.cross_entropy.BlockStatistics``). Pass 2, only for gradients, recomputes
+each block's logits, writes their gradient in place (the backend's split-row kernels)
+and finishes that block of dW in one fp32 accumulator of ``V_b x H`` before moving on
+(or, when one chunk holds every row, writes it into dW directly: one GEMM accumulates in
+fp32 inside); dX is accumulated in fp32 over the blocks. Exact fp32 accumulation of both
+with peak extra memory ``C*V_b*(itemsize + extra) + V_b*H*4 + N*H*4 + dW + dX`` (no
+``V_b*H*4`` term with one row chunk) instead of a ``V x H`` fp32 buffer, for one more
+logits GEMM (8NVH FLOPs instead of 6NVH).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flce.backends.base import SplitRowKernels
+from flce.driver.chunks import Gradients, GradRequest, allocate_rows, in_compute_dtype
+from flce.driver.gemm import (
+    accumulate_product,
+    full_precision_reductions,
+    weight_accumulator_dtype,
+    weight_grad_in_one_gemm,
+)
+from flce.driver.sizing import default_chunk_size
+from flce.options import LossOptions
+from flce.rows.cross_entropy import (
+    BlockStatistics,
+    ChunkScalars,
+    RowOutputs,
+    combine_blocks,
+    gather_safe_target,
+    row_scale,
+    rows_from_statistics,
+)
+
+
+def run_vocab_blocks(
+    input: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    target: torch.Tensor,  # (N,)
+    bias: torch.Tensor | None,  # (V,)
+    ce_weight: torch.Tensor | None,  # (V,) fp32
+    options: LossOptions,
+    kernels: SplitRowKernels,
+    compute_dtype: torch.dtype,
+    scalars: ChunkScalars,
+    request: GradRequest,
+    row_grad_scale: torch.Tensor | None = None,  # (N,) fp32
+) -> tuple[RowOutputs, Gradients]:
+    """The driver over token chunks x vocabulary blocks of ``options.vocab_chunk_size``."""
+    n_rows, hidden = input.shape
+    vocab = weight.shape[0]
+    device = input.device
+    rows = allocate_rows(n_rows, options, device)
+    block = max(1, min(options.vocab_chunk_size, vocab))
+    chunk = options.chunk_size or default_chunk_size(n_rows, block, compute_dtype, kernels.extra_bytes_per_logit)
+    chunk = max(1, min(chunk, max(n_rows, 1)))
+    w = in_compute_dtype(weight, compute_dtype)
+    b = in_compute_dtype(bias, compute_dtype)
+    smoothing = scalars.label_smoothing > 0
+    valid = target != scalars.ignore_index
+    safe_target = gather_safe_target(target, valid)
+    buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device) if n_rows else None
+
+    def blocks():
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            yield v0, v1, None if ce_weight is None else ce_weight[v0:v1]
+
+    def logits_of(r0: int, r1: int, v0: int, v1: int, x: torch.Tensor) -> torch.Tensor:
+        logits = buffer[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)  # (C, V_b) contiguous
+        if b is None:
+            torch.mm(x, w[v0:v1].t(), out=logits)
+        else:
+            torch.addmm(b[v0:v1], x, w[v0:v1].t(), out=logits)
+        return logits
+
+    def chunks():
+        for r0 in range(0, n_rows, chunk):
+            r1 = min(r0 + chunk, n_rows)
+            yield r0, r1, in_compute_dtype(input[r0:r1], compute_dtype)
+
+    def local_target(r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        local = safe_target[r0:r1] - v0
+        return local, valid[r0:r1] & (local >= 0) & (local < v1 - v0)
+
+    # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
+    # and block), then combined over the blocks the way the vocab-parallel loss combines
+    # them over ranks (``combine_blocks``).
+    block_starts = list(range(0, vocab, block))
+    f32 = dict(dtype=torch.float32, device=device)
+    per_block = BlockStatistics(
+        row_max=torch.empty(len(block_starts), n_rows, **f32),
+        row_sum=torch.empty(len(block_starts), n_rows, **f32),
+        target_shifted=torch.zeros(len(block_starts), n_rows, **f32),
+        smooth_shifted=torch.empty(len(block_starts), n_rows, **f32) if smoothing else None,
+        argmax=torch.empty(len(block_starts), n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
+    )
+    owned_by = torch.zeros(len(block_starts), n_rows, dtype=torch.bool, device=device)
+    block_weight_sums = torch.empty(len(block_starts), **f32)
+    for index, (v0, v1, ce_block) in enumerate(blocks()):
+        block_weight_sums[index] = ce_block.sum() if ce_block is not None else float(v1 - v0)
+        for r0, r1, x in chunks():
+            local, owned = local_target(r0, r1, v0, v1)
+            stats = kernels.statistics(
+                logits_of(r0, r1, v0, v1, x),
+                torch.where(owned, local, v1 - v0),
+                ce_block,
+                scalars.softcap,
+                with_smoothing=smoothing,
+                with_argmax=per_block.argmax is not None,
+            )
+            per_block.store(index, slice(r0, r1), stats, column_offset=v0)
+            owned_by[index, r0:r1] = owned
+    whole = combine_blocks(per_block, owned_by, block_weight_sums)
+
+    row_max, log_s = whole.row_max, torch.log(whole.row_sum)
+    token_scale = rows_from_statistics(
+        rows,
+        target,
+        valid,
+        row_max,
+        log_s,
+        whole.target_shifted,
+        whole.smooth_shifted,
+        whole.argmax,
+        ce_weight,
+        scalars,
+        vocab,
+    )
+    if not request.any:
+        return rows, Gradients(None, None, None)
+
+    # Pass 2: the gradient, block by block; each block of dW is final when its loop ends.
+    scale = row_scale(valid, token_scale, row_grad_scale)
+    lse = row_max + log_s
+    inv_sum = 1.0 / whole.row_sum
+    w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
+    eps = scalars.smoothing_eps(vocab)
+    dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None
+    dw = torch.empty(vocab, hidden, dtype=weight.dtype, device=device) if request.weight else None
+    db = torch.zeros(vocab, **f32) if request.bias else None
+    acc_dtype = weight_accumulator_dtype(options.accum_dtype, weight.dtype)
+    # One row chunk per block: each dW block is written directly, which saves the
+    # V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
+    dw_direct = request.weight and weight_grad_in_one_gemm(n_rows, chunk, weight.dtype, compute_dtype, acc_dtype)
+    for v0, v1, ce_block in blocks():
+        if dw_direct:
+            dw_block = dw[v0:v1]  # (V_b, H) contiguous rows of dW
+        elif request.weight:
+            dw_block = torch.empty(v1 - v0, hidden, dtype=acc_dtype, device=device)
+        else:
+            dw_block = None
+        for r0, r1, x in chunks():
+            local, owned = local_target(r0, r1, v0, v1)
+            grad_target = torch.where(owned, local, torch.where(valid[r0:r1], v1 - v0, -1))
+            grad = logits_of(r0, r1, v0, v1, x)
+            kernels.gradient(
+                grad,
+                grad_target,
+                ce_block,
+                row_max[r0:r1],
+                inv_sum[r0:r1],
+                w_y[r0:r1],
+                lse[r0:r1],
+                scale[r0:r1],
+                scalars,
+                eps,
+            )
+            if dx_acc is not None:
+                accumulate_product(dx_acc[r0:r1], grad, w[v0:v1], first=False)
+            if dw_direct:
+                with full_precision_reductions():
+                    torch.mm(grad.t(), x, out=dw_block)
+            elif dw_block is not None:
+                accumulate_product(dw_block, grad.t(), x, first=r0 == 0)
+            if db is not None:
+                db[v0:v1] += grad.sum(dim=0, dtype=torch.float32)
+        if dw_block is not None and not dw_direct:
+            if n_rows == 0:
+                dw_block.zero_()
+            dw[v0:v1] = dw_block
+            del dw_block
+    dx = None if dx_acc is None else (dx_acc if input.dtype == torch.float32 else dx_acc.to(input.dtype))
+    return rows, Gradients(dx, dw, None if db is None else db.to(bias.dtype))

@@ -1,0 +1,318 @@
+"""The plan of one loss call, and the one forward/backward pair every entry point runs.
+
+A plan holds everything a call decides before its first kernel: the options, the
+backend (``flce.dispatch``), the compute dtype, the batch statistics and the kernel
+scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the operands:
+
+- given logits (``LogitsOperands``, ``flce.cross_entropy``): the chunk kernel over them;
+- a call without gradients, where the backend has a ``loss_only`` slot that applies:
+  whole-row statistics from one fused GEMM, no logits buffer (``flce.driver.fused``);
+- ``vocab_chunk_size``: token chunks x vocabulary blocks (``flce.driver.vocab_blocks``);
+- otherwise token chunks (``flce.driver.chunks``).
+
+``forward`` and ``backward`` are the host functions around ``run``, shared by the
+autograd Function below (``LossFunction``), the no-grad path of the public functions,
+the ``torch.library`` ops (``flce.ops``) and the vocab-parallel loss (whose
+``ParallelPlan`` runs the same pair through its own ``run`` and ``finish_gradients``).
+
+Backward of ``mean``/``sum``: the gradients are computed during the forward (the logits
+exist only there) and scaled by the upstream gradient in backward. The first backward
+of the autograd Function owns them and scales them in place (``scale_gradients_``: on
+CUDA the pass is skipped on the device when the upstream gradient is exactly 1, with no
+host sync); the custom op, which must not modify its saved outputs, scales out of place.
+A repeated backward (``retain_graph=True``) and ``reduction="none"`` recompute the
+gradients with the upstream gradient folded into each row, so scaling never compounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from flce.backends.base import BackendSpec, SplitRowKernels
+from flce.dispatch import resolve_backend, split_row_kernels
+from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
+from flce.driver.fused import loss_only_refusal, run_fused_statistics
+from flce.driver.scaling import scale_gradients_, scaled_gradients
+from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
+from flce.driver.vocab_blocks import run_vocab_blocks
+from flce.options import LossOptions
+from flce.rows.cross_entropy import ChunkScalars, Reduced, RowOutputs, reduce_rows
+
+# ------------------------------------------------------------------ operands
+
+
+@dataclass(frozen=True)
+class LinearOperands:
+    """The fused loss's tensors, validated and flattened."""
+
+    input: torch.Tensor  # (N, H)
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None  # (V,)
+    target: torch.Tensor  # (N,)
+    ce_weight: torch.Tensor | None  # (V,) fp32
+
+    @property
+    def n_rows(self) -> int:
+        return self.input.shape[0]
+
+    def tensors(self) -> tuple:
+        """The autograd inputs, differentiable ones first."""
+        return self.input, self.weight, self.bias, self.target, self.ce_weight
+
+    @staticmethod
+    def request(needs_grad: tuple[bool, ...], has_bias: bool) -> GradRequest:
+        return GradRequest(input=needs_grad[0], weight=needs_grad[1], bias=has_bias and needs_grad[2])
+
+    @staticmethod
+    def gradient_tuple(grads: Gradients) -> tuple:
+        return grads.input, grads.weight, grads.bias, None, None
+
+
+@dataclass(frozen=True)
+class LogitsOperands:
+    """``flce.cross_entropy``'s tensors, validated and flattened; the gradient is dL/dlogits."""
+
+    logits: torch.Tensor  # (N, V)
+    target: torch.Tensor  # (N,)
+    ce_weight: torch.Tensor | None  # (V,) fp32
+
+    @property
+    def n_rows(self) -> int:
+        return self.logits.shape[0]
+
+    def tensors(self) -> tuple:
+        return self.logits, self.target, self.ce_weight
+
+    @staticmethod
+    def request(needs_grad: tuple[bool, ...], has_bias: bool = False) -> GradRequest:
+        return GradRequest(input=needs_grad[0])
+
+    @staticmethod
+    def gradient_tuple(grads: Gradients) -> tuple:
+        return grads.input, None, None
+
+
+Operands = LinearOperands | LogitsOperands
+
+
+# --------------------------------------------------------------------- plans
+
+
+class LossPlan(Protocol):
+    """What ``forward``/``backward`` run a call through (``Plan``, ``flce.parallel``'s plan)."""
+
+    options: LossOptions
+
+    def run(
+        self, operands: Operands, request: GradRequest, row_grad_scale: torch.Tensor | None = None
+    ) -> tuple[RowOutputs, Gradients]: ...
+
+    def reduce(self, rows: RowOutputs) -> Reduced: ...
+
+    def finish_gradients(self, grads: Gradients) -> None: ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything one single-device call decided before its first kernel."""
+
+    options: LossOptions
+    backend: BackendSpec
+    split_kernels: SplitRowKernels | None  # the backend's, with options.vocab_chunk_size
+    compute_dtype: torch.dtype
+    stats: BatchStatistics
+    scalars: ChunkScalars
+
+    def run(
+        self, operands: Operands, request: GradRequest, row_grad_scale: torch.Tensor | None = None
+    ) -> tuple[RowOutputs, Gradients]:
+        """The scheme for these operands (module docstring) -> (RowOutputs, Gradients)."""
+        o = operands
+        if isinstance(o, LogitsOperands):
+            return run_logits_chunks(
+                o.logits, o.target, o.ce_weight, self.options, self.backend, self.scalars, request, row_grad_scale
+            )
+        if not request.any and self._loss_only_applies(o):
+            rows = run_fused_statistics(
+                self.backend.loss_only,
+                o.input,
+                o.weight,
+                o.target,
+                o.bias,
+                o.ce_weight,
+                self.options,
+                self.compute_dtype,
+                self.scalars,
+            )
+            return rows, Gradients(None, None, None)
+        if self.split_kernels is not None:
+            return run_vocab_blocks(
+                o.input,
+                o.weight,
+                o.target,
+                o.bias,
+                o.ce_weight,
+                self.options,
+                self.split_kernels,
+                self.compute_dtype,
+                self.scalars,
+                request,
+                row_grad_scale,
+            )
+        return run_chunks(
+            o.input,
+            o.weight,
+            o.target,
+            o.bias,
+            o.ce_weight,
+            self.options,
+            self.backend,
+            self.compute_dtype,
+            self.scalars,
+            request,
+            row_grad_scale,
+        )
+
+    def _loss_only_applies(self, o: LinearOperands) -> bool:
+        hook = self.backend.loss_only
+        if hook is None or loss_only_refusal(self.options, o.ce_weight is not None) is not None:
+            return False
+        # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
+        weight_tma_ready = o.weight.is_contiguous() and (
+            o.weight.dtype != self.compute_dtype or o.weight.data_ptr() % 16 == 0
+        )
+        applicable, _ = hook.applicable(
+            o.input.device, self.compute_dtype, o.input.shape[1], o.weight.shape[0], weight_tma_ready
+        )
+        return applicable
+
+    def reduce(self, rows: RowOutputs) -> Reduced:
+        o = self.options
+        return reduce_rows(
+            rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, self.stats.accuracy_scale
+        )
+
+    def finish_gradients(self, grads: Gradients) -> None:
+        """Nothing to finish on one device (the parallel plan all-reduces dX here)."""
+
+
+def make_plan(
+    options: LossOptions,
+    device: torch.device,
+    target: torch.Tensor,  # (N,)
+    ce_weight: torch.Tensor | None,  # (V,) fp32
+    vocab: int,
+    compute_dtype: torch.dtype,
+) -> Plan:
+    """Backend (and its split-row kernels for ``vocab_chunk_size``), the batch statistics
+    and the kernel scalars: everything decided before the first kernel."""
+    backend = resolve_backend(options.backend, device)
+    split_kernels = split_row_kernels(options.backend, device) if options.vocab_chunk_size is not None else None
+    stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
+    return Plan(options, backend, split_kernels, compute_dtype, stats, chunk_scalars(options, stats))
+
+
+# ------------------------------------------------------- forward / backward
+
+
+def _no_autocast(device: torch.device):
+    # The drivers pick their dtypes themselves; autocast must not re-cast the kernels' fp32 math.
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _device(operands: Operands) -> torch.device:
+    return operands.tensors()[0].device
+
+
+@dataclass
+class ForwardResult:
+    reduced: Reduced
+    gradients: Gradients | None  # computed in the forward (mean/sum); None: recomputed in backward
+
+
+def forward(plan: LossPlan, operands: Operands, request: GradRequest) -> ForwardResult:
+    """The loss of a call, and the gradients of ``request`` where the forward computes them
+    (``mean``/``sum``; ``reduction="none"`` computes them in ``backward``)."""
+    deferred = plan.options.reduction == "none"
+    with _no_autocast(_device(operands)):
+        rows, grads = plan.run(operands, NO_GRADIENTS if deferred else request)
+    return ForwardResult(plan.reduce(rows), None if deferred or not request.any else grads)
+
+
+def backward(
+    plan: LossPlan,
+    operands: Operands,
+    request: GradRequest,
+    grad_loss: torch.Tensor,  # () for mean/sum, (N,) for "none"
+    saved: Gradients | None,  # forward's gradients, or None to recompute
+    owned: bool,  # whether ``saved`` may be scaled in place
+) -> Gradients:
+    """The gradients of ``request`` times the upstream gradient."""
+    if saved is not None:
+        if owned:
+            scale_gradients_((saved.input, saved.weight, saved.bias), grad_loss)
+            grads = saved
+        else:
+            grads = Gradients(*scaled_gradients((saved.input, saved.weight, saved.bias), grad_loss))
+    else:
+        # reduction="none", or a repeated backward: recompute with the upstream gradient
+        # folded into each row before the dW/db sums.
+        row_grad_scale = grad_loss.float().expand(operands.n_rows).contiguous()
+        with _no_autocast(_device(operands)):
+            _, grads = plan.run(operands, request, row_grad_scale)
+    plan.finish_gradients(grads)
+    return grads
+
+
+def refuse_create_graph() -> None:
+    """Backward runs with grad mode on only under ``create_graph=True``: the gradients these
+    kernels return are not differentiable, so a higher-order gradient would be silently
+    wrong (a detached zero) instead of an error."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            "flce's losses do not support higher-order gradients: backward ran with create_graph=True "
+            "(e.g. torch.autograd.grad(loss, x, create_graph=True) for a gradient penalty). Compute that "
+            "loss with F.linear + F.cross_entropy instead, or take first-order gradients only."
+        )
+
+
+class LossFunction(torch.autograd.Function):
+    """The autograd of every loss call: ``apply(plan, operands_type, *operands.tensors())``
+    -> (loss, z_loss, token_accuracy, predicted_tokens), the unused ones None."""
+
+    @staticmethod
+    def forward(ctx, plan: LossPlan, operands_type: type, *tensors):
+        operands = operands_type(*tensors)
+        request = operands_type.request(ctx.needs_input_grad[2:], tensors[2] is not None)
+        result = forward(plan, operands, request)
+        ctx.plan, ctx.operands_type, ctx.request = plan, operands_type, request
+        ctx.gradients = result.gradients
+        ctx.save_for_backward(*tensors)
+        reduced = result.reduced
+        extras = [t for t in (reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens) if t is not None]
+        if extras:
+            ctx.mark_non_differentiable(*extras)
+        return reduced.as_tuple()
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
+        refuse_create_graph()
+        tensors = ctx.saved_tensors
+        if grad_loss is None:
+            return (None, None) + (None,) * len(tensors)
+        saved, ctx.gradients = ctx.gradients, None
+        grads = backward(ctx.plan, ctx.operands_type(*tensors), ctx.request, grad_loss, saved, owned=True)
+        return (None, None) + ctx.operands_type.gradient_tuple(grads)
+
+
+def run_loss(plan: LossPlan, operands: Operands) -> tuple:
+    """A call through autograd when a differentiable operand requires grad (and grad mode
+    is on), else the forward alone with no gradient work: the reduced outputs as a tuple."""
+    tensors = operands.tensors()
+    n_differentiable = 3 if isinstance(operands, LinearOperands) else 1
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:n_differentiable]):
+        return LossFunction.apply(plan, type(operands), *tensors)
+    return forward(plan, operands, NO_GRADIENTS).reduced.as_tuple()
