@@ -2,6 +2,7 @@
 without materializing the tokens x vocab logits."""
 
 from flce.dispatch import BACKEND_NAMES
+from flce.driver.validation import check_errors
 from flce.functional import cross_entropy, fused_linear_cross_entropy
 from flce.modules import CrossEntropyLoss, FusedLinearCrossEntropyLoss
 from flce.options import LossOptions
@@ -15,6 +16,7 @@ __all__ = [
     "CrossEntropyOutput",
     "FusedLinearCrossEntropyLoss",
     "LossOptions",
+    "check_errors",
     "cross_entropy",
     "fused_linear_cross_entropy",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from flce.driver.validation import raise_pending
 from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
 from flce.output import LossResult, package_result
 from flce.plan import LinearOperands, LogitsOperands, make_plan, run_loss
@@ -29,6 +30,7 @@ def fused_linear_cross_entropy_with_options(
     options: LossOptions,
 ) -> LossResult:
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
+    raise_pending()  # an earlier call's bad input, found on the device since
     compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
     hidden, vocab = input.shape[-1], weight.shape[0]
     operands = LinearOperands(
@@ -52,6 +54,7 @@ def cross_entropy_with_options(
     logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: LossOptions
 ) -> LossResult:
     """``cross_entropy`` with prebuilt options (modules and shims use this)."""
+    raise_pending()
     validate_logits_inputs(logits, target, weight, options)
     vocab = logits.shape[-1]
     operands = LogitsOperands(

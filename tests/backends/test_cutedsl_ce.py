@@ -157,7 +157,8 @@ def make_scalars(target, weight, vocab, opts, ignore_index) -> ChunkScalars:
         weight_sum = float(weight.sum())
     else:
         wsum_valid, weight_sum = float(n_valid), float(vocab)
-    return ChunkScalars(
+    return ChunkScalars.from_numbers(
+        device=DEVICE,
         ignore_index=ignore_index,
         label_smoothing=opts.get("label_smoothing", 0.0),
         lse_square_scale=opts.get("lse_square_scale", 0.0),

@@ -226,7 +226,8 @@ def scalars_for(b: Block) -> tuple[ChunkScalars, float]:
     else:
         wsum_valid, weight_sum = float(n_valid), float(b.total)
     ls = LS if b.opts.get("smoothing") else 0.0
-    scalars = ChunkScalars(
+    scalars = ChunkScalars.from_numbers(
+        device=DEVICE,
         ignore_index=-100,
         label_smoothing=ls,
         lse_square_scale=Z_SCALE if b.opts.get("z_loss") else 0.0,
@@ -331,7 +332,9 @@ def test_empty_rows_and_the_returned_tensors():
     out = cute_partial.partial_statistics(logits, target, None, None, True, True)
     assert [t.shape for t in out] == [(0,)] * 5
     empty = torch.empty(0, device=DEVICE)
-    cute_partial.partial_gradient(logits, target, None, empty, empty, empty, None, None, 100.0, None)
+    cute_partial.partial_gradient(
+        logits, target, None, empty, empty, empty, None, None, torch.tensor(100.0, device=DEVICE), None
+    )
     b = Block(4, 100, torch.bfloat16, "plain", seed=9)
     m, s, t, smooth, argmax = cute_partial.partial_statistics(b.block(), b.stats_target, None, None, False, False)
     assert smooth is None and argmax is None and m.dtype == s.dtype == t.dtype == torch.float32
@@ -363,7 +366,7 @@ def test_bad_inputs_are_refused():
         cute_partial.partial_statistics(z, t, torch.ones(9, device=DEVICE), None, True, False)
     f = torch.zeros(4, device=DEVICE)
     with pytest.raises(TypeError, match="row_max must be float32"):
-        cute_partial.partial_gradient(z, t, None, f.double(), f, f, None, None, 10.0, None)
+        cute_partial.partial_gradient(z, t, None, f.double(), f, f, None, None, torch.tensor(10.0, device=DEVICE), None)
 
 
 def test_split_row_kernels_picks_cutedsl():

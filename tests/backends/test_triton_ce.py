@@ -91,7 +91,8 @@ def make_inputs(num_rows, vocab, dtype, *, seed, ignore_index=-100, ties=False, 
 
 
 def make_scalars(vocab, weight, opts, ignore_index=-100):
-    return ChunkScalars(
+    return ChunkScalars.from_numbers(
+        device=DEVICE,
         ignore_index=ignore_index,
         label_smoothing=opts.get("label_smoothing", 0.0),
         lse_square_scale=opts.get("lse_square_scale", 0.0),

@@ -283,8 +283,8 @@ def _liger_batch_numbers(case: KernelCase, inputs: LogitsInputs) -> tuple[int, i
 
     stats = batch_statistics(inputs.target, inputs.ce_weight, case.v, case.loss.ignore_index)
     if inputs.ce_weight is None:
-        return stats.n_valid, stats.n_valid, 0.0
-    return stats.n_valid, stats.ce_denominator, stats.weight_sum
+        return int(stats.n_valid), int(stats.n_valid), 0.0
+    return int(stats.n_valid), float(stats.ce_denominator), float(stats.weight_sum)
 
 
 def _liger_cute_check(case: KernelCase) -> str | None:

@@ -58,6 +58,7 @@ from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
+from flce.driver.validation import raise_pending
 from flce.options import LossOptions, check_int, validate_ce_weight, validate_fused_inputs
 from flce.output import LossResult, package_result
 from flce.parallel.dtensor import unwrap_dtensors
@@ -319,6 +320,7 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     vocab_start: int | None = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
+    raise_pending()  # an earlier call's bad input, found on the device since
     split_row_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
     input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
         input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start

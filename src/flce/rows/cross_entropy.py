@@ -46,12 +46,17 @@ import torch
 
 @dataclass(frozen=True)
 class ChunkScalars:
-    """Scalars that are the same for every chunk of one call.
+    """Scalars that are the same for every chunk of one call: the options' (Python
+    numbers, which kernels may bake in) and the batch's (``scales``, on the device, which
+    kernels read from memory so that no host sync is needed to know them).
 
-    ``ce_grad_scale`` and ``z_grad_scale`` fold the reduction into the gradient:
-    for ``reduction="mean"`` they are ``1 / sum(w_y)`` (``1 / n_valid`` without
-    weights) and ``1 / n_valid``; for ``"sum"`` and ``"none"`` both are 1. They are 0
-    when every row is ignored, so nothing divides by zero.
+    ``scales`` is ``(3,)`` fp32: ``ce_grad_scale``, ``z_grad_scale`` and ``weight_sum``.
+    The first two fold the reduction into the gradient: for ``reduction="mean"`` they are
+    ``1 / sum(w_y)`` (``1 / n_valid`` without weights) and ``1 / n_valid``; for ``"sum"``
+    and ``"none"`` both are 1. They are 0 when their divisor is 0 (every row ignored, or
+    class weights summing to 0 over the valid targets), so nothing divides by zero, and
+    NaN when an input is bad (``flce.driver.validation``). ``weight_sum`` is the sum of
+    ``ce_weight`` over the vocabulary (``V`` without weights).
     """
 
     ignore_index: int
@@ -59,9 +64,38 @@ class ChunkScalars:
     lse_square_scale: float
     softcap: float | None
     use_token_scaling: bool
-    ce_grad_scale: float
-    z_grad_scale: float
-    weight_sum: float  # sum of ce_weight over the vocabulary (V when there are no weights)
+    scales: torch.Tensor  # (3,) fp32 on the device: ce_grad_scale, z_grad_scale, weight_sum
+
+    @classmethod
+    def from_numbers(
+        cls,
+        *,
+        ignore_index: int,
+        label_smoothing: float,
+        lse_square_scale: float,
+        softcap: float | None,
+        use_token_scaling: bool,
+        ce_grad_scale: float,
+        z_grad_scale: float,
+        weight_sum: float,
+        device: torch.device | str = "cpu",
+    ) -> ChunkScalars:
+        """Scalars from host numbers (kernel tests and benchmarks; a call computes its
+        ``scales`` on the device, ``flce.driver.statistics.chunk_scalars``)."""
+        scales = torch.tensor([ce_grad_scale, z_grad_scale, weight_sum], dtype=torch.float32, device=device)
+        return cls(ignore_index, label_smoothing, lse_square_scale, softcap, use_token_scaling, scales)
+
+    @property
+    def ce_grad_scale(self) -> torch.Tensor:
+        return self.scales[0]
+
+    @property
+    def z_grad_scale(self) -> torch.Tensor:
+        return self.scales[1]
+
+    @property
+    def weight_sum(self) -> torch.Tensor:
+        return self.scales[2]
 
     def smoothing_eps(self, vocab: int) -> float:
         """``eps = label_smoothing / V`` over the whole vocabulary ``V``."""
@@ -161,7 +195,7 @@ def gradient_from_softmax(
     if eps > 0:
         # + eps * (W p_i - w_i), the group formed before scaling (p is not needed after).
         p.mul_(scalars.weight_sum).sub_(ce_weight[None, :] if ce_weight is not None else 1.0)
-        grad.add_(p, alpha=scalars.ce_grad_scale * eps)
+        grad.add_(p.mul_(scalars.ce_grad_scale * eps))
     if softcap_derivative is not None:
         grad.mul_(softcap_derivative)
     grad.mul_(scale[:, None])
@@ -263,14 +297,18 @@ def reduce_rows(
     add_z_loss: bool,  # lse_square_scale > 0: the z-loss enters the loss
     return_z_loss: bool,
     scalars: ChunkScalars,
-    accuracy_scale: float,  # 1 / n_valid for mean/sum (0 when every row is ignored)
+    accuracy_scale: torch.Tensor,  # () 1 / n_valid for mean/sum (0 when every row is ignored)
 ) -> Reduced:
     """Applies the reduction; the mean uses the same scales as the gradient."""
     z_rows = rows.z_loss
     adds_z = add_z_loss and z_rows is not None
     if reduction == "none":
-        loss = rows.loss + z_rows if adds_z else rows.loss
-        return Reduced(loss, z_rows if return_z_loss else None, rows.correct, rows.predicted)
+        # The scales are 1 here, or NaN for a call with bad inputs: the product poisons the rows.
+        loss = rows.loss * scalars.ce_grad_scale
+        if adds_z:
+            loss = loss + z_rows * scalars.z_grad_scale
+        z_loss = z_rows * scalars.z_grad_scale if return_z_loss else None
+        return Reduced(loss, z_loss, rows.correct, rows.predicted)
     ce_total = rows.loss.sum()
     z_total = z_rows.sum() if z_rows is not None else None
     loss = ce_total * scalars.ce_grad_scale

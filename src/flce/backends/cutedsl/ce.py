@@ -536,6 +536,7 @@ class ChunkCrossEntropy(RowStream):
         p_correct: cute.Pointer,  # (M,) fp32; written only if write_correct
         p_predicted: cute.Pointer,  # (M,) int64; written only if write_predicted
         p_row_scale: cute.Pointer,  # (M,) fp32; read only if has_row_scale
+        p_scales: cute.Pointer,  # (3,) fp32: ce_grad_scale, z_grad_scale, weight_sum (no host sync to know them)
         num_rows: Int32,  # M
         row_stride: Int64,  # elements between rows of logits (a multiple of vec)
         grad_row_stride: Int64,  # elements between rows of the gradient (a multiple of vec)
@@ -545,9 +546,6 @@ class ChunkCrossEntropy(RowStream):
         z_scale: Float32,  # lse_square_scale
         softcap: Float32,  # c (unused without softcap)
         inv_softcap: Float32,  # 1 / c
-        ce_grad_scale: Float32,
-        z_grad_scale: Float32,
-        weight_sum: Float32,  # W
         stream: cuda.CUstream,
     ):
         rows = cute.make_layout((num_rows,))
@@ -557,6 +555,7 @@ class ChunkCrossEntropy(RowStream):
         mCorrect = cute.make_tensor(p_correct, rows)  # (M,)
         mPred = cute.make_tensor(p_predicted, rows)  # (M,)
         mRowScale = cute.make_tensor(p_row_scale, rows)  # (M,)
+        mScales = cute.make_tensor(p_scales, cute.make_layout((3,)))  # (3,)
         mWeight = cute.make_tensor(
             p_weight, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec))
         )  # (vec, V/vec)
@@ -570,6 +569,7 @@ class ChunkCrossEntropy(RowStream):
             mCorrect,
             mPred,
             mRowScale,
+            mScales,
             row_stride,
             grad_row_stride,
             ignore_index,
@@ -578,9 +578,6 @@ class ChunkCrossEntropy(RowStream):
             z_scale,
             softcap,
             inv_softcap,
-            ce_grad_scale,
-            z_grad_scale,
-            weight_sum,
         ).launch(
             grid=[num_rows * self.cluster, 1, 1],
             block=[self.threads, 1, 1],
@@ -602,6 +599,7 @@ class ChunkCrossEntropy(RowStream):
         mCorrect: cute.Tensor,  # (M,)
         mPred: cute.Tensor,  # (M,)
         mRowScale: cute.Tensor,  # (M,)
+        mScales: cute.Tensor,  # (3,) fp32: ce_grad_scale, z_grad_scale, weight_sum
         row_stride: Int64,
         grad_row_stride: Int64,
         ignore_index: Int64,
@@ -610,9 +608,6 @@ class ChunkCrossEntropy(RowStream):
         z_scale: Float32,
         softcap: Float32,
         inv_softcap: Float32,
-        ce_grad_scale: Float32,
-        z_grad_scale: Float32,
-        weight_sum: Float32,
     ):
         key = self.key
         T = self.threads
@@ -650,12 +645,19 @@ class ChunkCrossEntropy(RowStream):
         sCluArg = smem.allocate_tensor(Int32, cute.make_layout((CN,)), byte_alignment=16)  # (cluster,)
         sBuf, copy_atom = self._stream_smem(smem)
 
+        ce_grad_scale = mScales[0]
+        z_grad_scale = mScales[1]
+        weight_sum = mScales[2]  # W
         # Row target; ignored rows use class 0 for every gather (their results are zeroed).
+        # An out-of-range target (the batch statistics made this call's scales NaN) reads
+        # class 0 too, never outside the row.
         y_raw = Int64(mTarget[row])
         valid = y_raw != ignore_index
         y = Int32(0)
         if valid:
-            y = Int32(y_raw)
+            if y_raw >= Int64(0):
+                if y_raw < Int64(key.vocab):
+                    y = Int32(y_raw)
         # The target logit, read before any thread of this CTA overwrites the row.
         z_y = Float32(gRow[y % VEC, y // VEC])
         w_y = Float32(1.0)
@@ -845,6 +847,7 @@ def compile_kernel(key: KernelKey, config: KernelConfig | None = None):
         _null_ptr(Float32, 4),
         _null_ptr(Int64, 8),
         _null_ptr(Float32, 4),
+        _null_ptr(Float32, 4),
         Int32(1),
         Int64(key.vocab),
         Int64(key.vocab),
@@ -852,9 +855,6 @@ def compile_kernel(key: KernelKey, config: KernelConfig | None = None):
         Float32(0.0),
         Float32(0.0),
         Float32(0.0),
-        Float32(1.0),
-        Float32(1.0),
-        Float32(1.0),
         Float32(1.0),
         Float32(1.0),
         cuda.CUstream(0),
@@ -967,6 +967,7 @@ def _launch(
         _ptr(correct_out, Float32, 4),
         _ptr(predicted_out, Int64, 8),
         _ptr(row_grad_scale, Float32, 4),
+        _ptr(scalars.scales, Float32, 4),
         Int32(num_rows),
         Int64(logits.stride(0)),
         Int64(grad.stride(0)),
@@ -976,8 +977,5 @@ def _launch(
         Float32(scalars.lse_square_scale),
         Float32(c if c is not None else 1.0),
         Float32(1.0 / c if c is not None else 1.0),
-        Float32(scalars.ce_grad_scale),
-        Float32(scalars.z_grad_scale),
-        Float32(scalars.weight_sum),
         _stream(logits.device),
     )

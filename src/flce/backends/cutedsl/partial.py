@@ -212,9 +212,9 @@ class PartialGradient(RowStream):
         p_onehot_coef: cute.Pointer,  # (M,) fp32: row_scale * ce_grad_scale * (1 - ls) * w_y
         p_smooth_coef: cute.Pointer,  # (M,) fp32: row_scale * ce_grad_scale * eps; only if has_smoothing
         p_z_coef: cute.Pointer,  # (M,) fp32: row_scale * z_grad_scale * 2 s lse; only if has_z_grad
+        p_weight_sum: cute.Pointer,  # (1,) fp32 W: sum of the class weights of the whole row (its V without)
         num_rows: Int32,  # M
         row_stride: Int64,  # elements between rows of logits (a multiple of vec)
-        weight_sum: Float32,  # W: sum of the class weights of the whole row (its V without weights)
         softcap: Float32,  # c (unused without softcap)
         inv_softcap: Float32,  # 1 / c
         stream: cuda.CUstream,
@@ -229,8 +229,8 @@ class PartialGradient(RowStream):
             cute.make_tensor(p_onehot_coef, rows),  # (M,)
             cute.make_tensor(p_smooth_coef, rows),  # (M,)
             cute.make_tensor(p_z_coef, rows),  # (M,)
+            cute.make_tensor(p_weight_sum, cute.make_layout((1,))),  # (1,)
             row_stride,
-            weight_sum,
             softcap,
             inv_softcap,
         ).launch(grid=[num_rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
@@ -246,8 +246,8 @@ class PartialGradient(RowStream):
         mOnehotCoef: cute.Tensor,  # (M,)
         mSmoothCoef: cute.Tensor,  # (M,)
         mZCoef: cute.Tensor,  # (M,)
+        mWeightSum: cute.Tensor,  # (1,) fp32
         row_stride: Int64,
-        weight_sum: Float32,
         softcap: Float32,
         inv_softcap: Float32,
     ):
@@ -273,7 +273,7 @@ class PartialGradient(RowStream):
             coef_z = Float32(0.0)  # fma(0, p, g) = g: no z-loss term
             if const_expr(key.has_z_grad):
                 coef_z = mZCoef[row]
-            coefs = (mRowMax[row], mInvSum[row], mOnehotCoef[row], coef_eps, coef_z, weight_sum)
+            coefs = (mRowMax[row], mInvSum[row], mOnehotCoef[row], coef_eps, coef_z, mWeightSum[0])
             vidx = tid
             for _ in cutlass.range(NT, unroll=1):
                 if vidx < NV:
@@ -443,7 +443,7 @@ def partial_gradient(
     onehot_coef: torch.Tensor,  # (M,) fp32
     smooth_coef: torch.Tensor | None,  # (M,) fp32, with label smoothing
     z_coef: torch.Tensor | None,  # (M,) fp32, with z-loss
-    weight_sum: float,
+    weight_sum: torch.Tensor,  # () fp32 on the device: read by the kernel, no host sync
     softcap: float | None,
 ) -> None:
     """Writes dL/dlogits over ``logits``: zeros on ignored rows (``local_target < 0``)."""
@@ -485,14 +485,15 @@ def partial_gradient(
             _null_ptr(Float32, 4),
             _null_ptr(Float32, 4),
             _null_ptr(Float32, 4),
+            _null_ptr(Float32, 4),
             Int32(1),
             Int64(vocab_local),
-            Float32(1.0),
             Float32(1.0),
             Float32(1.0),
             cuda.CUstream(0),
         ),
     )
+    weight_sum = weight_sum.to(device=logits.device, dtype=torch.float32).reshape(1)
     with torch.cuda.device(logits.device):
         fn(
             _ptr(logits, dtype, align),
@@ -503,9 +504,9 @@ def partial_gradient(
             _ptr(onehot_coef, Float32, 4),
             _ptr(smooth_coef, Float32, 4),
             _ptr(z_coef, Float32, 4),
+            _ptr(weight_sum, Float32, 4),
             Int32(num_rows),
             Int64(logits.stride(0)),
-            Float32(weight_sum),
             *_softcap_args(softcap),
             _stream(logits.device),
         )

@@ -195,12 +195,10 @@ def _ce_chunk_kernel(
     ignore_index,
     one_minus_ls,  # 1 - label_smoothing
     eps,  # label_smoothing / V
-    weight_sum,  # sum of class weights (V without weights)
+    scales_ptr,  # (3,) fp32: ce_grad_scale, z_grad_scale, weight_sum (read from memory: no host sync)
     lse_square_scale,
     softcap,  # c (read only if HAS_SOFTCAP)
     inv_softcap,  # 1 / c
-    ce_grad_scale,
-    z_grad_scale,
     HAS_WEIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SMOOTHING: tl.constexpr,
@@ -223,6 +221,7 @@ def _ce_chunk_kernel(
 
     y = tl.load(target_ptr + row).to(tl.int64)
     valid = y != ignore_index
+    weight_sum = tl.load(scales_ptr + 2)  # W: sum of the class weights (V without weights)
 
     if valid:
         # Out-of-range targets are the caller's error (the driver checks them); the mask
@@ -283,6 +282,8 @@ def _ce_chunk_kernel(
             if HAS_ROW_GRAD_SCALE:
                 row_scale = row_scale * tl.load(row_grad_scale_ptr + row)
             inv_s = 1.0 / s  # p_i = e_i / s
+            ce_grad_scale = tl.load(scales_ptr)
+            z_grad_scale = tl.load(scales_ptr + 1)
             onehot_coef = row_scale * ce_grad_scale * one_minus_ls * w_y
             smooth_coef = row_scale * ce_grad_scale * eps
             z_coef = row_scale * z_grad_scale * 2.0 * lse_square_scale * lse
@@ -371,12 +372,10 @@ def cross_entropy_chunk(
         int(scalars.ignore_index),
         1.0 - ls,
         ls / vocab,
-        float(scalars.weight_sum),
+        scalars.scales,
         float(scalars.lse_square_scale),
         float(softcap) if softcap is not None else 1.0,
         1.0 / float(softcap) if softcap is not None else 1.0,
-        float(scalars.ce_grad_scale),
-        float(scalars.z_grad_scale),
     )
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,

@@ -85,7 +85,7 @@ def _partial_gradient_kernel(
     smooth_coef_ptr,  # (M,) fp32: row_scale * ce_grad_scale * eps (HAS_SMOOTHING)
     z_coef_ptr,  # (M,) fp32: row_scale * z_grad_scale * 2 s lse (HAS_Z_GRAD)
     V,
-    weight_sum,  # sum of the global class weights (global V without weights)
+    weight_sum_ptr,  # () fp32: sum of the global class weights (global V without weights)
     softcap,
     inv_softcap,
     HAS_WEIGHT: tl.constexpr,
@@ -100,6 +100,7 @@ def _partial_gradient_kernel(
     row_ptr = logits_ptr + row * logits_row_stride
     y = tl.load(target_ptr + row)
     if y >= 0:
+        weight_sum = tl.load(weight_sum_ptr)
         m = tl.load(row_max_ptr + row)
         inv_s = tl.load(inv_sum_ptr + row)
         onehot_coef = tl.load(onehot_coef_ptr + row)
@@ -204,7 +205,7 @@ def partial_gradient(
     onehot_coef: torch.Tensor,  # (M,) fp32
     smooth_coef: torch.Tensor | None,  # (M,) fp32, with label smoothing
     z_coef: torch.Tensor | None,  # (M,) fp32, with z-loss
-    weight_sum: float,
+    weight_sum: torch.Tensor,  # () fp32 on the device
     softcap: float | None,
 ) -> None:
     dummy = row_max
@@ -221,7 +222,7 @@ def partial_gradient(
         dummy if smooth_coef is None else smooth_coef,
         dummy if z_coef is None else z_coef,
         logits.shape[1],
-        float(weight_sum),
+        weight_sum,
         1.0 if softcap is None else float(softcap),
         1.0 if softcap is None else 1.0 / float(softcap),
     )
