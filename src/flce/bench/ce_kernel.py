@@ -207,6 +207,7 @@ def _flce_kernel_make(backend: str) -> MakeStepFn:
         from flce.driver.chunks import allocate_rows
         from flce.driver.sizing import default_chunk_size
         from flce.driver.statistics import batch_statistics, chunk_scalars
+        from flce.rows.cross_entropy import reduce_rows
 
         spec = get_backend(backend)
         options = flce_options(case.loss)
@@ -233,7 +234,12 @@ def _flce_kernel_make(backend: str) -> MakeStepFn:
                     compute_grad=True,
                 )
 
-        return Step(run, lambda: rows.loss.sum() * scalars.ce_grad_scale)
+        def loss() -> torch.Tensor:
+            add_z = options.lse_square_scale > 0
+            reduced = reduce_rows(rows, options.reduction, add_z, False, scalars, stats.accuracy_scale)
+            return reduced.loss
+
+        return Step(run, loss)
 
     return make
 

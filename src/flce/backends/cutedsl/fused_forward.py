@@ -69,7 +69,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.cutedsl.ce import _cdiv, _null_ptr, _ptr, _stream
+from flce.backends.cutedsl.common import cdiv, compile_cached, cuda_stream, gmem_ptr, null_ptr
 
 LOG2_E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
@@ -87,7 +87,8 @@ MMA_REGISTERS = 232
 # Named barriers 1 and 2 order the ping-pong warpgroups' main loops (0 is __syncthreads).
 PINGPONG_BARRIER = 1
 
-_TORCH_TO_CUTE = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+# WGMMA operand types: the kernel takes bf16/fp16 only.
+WGMMA_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 
 
 @dataclass(frozen=True)
@@ -199,11 +200,11 @@ class FusedForwardKernel:
             raise ValueError(f"hidden must be a multiple of {BLOCK_K}, got {key.hidden}")
         self.key = key
         self.config = config
-        self.dtype = _TORCH_TO_CUTE[key.dtype]
+        self.dtype = WGMMA_DTYPES[key.dtype]
         self.esize = torch.empty((), dtype=key.dtype).element_size()
         self.bm, self.bn = config.tile_m, config.tile_n
         self.tile_shape_mnk = (self.bm, self.bn, BLOCK_K)
-        self.num_tiles_n = _cdiv(key.vocab, self.bn)  # T
+        self.num_tiles_n = cdiv(key.vocab, self.bn)  # T
         self.cluster_shape_mn = (config.cluster_m, config.cluster_n)
         # Warpgroups multiplying one tile together (64 rows each), and in all: ping-pong has
         # two, each on its own tile.
@@ -286,7 +287,7 @@ class FusedForwardKernel:
         # walks them, cluster c taking tiles c, c + launched, c + 2 * launched, ...
         cm, cn = self.cluster_shape_mn
         cluster_rows = (num_rows + self.bm * cm - 1) // (self.bm * cm)
-        cluster_cols = _cdiv(T, cn)
+        cluster_cols = cdiv(T, cn)
         launched = cutlass.min(cluster_rows * cluster_cols, max_clusters)
         self.kernel(
             tma_atom_a,
@@ -368,7 +369,7 @@ class FusedForwardKernel:
             b_mcast_mask = cute.make_layout_image_mask(cta_layout_mnk, cluster_coord_mnk, mode=0)
         cluster_id, _, _ = cute.arch.cluster_idx()
         clusters_launched, _, _ = cute.arch.cluster_dim()
-        cluster_cols = Int32(_cdiv(self.num_tiles_n, self.cluster_shape_mn[1]))
+        cluster_cols = Int32(cdiv(self.num_tiles_n, self.cluster_shape_mn[1]))
         cluster_tiles = cluster_rows * cluster_cols
         # Tiles of this cluster: cluster_id, cluster_id + launched, ... (every CTA of a
         # cluster runs the same count, as multicast needs).
@@ -716,27 +717,30 @@ class FusedForwardKernel:
 
 
 # ---------------------------------------------------------------------- host wrapper
-@cache
 def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEFAULT_CONFIG):
     """The compiled kernel for ``key`` and ``config`` (cached); the row count is a runtime
     argument, so one compilation serves every N. Compiles for the current device, or for
     ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``) where there is none."""
-    if key.dtype not in _TORCH_TO_CUTE:
+    return compile_cached((FusedForwardKernel, key, config), lambda: _build_fused_forward(key, config))
+
+
+def _build_fused_forward(key: FusedForwardKey, config: FusedForwardConfig):
+    if key.dtype not in WGMMA_DTYPES:
         raise TypeError(f"fused forward supports bfloat16/float16, got {key.dtype}")
     kernel = FusedForwardKernel(key, config)
-    dtype = _TORCH_TO_CUTE[key.dtype]
+    dtype = WGMMA_DTYPES[key.dtype]
     target_t = Int64 if key.target_int64 else Int32
     return cute.compile(
         kernel,
-        _null_ptr(dtype, 16),
-        _null_ptr(dtype, 16),
-        _null_ptr(target_t, target_t.width // 8),
-        _null_ptr(Float32, 4),
-        _null_ptr(Float32, 4),
-        _null_ptr(Float32, 4),
-        _null_ptr(Int32, 4),
-        _null_ptr(Float32, 4),
-        _null_ptr(Float32, 4),
+        null_ptr(dtype, 16),
+        null_ptr(dtype, 16),
+        null_ptr(target_t, target_t.width // 8),
+        null_ptr(Float32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Int32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Float32, 4),
         Int32(1),
         Float32(1.0),
         Float32(1.0),
@@ -770,7 +774,7 @@ def _validate(input, weight, target, bias, softcap) -> None:
         raise ValueError("input must be a 2-D tensor (N, H)")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError("weight must be a 2-D tensor (V, H)")
-    if input.dtype not in _TORCH_TO_CUTE:
+    if input.dtype not in WGMMA_DTYPES:
         raise TypeError(f"input must be bfloat16 or float16, got {input.dtype}")
     if weight.dtype != input.dtype:
         raise TypeError(f"weight must have the dtype of input ({input.dtype}), got {weight.dtype}")
@@ -816,7 +820,7 @@ def rows_per_launch(
     """Rows covered by one launch: as many as keep the (T, rows) statistics within
     ``workspace_bytes``, in whole cluster row blocks, at least one block."""
     block = config.tile_m * config.cluster_m
-    per_row = _cdiv(vocab, config.tile_n) * (16 if with_logit_sum else 12)
+    per_row = cdiv(vocab, config.tile_n) * (16 if with_logit_sum else 12)
     rows = max(block, workspace_bytes // per_row // block * block)
     return min(rows, num_rows)
 
@@ -873,13 +877,13 @@ def fused_forward_statistics(
         with_logit_sum=bool(with_logit_sum),
     )
     fn = compile_fused_forward(key, config)
-    combine = compile_combine(_cdiv(vocab, config.tile_n), bool(with_logit_sum))
+    combine = compile_combine(cdiv(vocab, config.tile_n), bool(with_logit_sum))
     bias32 = None
     if bias is not None:
         bias32 = bias.to(torch.float32).contiguous()
     target = target.contiguous()
     c = float(softcap) if softcap is not None else 1.0
-    T = _cdiv(vocab, config.tile_n)
+    T = cdiv(vocab, config.tile_n)
     chunk = rows_per_launch(num_rows, vocab, with_logit_sum, config, workspace_bytes)
     # One workspace for every launch: stream order makes reusing it safe.
     ws_max = torch.empty(T * chunk, dtype=torch.float32, device=dev)
@@ -888,7 +892,7 @@ def fused_forward_statistics(
     ws_sum = torch.empty(T * chunk, dtype=torch.float32, device=dev) if with_logit_sum else None
     max_clusters = clusters_to_launch(config, dev)
     with torch.cuda.device(dev):
-        stream = _stream(dev)
+        stream = cuda_stream(dev)
         for r0 in range(0, num_rows, chunk):
             rows = min(chunk, num_rows - r0)
             tmax = ws_max[: T * rows].view(T, rows)
@@ -898,15 +902,15 @@ def fused_forward_statistics(
             x = input[r0 : r0 + rows]
             y = target[r0 : r0 + rows]
             fn(
-                _ptr(x, _TORCH_TO_CUTE[input.dtype], 16),
-                _ptr(weight, _TORCH_TO_CUTE[input.dtype], 16),
-                _ptr(y, Int64 if key.target_int64 else Int32, y.element_size()),
-                _ptr(bias32, Float32, 4),
-                _ptr(tmax, Float32, 4),
-                _ptr(tse, Float32, 4),
-                _ptr(targ, Int32, 4),
-                _ptr(tsum, Float32, 4),
-                _ptr(out["target_logit"][r0 : r0 + rows], Float32, 4),
+                gmem_ptr(x, WGMMA_DTYPES[input.dtype], 16),
+                gmem_ptr(weight, WGMMA_DTYPES[input.dtype], 16),
+                gmem_ptr(y, Int64 if key.target_int64 else Int32, y.element_size()),
+                gmem_ptr(bias32, Float32, 4),
+                gmem_ptr(tmax, Float32, 4),
+                gmem_ptr(tse, Float32, 4),
+                gmem_ptr(targ, Int32, 4),
+                gmem_ptr(tsum, Float32, 4),
+                gmem_ptr(out["target_logit"][r0 : r0 + rows], Float32, 4),
                 Int32(rows),
                 Float32(c),
                 Float32(1.0 / c),
@@ -914,13 +918,13 @@ def fused_forward_statistics(
                 stream,
             )
             combine(
-                _ptr(tmax, Float32, 4),
-                _ptr(tse, Float32, 4),
-                _ptr(targ, Int32, 4),
-                _ptr(tsum, Float32, 4),
-                _ptr(out["lse"][r0 : r0 + rows], Float32, 4),
-                _ptr(out["predicted"][r0 : r0 + rows], Int64, 8),
-                _ptr(out["logit_sum"][r0 : r0 + rows] if with_logit_sum else None, Float32, 4),
+                gmem_ptr(tmax, Float32, 4),
+                gmem_ptr(tse, Float32, 4),
+                gmem_ptr(targ, Int32, 4),
+                gmem_ptr(tsum, Float32, 4),
+                gmem_ptr(out["lse"][r0 : r0 + rows], Float32, 4),
+                gmem_ptr(out["predicted"][r0 : r0 + rows], Int64, 8),
+                gmem_ptr(out["logit_sum"][r0 : r0 + rows] if with_logit_sum else None, Float32, 4),
                 Int32(rows),
                 stream,
             )
@@ -1060,18 +1064,23 @@ class CombineTileStatisticsKernel:
                 mLogitSum[row] = partial_sum
 
 
-@cache
 def compile_combine(num_tiles: int, with_logit_sum: bool):
     """The compiled combining kernel for ``num_tiles`` tiles (cached; rows are dynamic)."""
+    return compile_cached(
+        (CombineTileStatisticsKernel, num_tiles, with_logit_sum), lambda: _build_combine(num_tiles, with_logit_sum)
+    )
+
+
+def _build_combine(num_tiles: int, with_logit_sum: bool):
     return cute.compile(
         CombineTileStatisticsKernel(num_tiles, with_logit_sum),
-        _null_ptr(Float32, 4),
-        _null_ptr(Float32, 4),
-        _null_ptr(Int32, 4),
-        _null_ptr(Float32, 4),
-        _null_ptr(Float32, 4),
-        _null_ptr(Int64, 8),
-        _null_ptr(Float32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Int32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Float32, 4),
+        null_ptr(Int64, 8),
+        null_ptr(Float32, 4),
         Int32(1),
         cuda.CUstream(0),
     )

@@ -30,19 +30,20 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.cutedsl.ce import (
-    _TORCH_TO_CUTE,
+from flce.backends.cutedsl.common import (
+    TORCH_TO_CUTE,
     KernelConfig,
     RowStream,
     SmemAllocator,
-    _cdiv,
-    _null_ptr,
-    _pow2_ceil,
-    _ptr,
-    _softcapped,
-    _stream,
-    _vector_width,
+    cdiv,
+    compile_cached,
+    cuda_stream,
+    gmem_ptr,
+    null_ptr,
+    pow2_ceil,
     row_threads,
+    softcapped,
+    vector_width,
 )
 
 _NAME = "cutedsl split-row kernels"
@@ -82,7 +83,7 @@ def default_config(vocab: int, vec: int) -> KernelConfig:
     stages (7 tiles in flight) for the statistics; nothing stays resident (one pass)."""
     num_vec = vocab // vec
     threads = row_threads(num_vec)
-    stages = min(8, _pow2_ceil(_cdiv(num_vec, threads)))
+    stages = min(8, pow2_ceil(cdiv(num_vec, threads)))
     return KernelConfig(threads=threads, stages=stages, resident=0)
 
 
@@ -181,7 +182,7 @@ class PartialStatistics(RowStream):
             zp_y = z_y
             if const_expr(key.has_softcap):
                 # The same operations as pass 1, so z'_y - m is exactly 0 at the max.
-                zp_y = _softcapped(cute.math.tanh(z_y * inv_softcap), softcap)
+                zp_y = softcapped(cute.math.tanh(z_y * inv_softcap), softcap)
             mTargetShifted[row] = zp_y - m if owned != Int32(0) else Float32(0.0)
             if const_expr(key.has_smoothing):
                 # sum_i w_i z'_i - m sum_i w_i, with one rounding for the product and the
@@ -293,24 +294,16 @@ class PartialGradient(RowStream):
 
 
 # ---------------------------------------------------------------------- host wrappers
-_COMPILED: dict = {}  # (key, config) -> compiled kernel
-
-
 def _compile(kernel_cls, key, config: KernelConfig, args: tuple):
     """The compiled ``kernel_cls(key, config)`` (cached); ``args`` are placeholders of
     the launch arguments' types (pointers with their alignment, scalars, a stream)."""
-    cache_key = (key, config)
-    fn = _COMPILED.get(cache_key)
-    if fn is None:
-        fn = cute.compile(kernel_cls(key, config), *args)
-        _COMPILED[cache_key] = fn
-    return fn
+    return compile_cached((kernel_cls, key, config), lambda: cute.compile(kernel_cls(key, config), *args))
 
 
 def _check_logits(logits: torch.Tensor) -> None:
     if logits.dim() != 2:
         raise ValueError(f"{_NAME}: logits must be 2-D (M, V_r), got shape {tuple(logits.shape)}")
-    if logits.dtype not in _TORCH_TO_CUTE:
+    if logits.dtype not in TORCH_TO_CUTE:
         raise TypeError(f"{_NAME}: logits must be fp16/bf16/fp32, got {logits.dtype}")
     if logits.device.type != "cuda":
         raise ValueError(f"{_NAME}: logits must be on a CUDA device, got {logits.device}")
@@ -384,14 +377,14 @@ def partial_statistics(
     key = StatisticsKey(
         dtype=logits.dtype,
         vocab=vocab_local,
-        vec=_vector_width(logits),
+        vec=vector_width(logits),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=bool(with_smoothing),
         has_softcap=softcap is not None,
         write_argmax=bool(with_argmax),
     )
-    dtype = _TORCH_TO_CUTE[key.dtype]
+    dtype = TORCH_TO_CUTE[key.dtype]
     align = key.vec * logits.element_size()
     target_t = Int64 if key.target_int64 else Int32
     fn = _compile(
@@ -399,15 +392,15 @@ def partial_statistics(
         key,
         default_config(key.vocab, key.vec),
         (
-            _null_ptr(dtype, align),
-            _null_ptr(target_t, target_t.width // 8),
-            _null_ptr(Float32, 16),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Int64, 8),
+            null_ptr(dtype, align),
+            null_ptr(target_t, target_t.width // 8),
+            null_ptr(Float32, 16),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Int64, 8),
             Int32(1),
             Int64(vocab_local),
             Float32(1.0),
@@ -417,19 +410,19 @@ def partial_statistics(
     )
     with torch.cuda.device(device):
         fn(
-            _ptr(logits, dtype, align),
-            _ptr(target, target_t, target.element_size()),
-            _ptr(weight, Float32, 16),
-            _ptr(weight_sum, Float32, 4),
-            _ptr(row_max, Float32, 4),
-            _ptr(row_sum, Float32, 4),
-            _ptr(target_shifted, Float32, 4),
-            _ptr(smooth, Float32, 4),
-            _ptr(argmax, Int64, 8),
+            gmem_ptr(logits, dtype, align),
+            gmem_ptr(target, target_t, target.element_size()),
+            gmem_ptr(weight, Float32, 16),
+            gmem_ptr(weight_sum, Float32, 4),
+            gmem_ptr(row_max, Float32, 4),
+            gmem_ptr(row_sum, Float32, 4),
+            gmem_ptr(target_shifted, Float32, 4),
+            gmem_ptr(smooth, Float32, 4),
+            gmem_ptr(argmax, Int64, 8),
             Int32(num_rows),
             Int64(logits.stride(0)),
             *_softcap_args(softcap),
-            _stream(device),
+            cuda_stream(device),
         )
     return row_max, row_sum, target_shifted, smooth, argmax
 
@@ -462,14 +455,14 @@ def partial_gradient(
     key = GradientKey(
         dtype=logits.dtype,
         vocab=vocab_local,
-        vec=_vector_width(logits),
+        vec=vector_width(logits),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=smooth_coef is not None,
         has_softcap=softcap is not None,
         has_z_grad=z_coef is not None,
     )
-    dtype = _TORCH_TO_CUTE[key.dtype]
+    dtype = TORCH_TO_CUTE[key.dtype]
     align = key.vec * logits.element_size()
     target_t = Int64 if key.target_int64 else Int32
     fn = _compile(
@@ -477,15 +470,15 @@ def partial_gradient(
         key,
         default_config(key.vocab, key.vec),
         (
-            _null_ptr(dtype, align),
-            _null_ptr(target_t, target_t.width // 8),
-            _null_ptr(Float32, 16),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
-            _null_ptr(Float32, 4),
+            null_ptr(dtype, align),
+            null_ptr(target_t, target_t.width // 8),
+            null_ptr(Float32, 16),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
+            null_ptr(Float32, 4),
             Int32(1),
             Int64(vocab_local),
             Float32(1.0),
@@ -496,17 +489,17 @@ def partial_gradient(
     weight_sum = weight_sum.to(device=logits.device, dtype=torch.float32).reshape(1)
     with torch.cuda.device(logits.device):
         fn(
-            _ptr(logits, dtype, align),
-            _ptr(target, target_t, target.element_size()),
-            _ptr(weight, Float32, 16),
-            _ptr(row_max, Float32, 4),
-            _ptr(inv_sum, Float32, 4),
-            _ptr(onehot_coef, Float32, 4),
-            _ptr(smooth_coef, Float32, 4),
-            _ptr(z_coef, Float32, 4),
-            _ptr(weight_sum, Float32, 4),
+            gmem_ptr(logits, dtype, align),
+            gmem_ptr(target, target_t, target.element_size()),
+            gmem_ptr(weight, Float32, 16),
+            gmem_ptr(row_max, Float32, 4),
+            gmem_ptr(inv_sum, Float32, 4),
+            gmem_ptr(onehot_coef, Float32, 4),
+            gmem_ptr(smooth_coef, Float32, 4),
+            gmem_ptr(z_coef, Float32, 4),
+            gmem_ptr(weight_sum, Float32, 4),
             Int32(num_rows),
             Int64(logits.stride(0)),
             *_softcap_args(softcap),
-            _stream(logits.device),
+            cuda_stream(logits.device),
         )
