@@ -78,12 +78,16 @@ def _auto_backend(device_type: str, device_index: int | None) -> BackendSpec:
     return max(usable, key=lambda spec: spec.auto_priority)
 
 
-def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKernels:
-    """The split-row kernels of the backend ``resolve_backend`` picks."""
-    spec = resolve_backend(backend, device)
+def split_rows_of(spec: BackendSpec) -> SplitRowKernels:
+    """``spec``'s split-row kernels (vocabulary blocks, vocab parallelism)."""
     if spec.split_rows is None:
         raise BackendUnavailableError(f"backend {spec.name!r} has no split-row kernels")
     return spec.split_rows()
+
+
+def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKernels:
+    """The split-row kernels of the backend ``resolve_backend`` picks."""
+    return split_rows_of(resolve_backend(backend, device))
 
 
 def gradient_scaler(device: torch.device):

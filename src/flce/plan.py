@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 
 from flce.backends.base import BackendSpec, SplitRowKernels
-from flce.dispatch import resolve_backend, split_row_kernels
+from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics
 from flce.driver.scaling import scale_gradients_, scaled_gradients
@@ -210,7 +210,7 @@ def make_plan(
     """Backend (and its split-row kernels for ``vocab_chunk_size``), the batch statistics
     and the kernel scalars: everything decided before the first kernel."""
     backend = resolve_backend(options.backend, device)
-    split_kernels = split_row_kernels(options.backend, device) if options.vocab_chunk_size is not None else None
+    split_kernels = split_rows_of(backend) if options.vocab_chunk_size is not None else None
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
     return Plan(options, backend, split_kernels, compute_dtype, stats, chunk_scalars(options, stats))
 

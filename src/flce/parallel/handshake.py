@@ -95,7 +95,7 @@ def _target_checksum(target: torch.Tensor) -> torch.Tensor:
 
 
 def _options_fingerprint(options: LossOptions) -> int:
-    return zlib.crc32(options.to_key().encode())
+    return zlib.crc32(repr(options).encode())
 
 
 def _describe(values: list[int]) -> str:

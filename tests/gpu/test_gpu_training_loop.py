@@ -1,0 +1,150 @@
+"""flce inside a training step on CUDA: no host syncs, CUDA-graph capture and replay,
+``torch.compile(mode="reduce-overhead")``, and the asynchronous validation of bad
+targets (NaN outputs, then a ``ValueError``), on every CUDA backend. Judged against the
+float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flce
+from flce.dispatch import availability
+from flce.reference import fused_linear_cross_entropy_reference
+
+if not torch.cuda.is_available():
+    pytest.skip("training-loop tests: need a CUDA GPU", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+BACKENDS = ["torch", "triton", "cutedsl"]
+# H a multiple of 64 and bf16: the cutedsl loss-only route (fused GEMM) applies too.
+N, H, V = 256, 128, 1031
+OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
+
+
+def _usable(backend: str) -> None:
+    ok, why = availability(backend, CUDA)
+    if not ok:
+        pytest.skip(f"{backend}: {why}")
+
+
+def _inputs(seed: int, dtype=torch.bfloat16):
+    gen = torch.Generator(device=CUDA).manual_seed(seed)
+    x = torch.randn(N, H, device=CUDA, generator=gen).to(dtype)
+    w = (torch.randn(V, H, device=CUDA, generator=gen) * 0.3).to(dtype)
+    y = torch.randint(0, V, (N,), device=CUDA, generator=gen)
+    y[::7] = -100
+    return x, w, y
+
+
+def _reference(x, w, y, **options):
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    loss = fused_linear_cross_entropy_reference(xd, wd, y, **options).loss
+    dx, dw = torch.autograd.grad(loss, (xd, wd))
+    return loss.detach(), dx, dw
+
+
+def _assert_close_to(reference, *got, rtol=2e-2):
+    for ref, ours in zip(reference, got, strict=True):
+        err = (ours.double() - ref).norm() / ref.norm().clamp(min=1e-30)
+        assert err < rtol, f"relative error {float(err):.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["fwd_bwd", "loss_only", "per_token", "vocab_blocks"])
+def test_no_host_sync(backend, mode):
+    _usable(backend)
+    x, w, y = _inputs(0)
+    extra = dict(reduction="none") if mode == "per_token" else {}
+    if mode == "vocab_blocks":
+        extra = dict(vocab_chunk_size=256)
+
+    def step():
+        xr = x.clone().requires_grad_(mode != "loss_only")
+        wr = w.clone().requires_grad_(mode != "loss_only")
+        loss = flce.fused_linear_cross_entropy(xr, wr, y, backend=backend, **OPTIONS, **extra)
+        if mode == "loss_only":
+            return loss
+        loss.sum().backward()
+        return loss
+
+    step()  # compiles the kernels (compilation may synchronize)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_capture_and_replay(backend):
+    _usable(backend)
+    x, w, y = _inputs(1)
+    static_x, static_w, static_y = x.clone().requires_grad_(), w.clone().requires_grad_(), y.clone()
+
+    def step():
+        loss = flce.fused_linear_cross_entropy(static_x, static_w, static_y, backend=backend, **OPTIONS)
+        dx, dw = torch.autograd.grad(loss, (static_x, static_w))
+        return loss, dx, dw
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the graph: kernels compiled, allocator primed
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+
+    for seed in (2, 3):  # new data copied into the captured buffers, then replayed
+        x, w, y = _inputs(seed)
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_w.copy_(w)
+            static_y.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_close_to(_reference(x, w, y, **OPTIONS), *outputs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_reduce_overhead(backend):
+    _usable(backend)
+    torch._dynamo.reset()
+
+    def loss_of(x, w, y):
+        return flce.fused_linear_cross_entropy(x, w, y, backend=backend, **OPTIONS)
+
+    # AOT autograd compiles the backward as well; reduce-overhead replays both as graphs.
+    compiled = torch.compile(loss_of, mode="reduce-overhead", fullgraph=True)
+    for seed in (4, 5, 6):  # the first calls record, later ones replay the graphs
+        x, w, y = _inputs(seed)
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = compiled(xr, wr, y)
+        loss.backward()
+        loss = loss.detach().clone()
+        torch.cuda.synchronize()
+        _assert_close_to(_reference(x, w, y, **OPTIONS), loss, xr.grad, wr.grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_target_gives_nan_then_an_error(backend):
+    _usable(backend)
+    flce.check_errors()  # nothing pending from earlier tests
+    x, w, y = _inputs(7)
+    y[3] = V + 5  # out of range: never read, and never a silently finite loss
+    xr = x.clone().requires_grad_()
+    loss = flce.fused_linear_cross_entropy(xr, w, y, backend=backend)
+    loss.backward()
+    assert torch.isnan(loss).item() and torch.isnan(xr.grad).all().item()
+    with pytest.raises(ValueError, match="out of range"):
+        flce.check_errors()
+    flce.check_errors()  # reported once
+    # Synchronous validation raises before any kernel runs.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLCE_VALIDATE", "sync")
+        with pytest.raises(ValueError, match=r"out of range \(e\.g\. \["):
+            flce.fused_linear_cross_entropy(x, w, y, backend=backend)
