@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flce.bench.methods import Case, LossOptions, Shape, all_methods, make_inputs
+from flce.bench.cases import BenchCase, BenchLossSettings, Shape, make_inputs
+from flce.bench.registry import all_methods
 from flce.bench.timing import Heater, call_once, time_once
 
 METHODS = ("floor:gemm", "flce:cutedsl", "flce:triton", "liger:cute-sm90", "liger:triton")
@@ -49,7 +50,7 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
-def profile_method(method, case: Case, inputs) -> dict:
+def profile_method(method, case: BenchCase, inputs) -> dict:
     workload = method.workload(case, inputs)
     call_once(workload)  # compile / autotune outside the measurement
     heater = Heater(case.device, HEAT_MS)
@@ -91,7 +92,7 @@ def main() -> int:
     parser.add_argument("--mode", choices=("full", "fwd"), default="full", help="fwd+bwd, or the forward without grad")
     args = parser.parse_args()
     device = torch.device("cuda")
-    case = Case(Shape(args.n, args.v, args.h), torch.bfloat16, args.mode, LossOptions(), device)
+    case = BenchCase(Shape(args.n, args.v, args.h), torch.bfloat16, args.mode, BenchLossSettings(), device)
     inputs = make_inputs(case)
     by_name = {m.name: m for m in all_methods()}
     report = {

@@ -19,20 +19,19 @@ from typing import Any
 import torch
 
 from flce.bench import ce_kernel, host_overhead, report
-from flce.bench.methods import (
+from flce.bench.cases import (
     DTYPES,
     FEATURES,
     LABEL_SMOOTHING,
     LSE_SQUARE_SCALE,
     MODES,
     SOFTCAP,
-    LossOptions,
-    Method,
+    BenchLossSettings,
     Shape,
-    all_methods,
     dtype_name,
-    select_methods,
 )
+from flce.bench.methods import Method, select_methods
+from flce.bench.registry import all_methods
 from flce.bench.runner import BenchConfig, Result, run_sweep
 
 # (tokens, vocab, hidden) lists of each named sweep; explicit --tokens/--vocab/--hidden override.
@@ -208,7 +207,7 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
         mode=args.mode,
         dtype=DTYPES[chosen_dtype],
         shapes=resolve_shapes(args, device),
-        loss=LossOptions.from_features(args.features, reduction=args.reduction),
+        loss=BenchLossSettings.from_features(args.features, reduction=args.reduction),
         rounds=rounds,
         warmup=warmup,
         device=device,
@@ -241,18 +240,7 @@ def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence
         "mode": config.mode,
         "dtype": dtype_name(config.dtype),
         "shapes": [{"n": s.n, "v": s.v, "h": s.h} for s in config.shapes],
-        "loss_options": {
-            "reduction": config.loss.reduction,
-            "ignore_index": config.loss.ignore_index,
-            "label_smoothing": config.loss.label_smoothing,
-            "lse_square_scale": config.loss.lse_square_scale,
-            "softcap": config.loss.softcap,
-            "ce_weight": config.loss.use_weights,
-            "bias": config.loss.use_bias,
-            "use_token_scaling": config.loss.use_token_scaling,
-            "return_token_accuracy": config.loss.return_token_accuracy,
-            "return_predicted_tokens": config.loss.return_predicted_tokens,
-        },
+        "loss_options": config.loss.record(),
         **config.record(),
         "sweep": args.sweep,
         "chunk_sizes": list(args.chunk_size) if args.chunk_size else None,
@@ -429,7 +417,7 @@ def resolve_kernel_config(args: argparse.Namespace) -> ce_kernel.KernelBenchConf
     return ce_kernel.KernelBenchConfig(
         shapes=tuple((n, v) for n in (args.tokens or tokens) for v in (args.vocab or vocab)),
         dtypes=tuple(DTYPES[name] for name in dtype_names),
-        loss=LossOptions.from_features(args.features, reduction=args.reduction),
+        loss=BenchLossSettings.from_features(args.features, reduction=args.reduction),
         rounds=rounds,
         warmup=warmup,
         device=device,
@@ -449,7 +437,7 @@ def _overhead_config(
     if calls == 0:
         return None
     names = {m.name for m in methods}
-    backends = tuple(b for b in ce_kernel.FLCE_KERNEL_BACKENDS if {f"flce:{b}", f"flce:{b}:kernel"} & names)
+    backends = tuple(b for b in ce_kernel.flce_kernel_backends() if {f"flce:{b}", f"flce:{b}:kernel"} & names)
     return host_overhead.OverheadConfig(
         dtype=config.dtypes[0], device=config.device, backends=backends, calls=calls, seed=config.seed
     )

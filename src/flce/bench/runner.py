@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from flce.bench.methods import Case, Inputs, LossOptions, Method, Shape, make_inputs
+from flce.bench.cases import BenchCase, BenchLossSettings, Inputs, Shape, make_inputs
+from flce.bench.methods import Method
 from flce.bench.timing import (
     Heater,
     TimingStats,
@@ -32,7 +33,7 @@ class SweepSettings:
     """What every sweep shares (the fused loss's and the CE kernel's): the loss options,
     the inputs' seed and ignored fraction, and how ``measure_runs`` measures."""
 
-    loss: LossOptions
+    loss: BenchLossSettings
     rounds: int
     warmup: int
     device: torch.device
@@ -67,8 +68,8 @@ class BenchConfig(SweepSettings):
     dtype: torch.dtype
     shapes: tuple[Shape, ...]
 
-    def case(self, shape: Shape) -> Case:
-        return Case(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
+    def case(self, shape: Shape) -> BenchCase:
+        return BenchCase(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
 
 
 @dataclass(frozen=True)
