@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from flce.bench.cases import (
 from flce.bench.methods import Method, select_methods
 from flce.bench.registry import all_methods
 from flce.bench.runner import BenchConfig, Result, run_sweep
+from flce.cli import CommandError, progress_reporter, resolve_device
 
 # (tokens, vocab, hidden) lists of each named sweep; explicit --tokens/--vocab/--hidden override.
 SWEEPS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {
@@ -168,12 +168,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--list-methods", action="store_true", help="list the method names and exit")
 
 
-def _device(args: argparse.Namespace) -> torch.device:
-    if args.device:
-        return torch.device(args.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def resolve_shapes(args: argparse.Namespace, device: torch.device) -> tuple[Shape, ...]:
     """Tokens × vocab × hidden from the sweep (or the device's default), then the explicit lists."""
     tokens, vocab, hidden = (
@@ -197,9 +191,8 @@ def _rounds_and_warmup(args: argparse.Namespace, default_rounds: int, default_wa
     return rounds, warmup
 
 
-def resolve_config(args: argparse.Namespace) -> BenchConfig:
+def resolve_config(args: argparse.Namespace, device: torch.device) -> BenchConfig:
     """The frozen run configuration; ValueError on inconsistent options."""
-    device = _device(args)
     on_gpu = device.type == "cuda"
     chosen_dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     rounds, warmup = _rounds_and_warmup(args, DEFAULT_ROUNDS[not on_gpu], DEFAULT_WARMUP[not on_gpu])
@@ -248,32 +241,6 @@ def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence
     }
 
 
-@contextmanager
-def progress_reporter(total: int, enabled: bool = True) -> Iterator[Callable[[int, str], None]]:
-    """A rich progress bar over ``total`` calls, or a line per shape without rich."""
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        seen: set[str] = set()
-
-        def plain(n: int, what: str) -> None:
-            shape = what.split(" probe")[0].split(" warm")[0].split(" round")[0].split(" memory")[0]
-            if enabled and shape not in seen:
-                seen.add(shape)
-                print(f"benchmarking {shape} ...", flush=True)
-
-        yield plain
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True, disable=not enabled) as bar:
-        task = bar.add_task("bench", total=total)
-
-        def tick(n: int, what: str) -> None:
-            bar.update(task, advance=n, description=what[:60])
-
-        yield tick
-
-
 def _title(config: BenchConfig, env: dict[str, Any]) -> str:
     where = env.get("gpu") or str(config.device)
     features = ",".join(config.loss.enabled()) or "no features"
@@ -287,23 +254,19 @@ def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, ti
         report.write_json(out / f"{stem}.json", payload),
         report.write_csv(out / f"{stem}.csv", payload["results"]),
     ]
-    if plots:
-        plot_dir = out / f"{stem}-plots"
-        plot_dir.mkdir(exist_ok=True)
-        written.extend(report.plot_results(payload["results"], plot_dir, title))
+    if plots:  # the folder is made only when some swept axis gives a plot
+        written.extend(report.plot_results(payload["results"], out / f"{stem}-plots", title))
     return written
 
 
-def run_tensor_parallel(args: argparse.Namespace) -> int:
+def run_tensor_parallel(args: argparse.Namespace, device: torch.device) -> int:
     """``flce bench --tp WORLD``: ``flce.bench.tensor_parallel`` under torchrun, one
     process per GPU; its JSON (parity, per-rank time and memory) goes to ``--out``."""
     import subprocess
 
     world = args.tp
-    device = _device(args)
     if world < 1:
-        print("flce bench: error: --tp must be >= 1", file=sys.stderr)
-        return 2
+        return _usage_error(ValueError("--tp must be >= 1"))
     if device.type == "cuda" and torch.cuda.device_count() < world:
         print(f"flce bench --tp {world}: skipped: {torch.cuda.device_count()} CUDA device(s) here, {world} needed")
         return 0
@@ -336,21 +299,37 @@ def run_tensor_parallel(args: argparse.Namespace) -> int:
     return subprocess.run(child, check=False).returncode
 
 
+def _usage_error(exc: Exception) -> int:
+    """One line on stderr and exit code 2, as ``flce.cli.main`` reports a ``CommandError``."""
+    print(f"flce bench: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _saved_or_how(out: Path | None, written: Sequence[Path]) -> None:
+    """What was written, or how to keep the results (a run without ``--out`` writes nothing)."""
+    if out is None:
+        print("results not saved: add --out DIR to write them as JSON and CSV (and plots of swept shapes)")
+    for path in written:
+        print(f"wrote {path}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``flce bench``; returns the exit code (0 when some method was measured)."""
-    if args.kernel is not None:
-        return run_kernel_bench(args)
-    if args.overhead_calls is not None:
-        print("flce bench: error: --overhead-calls applies to --kernel ce only", file=sys.stderr)
-        return 2
-    if args.tp is not None:
-        return run_tensor_parallel(args)
     try:
-        config = resolve_config(args)
+        device = resolve_device(args.device)
+    except CommandError as exc:
+        return _usage_error(exc)
+    if args.kernel is not None:
+        return run_kernel_bench(args, device)
+    if args.overhead_calls is not None:
+        return _usage_error(ValueError("--overhead-calls applies to --kernel ce only"))
+    if args.tp is not None:
+        return run_tensor_parallel(args, device)
+    try:
+        config = resolve_config(args, device)
         methods = resolve_methods(args, config.device)
     except ValueError as exc:
-        print(f"flce bench: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(exc)
     if args.list_methods:
         for m in all_methods(args.chunk_size or (None,)):
             print(f"{m.name:28s} {m.label}")
@@ -372,10 +351,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "results": [report.result_row(r) for r in results],
     }
     report.print_table(payload["results"], title)
+    written = []
     if args.out is not None:
         stem = f"bench-{args.mode}-{payload['config']['dtype']}" + (f"-{args.sweep}" if args.sweep else "")
-        for path in write_outputs(args.out, stem, payload, not args.no_plots, title):
-            print(f"wrote {path}")
+        written = write_outputs(args.out, stem, payload, not args.no_plots, title)
+    _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
 
@@ -402,12 +382,11 @@ def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
     return conflicts
 
 
-def resolve_kernel_config(args: argparse.Namespace) -> ce_kernel.KernelBenchConfig:
+def resolve_kernel_config(args: argparse.Namespace, device: torch.device) -> ce_kernel.KernelBenchConfig:
     """The frozen configuration of ``--kernel ce``; ValueError on inconsistent options."""
     conflicts = _kernel_conflicts(args)
     if conflicts:
         raise ValueError(f"--kernel {args.kernel} does not take {', '.join(conflicts)}")
-    device = _device(args)
     on_gpu = device.type == "cuda"
     tokens, vocab = KERNEL_GPU_SHAPES if on_gpu else KERNEL_CPU_SHAPES
     dtype_names = (args.dtype,) if args.dtype else (KERNEL_GPU_DTYPES if on_gpu else KERNEL_CPU_DTYPES)
@@ -472,14 +451,13 @@ def kernel_config_dict(
     }
 
 
-def run_kernel_bench(args: argparse.Namespace) -> int:
+def run_kernel_bench(args: argparse.Namespace, device: torch.device) -> int:
     """``flce bench --kernel ce``: the CE kernel's bandwidth, then the host overhead per call."""
     try:
-        config = resolve_kernel_config(args)
+        config = resolve_kernel_config(args, device)
         methods = select_methods(ce_kernel.all_kernel_methods(), args.methods)
     except ValueError as exc:
-        print(f"flce bench: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(exc)
     if args.list_methods:
         for m in ce_kernel.all_kernel_methods():
             print(f"{m.name:28s} {m.label}")
@@ -525,9 +503,11 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
             host_overhead.overhead_notes(overhead_rows),
             left_columns=3,
         )
+    written = []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {report.write_json(args.out / 'bench-kernel-ce.json', payload)}")
+        written.append(report.write_json(args.out / "bench-kernel-ce.json", payload))
+    _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
 
