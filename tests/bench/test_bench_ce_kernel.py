@@ -1,5 +1,5 @@
 """``flce bench --kernel ce`` (the CE kernel's bandwidth and the host overhead per call)
-and ``scripts/device/parity_vs_liger.py`` on the CPU with tiny shapes."""
+and ``benchmarks/parity_vs_liger.py`` on the CPU with tiny shapes."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_parity_script_runs_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "device" / "parity_vs_liger.py"),
+            str(REPO / "benchmarks" / "parity_vs_liger.py"),
             str(tmp_path),
             "--quick",
             "--configs",

@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import platform
 import re
+import shlex
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
@@ -430,6 +431,18 @@ def config_text(config: dict[str, Any]) -> str:
     )
 
 
+def portable_command(command: str) -> str:
+    """``command`` with the value of ``--out`` replaced by ``OUTDIR``: where a run wrote its
+    files is no part of how to repeat it, and one machine's paths do not belong in docs."""
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word == "--out" and i + 1 < len(words):
+            words[i + 1] = "OUTDIR"
+        elif word.startswith("--out="):
+            words[i] = "--out=OUTDIR"
+    return shlex.join(words)
+
+
 def _md_escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -444,7 +457,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"**{device}** · {versions_text(env)} · {payload['date_utc']}",
         "",
         f"{config_text(payload['config'])}.  ",
-        f"Command: `{payload['command']}`",
+        f"Command: `{portable_command(payload['command'])}`",
         "",
         "| N × V × H | method | median ms (min–max) | peak extra GiB | × floor |",
         "|---|---|---:|---:|---:|",

@@ -6,7 +6,7 @@ kernel, fp32 dW accumulation/casts and the rest. The sum of kernel times is what
 GPU was busy with; the gap to the CUDA-event time of the same call is launch overhead
 and idle time. Writes ``OUT/profile.json`` and prints a table.
 
-    python3 scripts/device/profile_breakdown.py OUT [--n 8192 --v 128256 --h 4096] [--mode fwd]
+    python3 benchmarks/profile_breakdown.py OUT [--n 8192 --v 128256 --h 4096] [--mode fwd]
 """
 
 from __future__ import annotations

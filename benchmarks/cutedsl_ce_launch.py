@@ -1,6 +1,7 @@
-"""Smoke test and timing of the cutedsl chunk CE kernel on a GPU (sm_90+).
+"""Correctness and timing of the cutedsl chunk CE kernel per launch shape, on a GPU (sm_90+):
+the measurements behind its launch heuristics (``flce.backends.cutedsl.ce``).
 
-    python scripts/device/cutedsl_smoke.py [--sweep] [--json OUT.json]
+    python benchmarks/cutedsl_ce_launch.py [--sweep] [--json OUT.json]
 
 1. Compiles the kernel for a few shapes and features and prints its max errors next
    to the torch backend's, both against float64.
@@ -27,7 +28,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from flce.backends.base import ChunkScalars  # noqa: E402
 from flce.backends.cutedsl import availability  # noqa: E402
@@ -35,6 +36,8 @@ from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk  # noqa: E
 from flce.reference import cross_entropy_reference  # noqa: E402
 
 DEV = torch.device("cuda")
+# The timed shape: the reference shape's logits (N tokens x V classes).
+TIMED_N, TIMED_V = 8192, 128256
 
 
 def scalars_for(target, vocab, ignore_index=-100, weight=None, **kw) -> ChunkScalars:
@@ -183,123 +186,126 @@ def copy_bandwidth() -> float:
 def timing(ce, sweep: bool, results: dict) -> None:
     copy_gbs = copy_bandwidth()
     results["copy_GBps"] = copy_gbs
-    print(f"\n== timing (N=8192, V=128256); device copy bandwidth {copy_gbs:.0f} GB/s (read+write) ==")
+    print(f"\n== timing (N={TIMED_N}, V={TIMED_V}); device copy bandwidth {copy_gbs:.0f} GB/s (read+write) ==")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
-    n, vocab = 8192, 128256
     try:
         from liger_kernel.ops.cross_entropy import cross_entropy_forward as liger_forward
     except Exception as exc:  # optional comparison
         liger_forward = None
         print(f"(Liger CE not importable: {exc})")
     for dtype in (torch.bfloat16, torch.float32):
-        es = torch.finfo(dtype).bits // 8
-        gen = torch.Generator(device=DEV).manual_seed(0)
-        src = (torch.randn(n, vocab, device=DEV, generator=gen) * 3).to(dtype)
-        buf = torch.empty_like(src)
-        target = torch.randint(0, vocab, (n,), device=DEV, generator=gen)
-        target[::10] = -100
-        loss = torch.empty(n, device=DEV)
-        sc = scalars_for(target, vocab)
-        weight = torch.rand(vocab, device=DEV, generator=gen) + 0.5
-        sc_feat = scalars_for(target, vocab, weight=weight, label_smoothing=0.1, lse_square_scale=1e-4)
-        sc_cap = scalars_for(target, vocab, weight=weight, label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
-        zl, correct = torch.empty(n, device=DEV), torch.empty(n, device=DEV)
-        predicted = torch.empty(n, dtype=torch.int64, device=DEV)
+        time_dtype(ce, dtype, sweep, results, copy_gbs, flush, liger_forward)
+        torch.cuda.empty_cache()  # the dtype's tensors are gone: free them before the next
 
-        def ours(grad=True, s=sc, config=None, features=False):
-            extra = (
-                dict(ce_weight=weight, z_loss_out=zl, correct_out=correct, predicted_out=predicted) if features else {}
-            )
-            kw = dict(dict(ce_weight=None, z_loss_out=None, correct_out=None, predicted_out=None), **extra)
-            return lambda: ce.cross_entropy_chunk(
-                buf,
-                target,
-                kw["ce_weight"],
-                s,
-                loss_out=loss,
-                z_loss_out=kw["z_loss_out"],
-                correct_out=kw["correct_out"],
-                predicted_out=kw["predicted_out"],
-                row_grad_scale=None,
-                compute_grad=grad,
-                config=config,
-            )
 
-        rows = []
+def time_dtype(ce, dtype, sweep: bool, results: dict, copy_gbs: float, flush, liger_forward) -> None:
+    """Times of the cutedsl kernel (default launch shape, features, loss only, and with
+    ``sweep`` other launch shapes), Liger's Triton CE and the torch backend, in ``dtype``."""
+    n, vocab = TIMED_N, TIMED_V
+    es = torch.finfo(dtype).bits // 8
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    src = (torch.randn(n, vocab, device=DEV, generator=gen) * 3).to(dtype)
+    buf = torch.empty_like(src)
+    target = torch.randint(0, vocab, (n,), device=DEV, generator=gen)
+    target[::10] = -100
+    loss = torch.empty(n, device=DEV)
+    sc = scalars_for(target, vocab)
+    weight = torch.rand(vocab, device=DEV, generator=gen) + 0.5
+    sc_feat = scalars_for(target, vocab, weight=weight, label_smoothing=0.1, lse_square_scale=1e-4)
+    sc_cap = scalars_for(target, vocab, weight=weight, label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
+    zl, correct = torch.empty(n, device=DEV), torch.empty(n, device=DEV)
+    predicted = torch.empty(n, dtype=torch.int64, device=DEV)
 
-        def report(name, ms, nbytes):
-            gbs = nbytes / ms / 1e6
-            rows.append((name, ms, gbs))
-            results[f"{dtype}/{name}"] = {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
-            print(
-                f"  {str(dtype):15s} {name:42s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy",
-                flush=True,
-            )
-
-        rw = 2 * n * vocab * es
-        print(f"  default config: {ce.default_config(ce.KernelKey(dtype, vocab, 16 // es, True, *[False] * 8, True))}")
-        report("cutedsl loss+grad", time_ms(ours(), src, buf, flush=flush), rw)
-        report("cutedsl +weights+ls+zloss+argmax", time_ms(ours(s=sc_feat, features=True), src, buf, flush=flush), rw)
-        report(
-            "cutedsl +weights+ls+zloss+argmax+softcap",
-            time_ms(ours(s=sc_cap, features=True), src, buf, flush=flush),
-            rw,
+    def ours(grad=True, s=sc, config=None, features=False):
+        extra = dict(ce_weight=weight, z_loss_out=zl, correct_out=correct, predicted_out=predicted) if features else {}
+        kw = dict(dict(ce_weight=None, z_loss_out=None, correct_out=None, predicted_out=None), **extra)
+        return lambda: ce.cross_entropy_chunk(
+            buf,
+            target,
+            kw["ce_weight"],
+            s,
+            loss_out=loss,
+            z_loss_out=kw["z_loss_out"],
+            correct_out=kw["correct_out"],
+            predicted_out=kw["predicted_out"],
+            row_grad_scale=None,
+            compute_grad=grad,
+            config=config,
         )
-        report("cutedsl loss only (no grad)", time_ms(ours(grad=False), src, buf, flush=flush), rw // 2)
-        lbuf = None
-        if liger_forward is not None:
-            lbuf = buf.detach().requires_grad_(True)  # Liger writes the gradient only when this is set
 
-            def liger():
-                liger_forward(lbuf, target, None, -100, 0.0, 0.0, "mean", None, False)
+    rows = []
 
-            report("liger triton CE loss+grad", time_ms(liger, src, buf, flush=flush), rw)
+    def report(name, ms, nbytes):
+        gbs = nbytes / ms / 1e6
+        rows.append((name, ms, gbs))
+        results[f"{dtype}/{name}"] = {"ms": ms, "GBps": gbs, "pct_copy": 100 * gbs / copy_gbs}
+        print(
+            f"  {str(dtype):15s} {name:42s} {ms:8.3f} ms  {gbs:7.0f} GB/s  {100 * gbs / copy_gbs:5.1f}% of copy",
+            flush=True,
+        )
 
-        def twin():
-            torch_chunk(
-                buf,
-                target,
-                None,
-                sc,
-                loss_out=loss,
-                z_loss_out=None,
-                correct_out=None,
-                predicted_out=None,
-                row_grad_scale=None,
-                compute_grad=True,
-            )
+    rw = 2 * n * vocab * es
+    print(f"  default config: {ce.default_config(ce.KernelKey(dtype, vocab, 16 // es, True, *[False] * 8, True))}")
+    report("cutedsl loss+grad", time_ms(ours(), src, buf, flush=flush), rw)
+    report("cutedsl +weights+ls+zloss+argmax", time_ms(ours(s=sc_feat, features=True), src, buf, flush=flush), rw)
+    report(
+        "cutedsl +weights+ls+zloss+argmax+softcap",
+        time_ms(ours(s=sc_cap, features=True), src, buf, flush=flush),
+        rw,
+    )
+    report("cutedsl loss only (no grad)", time_ms(ours(grad=False), src, buf, flush=flush), rw // 2)
+    lbuf = None
+    if liger_forward is not None:
+        lbuf = buf.detach().requires_grad_(True)  # Liger writes the gradient only when this is set
 
-        report("torch backend loss+grad", time_ms(twin, src, buf, iters=5, warmup=1, flush=flush), rw)
-        if sweep:
-            # One CTA per row with 76 KiB resident; clusters of 2/4/8 CTAs with the slice
-            # partly (2) or wholly (4, 8) resident; prefetch distance; 128/512 threads.
-            key_cfgs = [
-                (256, 8, 19, 1),
-                (256, 8, 32, 2),
-                (256, 8, 16, 4),
-                (256, 16, 16, 4),
-                (256, 4, 16, 4),
-                (128, 8, 32, 4),
-                (512, 8, 8, 4),
-                (256, 8, 8, 8),
-                (256, 16, 8, 8),
-                (256, 8, 16, 8),
-                (256, 16, 16, 8),
-                (128, 16, 32, 8),
-                (512, 8, 8, 8),
-            ]
-            for t, s_, r, c in key_cfgs:
-                cfg = ce.KernelConfig(threads=t, stages=s_, resident=r, cluster=c)
-                try:
-                    report(
-                        f"  sweep threads={t} stages={s_} resident={r} cluster={c}",
-                        time_ms(ours(config=cfg), src, buf, flush=flush),
-                        rw,
-                    )
-                except Exception as exc:
-                    print(f"  sweep {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
-        src = buf = lbuf = None  # free before the next dtype
-        torch.cuda.empty_cache()
+        def liger():
+            liger_forward(lbuf, target, None, -100, 0.0, 0.0, "mean", None, False)
+
+        report("liger triton CE loss+grad", time_ms(liger, src, buf, flush=flush), rw)
+
+    def twin():
+        torch_chunk(
+            buf,
+            target,
+            None,
+            sc,
+            loss_out=loss,
+            z_loss_out=None,
+            correct_out=None,
+            predicted_out=None,
+            row_grad_scale=None,
+            compute_grad=True,
+        )
+
+    report("torch backend loss+grad", time_ms(twin, src, buf, iters=5, warmup=1, flush=flush), rw)
+    if sweep:
+        # One CTA per row with 76 KiB resident; clusters of 2/4/8 CTAs with the slice
+        # partly (2) or wholly (4, 8) resident; prefetch distance; 128/512 threads.
+        key_cfgs = [
+            (256, 8, 19, 1),
+            (256, 8, 32, 2),
+            (256, 8, 16, 4),
+            (256, 16, 16, 4),
+            (256, 4, 16, 4),
+            (128, 8, 32, 4),
+            (512, 8, 8, 4),
+            (256, 8, 8, 8),
+            (256, 16, 8, 8),
+            (256, 8, 16, 8),
+            (256, 16, 16, 8),
+            (128, 16, 32, 8),
+            (512, 8, 8, 8),
+        ]
+        for t, s_, r, c in key_cfgs:
+            cfg = ce.KernelConfig(threads=t, stages=s_, resident=r, cluster=c)
+            try:
+                report(
+                    f"  sweep threads={t} stages={s_} resident={r} cluster={c}",
+                    time_ms(ours(config=cfg), src, buf, flush=flush),
+                    rw,
+                )
+            except Exception as exc:
+                print(f"  sweep {cfg}: failed {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def main() -> int:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Render the README performance section from ``flce bench`` results.
 
-    python scripts/make_readme_perf.py RESULTS.json [MORE.json ...]            # print Markdown
-    python scripts/make_readme_perf.py RESULTS.json --write README.md          # replace the block
+    python benchmarks/make_readme_perf.py RESULTS.json [MORE.json ...]            # print Markdown
+    python benchmarks/make_readme_perf.py RESULTS.json --write README.md          # replace the block
 
 With ``--write`` the text between ``<!-- perf:start -->`` and ``<!-- perf:end -->``
 in the given file is replaced (the markers stay); the file must contain them.

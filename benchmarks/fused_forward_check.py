@@ -1,6 +1,6 @@
 """Correctness and timing of the fused forward Hopper kernel on an H200 (sm_90).
 
-    python3 scripts/device/fused_forward_check.py [--configs NAME,NAME] [--vocab 128256,32000] [--no-checks]
+    python3 benchmarks/fused_forward_check.py [--configs NAME,NAME] [--vocab 128256,32000] [--no-checks]
 
 1. A few correctness checks against float64 (bf16/fp16, V = 32000 / 128256 / 151936,
    N = 1000, bias, softcap, logit sum, cluster shapes), one ``PASS``/``FAIL`` line each:
@@ -28,7 +28,7 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from flce.backends.cutedsl import fused_forward as ff  # noqa: E402
 

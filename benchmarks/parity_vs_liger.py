@@ -1,7 +1,7 @@
 """Parity of the fused linear + cross-entropy loss against float64, flce's backends side
 by side with Liger-Kernel's Triton FLCE, at small and real vocabularies.
 
-    python3 scripts/device/parity_vs_liger.py OUTDIR [--quick] [--backends triton,cutedsl,torch]
+    python3 benchmarks/parity_vs_liger.py OUTDIR [--quick] [--backends triton,cutedsl,torch]
         [--vocab 32000,128256] [--dtypes bf16,fp32] [--configs plain,sum] [--tokens 256] [--hidden 512]
 
 For each vocabulary V, dtype and loss configuration (plain mean, sum, ignored rows,
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import flce
 from flce.bench.report import environment, utc_now
@@ -365,7 +365,8 @@ def markdown(payload: dict) -> str:
             else ["**Incomplete run**: the vocabularies after the last one below are missing.", ""]
         ),
         "Error = ‖got − truth‖ / ‖truth‖ against the float64 reference; the yardstick is eager PyTorch in the",
-        f"same dtype. Within tolerance: err ≤ {TOLERANCE_FACTOR:g} × err(torch same dtype) + eps (flce's test criterion).",
+        f"same dtype. Within tolerance: err ≤ {TOLERANCE_FACTOR:g} × err(torch same dtype) + eps "
+        "(flce's test criterion).",
         "",
         "## Summary",
         "",

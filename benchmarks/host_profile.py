@@ -7,7 +7,7 @@ backend this profiles 200 calls of ``flce.cross_entropy`` and of
 ``flce.fused_linear_cross_entropy`` (each with ``loss.backward()``) and writes the
 functions with the most own time, per call, to ``OUT/host_profile.txt``.
 
-    python3 scripts/device/host_profile.py OUT [--backends cutedsl,triton]
+    python3 benchmarks/host_profile.py OUT [--backends cutedsl,triton]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 import flce
 from flce.bench.host_overhead import OVERHEAD_SHAPE
+from flce.bench.timing import synchronize
 
 CALLS = 200
 
@@ -47,23 +48,23 @@ def main() -> int:
         }
         for api, call in calls.items():
 
-            def step():
+            def step(call=call):
                 out = call()
                 (out if isinstance(out, torch.Tensor) else out.loss).backward()
 
             for _ in range(20):
                 step()
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            synchronize(device)
             start = time.perf_counter()
             for _ in range(CALLS):
                 step()
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            synchronize(device)
             wall_us = (time.perf_counter() - start) / CALLS * 1e6
             profiler = cProfile.Profile()
             profiler.enable()
             for _ in range(CALLS):
                 step()
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            synchronize(device)
             profiler.disable()
             report.write(f"\n===== {api} backend={backend}: {wall_us:.1f} us per call (fwd+bwd, unprofiled)\n")
             stats = pstats.Stats(profiler, stream=report)
