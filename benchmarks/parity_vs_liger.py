@@ -472,7 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         "upstream_gradient": 1.0,
         "tolerance": f"norm_rel <= {TOLERANCE_FACTOR:g} * norm_rel(torch same dtype) + eps(dtype)",
     }
-    command = shlex.join(["python3", *sys.argv]) if argv is None else shlex.join(["python3", __file__, *argv])
+    # As typed from the repository root, OUTDIR for the output folder (no machine paths).
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(
+        [
+            "python3",
+            "benchmarks/parity_vs_liger.py",
+            *("OUTDIR" if Path(word) == args.outdir else word for word in given),
+        ]
+    )
     env = environment(device)
     args.outdir.mkdir(parents=True, exist_ok=True)
     json_path = args.outdir / "parity_vs_liger.json"

@@ -180,3 +180,6 @@ def test_parity_script_runs_on_cpu(tmp_path: Path) -> None:
         assert summary["within_tolerance"] == summary["cases"] > 0, summary
     text = (tmp_path / "parity_vs_liger.md").read_text()
     assert "## Summary" in text and "| flce:torch | dW |" in text and "torch same dtype" in text
+    # The command to repeat the run, with no path of this machine in it.
+    command = "python3 benchmarks/parity_vs_liger.py OUTDIR --quick --configs plain,all"
+    assert payload["command"] == command and f"Command: `{command}`" in text and str(tmp_path) not in text
