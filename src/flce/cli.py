@@ -182,13 +182,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"flce {flce.__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
-    info = sub.add_parser("info", help="versions, device, usable backends and why not")
+    info = sub.add_parser(
+        "info",
+        help="versions, device, usable backends and why not",
+        description="Versions, the device, and which backends can run here (and why not).",
+    )
     info.set_defaults(func=run_info)
-    check = sub.add_parser("check", help="every usable backend against the float64 reference")
+    check = sub.add_parser(
+        "check",
+        help="every usable backend against the float64 reference",
+        description="Run every usable backend (or --backend) over a matrix of features, reductions and dtypes "
+        "against the float64 reference; pass: err <= 3 x eager torch err + eps. Exit code 1 on a failure.",
+    )
     check.add_argument("--backend", choices=BACKEND_NAMES, help="check only this backend")
     check.add_argument("--device", help="device (default: cuda if available, else cpu)")
     check.set_defaults(func=run_check)
-    bench = sub.add_parser("bench", help="benchmark against the peers and the cuBLAS floor")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark against the peers and the cuBLAS floor",
+        description="Time and peak memory of the LM-head loss: flce's backends against PyTorch, Liger-Kernel, "
+        "Apple CCE and the cuBLAS GEMMs alone (the floor). Without a GPU: a small CPU case. "
+        "benchmarks/README.md describes the measurements.",
+    )
     from flce.bench.cli import add_bench_arguments, run_bench
 
     add_bench_arguments(bench)
