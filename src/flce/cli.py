@@ -1,4 +1,9 @@
-"""The ``flce`` command: ``info``, ``check`` and ``bench``."""
+"""The ``flce`` command: ``info``, ``check`` and ``bench``.
+
+Errors a user can fix (a device that is not here, a backend that cannot run) are one
+line on stderr and exit code 2, never a traceback: commands raise ``CommandError`` and
+``main`` prints it.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,19 @@ import argparse
 import importlib.metadata
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from flce.dispatch import BACKEND_NAMES, availability, resolve_backend
+
+Progress = Callable[[int, str], None]
+
+
+class CommandError(Exception):
+    """A mistake in the command line or a request this machine cannot serve; the message
+    is the whole report (one line, what is wrong and what to do)."""
 
 
 def _version(package: str) -> str:
@@ -22,6 +35,59 @@ def _version(package: str) -> str:
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_device(text: str | None) -> torch.device:
+    """The ``--device`` argument as a device this machine has (the default device when
+    None); ``CommandError`` otherwise, before anything is allocated on it."""
+    if text is None:
+        return default_device()
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise CommandError(f"--device {text!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                f"this torch ({torch.__version__}) is built without CUDA"
+                if torch.version.cuda is None
+                else "torch.cuda.is_available() is False (no GPU visible, or a driver problem)"
+            )
+            raise CommandError(f"--device {text}: no CUDA device here: {why}; run on a GPU machine or use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise CommandError(f"--device {text}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
+    return device
+
+
+@contextmanager
+def progress_reporter(total: int, enabled: bool = True) -> Iterator[Progress]:
+    """A rich progress bar over ``total`` steps, advanced by ``tick(steps, what)``; without
+    rich, one line per new ``what`` prefix (up to the first of " probe", " warm", " round",
+    " memory", " case", the parts of a step that repeat)."""
+    try:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        seen: set[str] = set()
+
+        def plain(n: int, what: str) -> None:
+            head = what
+            for part in (" probe", " warm", " round", " memory", " case"):
+                head = head.split(part)[0]
+            if enabled and head not in seen:
+                seen.add(head)
+                print(f"{head} ...", flush=True)
+
+        yield plain
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True, disable=not enabled) as bar:
+        task = bar.add_task("", total=total)
+
+        def tick(n: int, what: str) -> None:
+            bar.update(task, advance=n, description=what[:60])
+
+        yield tick
 
 
 def _print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
@@ -64,25 +130,40 @@ def run_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checked_backends(requested: str | None, device: torch.device) -> list[str]:
+    """The backends ``flce check`` runs: the requested one, which must be able to run here,
+    else every usable one."""
+    if requested is None:
+        return [name for name in BACKEND_NAMES if availability(name, device)[0]]
+    ok, why = availability(requested, device)
+    if not ok:
+        raise CommandError(f"backend {requested!r} cannot run on {device}: {why}")
+    return [requested]
+
+
 def run_check(args: argparse.Namespace) -> int:
     from flce.testing import check_cases, check_cases_vocabulary_blocks, run_case
 
-    device = torch.device(args.device) if args.device else default_device()
-    names = [n for n in BACKEND_NAMES if availability(n, device)[0]] if not args.backend else [args.backend]
+    device = resolve_device(args.device)
+    names = _checked_backends(args.backend, device)
+    # Every backend has split-row kernels (flce.split_rows), so each is checked with
+    # vocab_chunk_size as well.
+    cases = check_cases(device) + check_cases_vocabulary_blocks()
     rows, failed = [], 0
-    for name in names:
-        cases = check_cases(device)
-        if name in SPLIT_ROW_BACKENDS:
-            cases += check_cases_vocabulary_blocks()
-        outcomes = [run_case(case, name, device) for case in cases]
-        bad = [o for o in outcomes if not o.passed]
-        failed += len(bad)
-        worst = max(
-            ((o.errors[key][0] / o.allowed[key], key) for o in outcomes for key in o.allowed), default=(0.0, "-")
-        )
-        rows.append((name, str(len(outcomes) - len(bad)), str(len(bad)), f"{worst[0]:.2f} ({worst[1]})"))
-        for outcome in bad:
-            print(f"FAIL {name} {outcome.case.name}: {'; '.join(outcome.failures)}")
+    with progress_reporter(len(names) * len(cases)) as tick:
+        for name in names:
+            outcomes = []
+            for case in cases:
+                outcomes.append(run_case(case, name, device))
+                tick(1, f"{name} case {len(outcomes)}/{len(cases)}")
+            bad = [o for o in outcomes if not o.passed]
+            failed += len(bad)
+            worst = max(
+                ((o.errors[key][0] / o.allowed[key], key) for o in outcomes for key in o.allowed), default=(0.0, "-")
+            )
+            rows.append((name, str(len(outcomes) - len(bad)), str(len(bad)), f"{worst[0]:.2f} ({worst[1]})"))
+            for outcome in bad:
+                print(f"FAIL {name} {outcome.case.name}: {'; '.join(outcome.failures)}")
     _print_table(
         f"flce check on {device} (float64 reference; pass: err <= 3 x eager torch err + eps)",
         ("backend", "passed", "failed", "worst err / tolerance"),
@@ -91,20 +172,38 @@ def run_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-# Backends with split-row kernels (flce.split_rows), checked with vocab_chunk_size too.
-SPLIT_ROW_BACKENDS = ("torch", "triton", "cutedsl")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flce", description="Fused linear + cross-entropy kernels")
-    sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="versions, device, usable backends and why not")
+    import flce
+
+    parser = argparse.ArgumentParser(
+        prog="flce",
+        description="Fused linear + cross-entropy kernels: what runs here, a correctness check, a benchmark.",
+        epilog="Start with `flce info`; `flce <command> --help` lists a command's options.",
+    )
+    parser.add_argument("--version", action="version", version=f"flce {flce.__version__} (torch {torch.__version__})")
+    sub = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
+    info = sub.add_parser(
+        "info",
+        help="versions, device, usable backends and why not",
+        description="Versions, the device, and which backends can run here (and why not).",
+    )
     info.set_defaults(func=run_info)
-    check = sub.add_parser("check", help="every usable backend against the float64 reference")
+    check = sub.add_parser(
+        "check",
+        help="every usable backend against the float64 reference",
+        description="Run every usable backend (or --backend) over a matrix of features, reductions and dtypes "
+        "against the float64 reference; pass: err <= 3 x eager torch err + eps. Exit code 1 on a failure.",
+    )
     check.add_argument("--backend", choices=BACKEND_NAMES, help="check only this backend")
     check.add_argument("--device", help="device (default: cuda if available, else cpu)")
     check.set_defaults(func=run_check)
-    bench = sub.add_parser("bench", help="benchmark against the peers and the cuBLAS floor")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark against the peers and the cuBLAS floor",
+        description="Time and peak memory of the LM-head loss: flce's backends against PyTorch, Liger-Kernel, "
+        "Apple CCE and the cuBLAS GEMMs alone (the floor). Without a GPU: a small CPU case. "
+        "benchmarks/README.md describes the measurements.",
+    )
     from flce.bench.cli import add_bench_arguments, run_bench
 
     add_bench_arguments(bench)
@@ -113,8 +212,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # plain `flce`: what it can do, not a usage error
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except CommandError as exc:
+        print(f"flce {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ the (N, V) logits: use it on small shapes only.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +94,145 @@ def fused_linear_cross_entropy_reference(
         input.to(logits_dtype), weight.to(logits_dtype), None if bias is None else bias.to(logits_dtype)
     )
     return cross_entropy_reference(logits, target, **options)
+
+
+# ---- RL and distillation heads ----
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclass
+class LogprobsReference:
+    logprobs: torch.Tensor  # (N,) log-softmax of the target class, 0 on ignored rows
+    entropy: torch.Tensor  # (N,) -sum_i p_i log p_i, 0 on ignored rows
+
+
+def logprobs_from_logits_reference(
+    logits: torch.Tensor,  # (N, V)
+    target: torch.Tensor,  # (N,)
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    math_dtype: torch.dtype = torch.float64,
+) -> LogprobsReference:
+    """Per-row logprob of the target and entropy of ``softmax(logits / temperature)``,
+    differentiable through ``logits`` (autograd in ``math_dtype``; float32 on
+    low-precision logits is what eager PyTorch code does)."""
+    log_p = torch.log_softmax(logits.to(math_dtype) / temperature, dim=-1)  # (N, V)
+    valid = target != ignore_index
+    y = torch.where(valid, target, torch.zeros_like(target)).long()
+    logprobs = log_p.gather(1, y[:, None]).squeeze(1)
+    entropy = -(torch.exp(log_p) * log_p).sum(dim=-1)
+    zero = torch.zeros((), dtype=math_dtype, device=log_p.device)
+    return LogprobsReference(torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero))
+
+
+def _linear(input, weight, bias, logits_dtype):
+    # F.linear, as an LM head computes it (the bias is added inside the GEMM, one rounding).
+    return torch.nn.functional.linear(
+        input.to(logits_dtype), weight.to(logits_dtype), None if bias is None else bias.to(logits_dtype)
+    )
+
+
+def logprobs_reference(
+    input: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    target: torch.Tensor,  # (N,)
+    bias: torch.Tensor | None = None,  # (V,)
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    *,
+    logits_dtype: torch.dtype = torch.float64,
+    math_dtype: torch.dtype = torch.float64,
+) -> LogprobsReference:
+    """``logprobs_from_logits_reference(input @ weight.T + bias)``, differentiable through
+    whichever of ``input``/``weight``/``bias`` require grad; the GEMM in ``logits_dtype``."""
+    logits = _linear(input, weight, bias, logits_dtype)
+    return logprobs_from_logits_reference(
+        logits, target, temperature=temperature, ignore_index=ignore_index, math_dtype=math_dtype
+    )
+
+
+def distillation_from_logits_reference(
+    student_logits: torch.Tensor,  # (N, V)
+    teacher_logits: torch.Tensor,  # (N, V)
+    target: torch.Tensor | None = None,  # (N,)
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    math_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Liger's generalized JSD between ``q = softmax(student / T)`` and
+    ``p = softmax(teacher / T)`` (teacher detached): ``beta = 0`` is KL(p || q), ``beta = 1``
+    KL(q || p), otherwise ``beta KL(p || M) + (1 - beta) KL(q || M)`` with
+    ``M = beta p + (1 - beta) q``. ``"mean"`` divides by the rows not ignored (all rows
+    without ``target``; 0 when there are none), ``"none"`` returns per-row values."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if student_logits.shape != teacher_logits.shape:
+        raise ValueError(
+            f"student and teacher logits must have the same shape, got {tuple(student_logits.shape)} "
+            f"and {tuple(teacher_logits.shape)}"
+        )
+    log_q = torch.log_softmax(student_logits.to(math_dtype) / temperature, dim=-1)  # (N, V)
+    log_p = torch.log_softmax(teacher_logits.detach().to(math_dtype) / temperature, dim=-1)
+
+    def kl(log_a, log_b):  # KL(a || b) per row
+        return (torch.exp(log_a) * (log_a - log_b)).sum(dim=-1)
+
+    if beta == 0.0:
+        rows = kl(log_p, log_q)
+    elif beta == 1.0:
+        rows = kl(log_q, log_p)
+    else:
+        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))
+        rows = beta * kl(log_p, log_m) + (1.0 - beta) * kl(log_q, log_m)
+    if target is None:
+        valid = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
+    else:
+        valid = target.to(rows.device) != ignore_index
+    rows = torch.where(valid, rows, torch.zeros((), dtype=math_dtype, device=rows.device))
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    n_valid = valid.sum()
+    return rows.sum() / n_valid if n_valid > 0 else rows.sum() * 0
+
+
+def distillation_reference(
+    student_input: torch.Tensor,  # (N, H_s)
+    student_weight: torch.Tensor,  # (V, H_s)
+    teacher_input: torch.Tensor,  # (N, H_t)
+    teacher_weight: torch.Tensor,  # (V, H_t)
+    target: torch.Tensor | None = None,  # (N,)
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    student_bias: torch.Tensor | None = None,  # (V,)
+    teacher_bias: torch.Tensor | None = None,  # (V,)
+    *,
+    logits_dtype: torch.dtype = torch.float64,
+    math_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``distillation_from_logits_reference`` of the two LM heads' logits; gradients reach
+    the student's input, weight and bias only (the teacher's logits are detached)."""
+    if student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(
+            f"student and teacher vocabularies must match, got {student_weight.shape[0]} and {teacher_weight.shape[0]}"
+        )
+    return distillation_from_logits_reference(
+        _linear(student_input, student_weight, student_bias, logits_dtype),
+        _linear(teacher_input, teacher_weight, teacher_bias, logits_dtype),
+        target,
+        beta=beta,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        math_dtype=math_dtype,
+    )

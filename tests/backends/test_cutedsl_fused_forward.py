@@ -41,7 +41,7 @@ K = 3.0
 EPS = 1e-4
 IGNORE = -100
 
-# Launch shapes shipped or tried by scripts/device/fused_forward_check.py.
+# Launch shapes shipped or tried by benchmarks/fused_forward_check.py.
 CONFIGS = [
     dict(),  # the field defaults: 128 x 256, 4 stages, no cluster
     dict(cluster_m=2),  # DEFAULT_CONFIG: W tile multicast to the two CTAs of a cluster

@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from flce.bench import methods as bench_methods
+from flce.bench.peers.optional import optional_import
 
 
 @pytest.fixture
 def no_liger(monkeypatch: pytest.MonkeyPatch):
     """Liger-Kernel made unimportable, whether or not it is installed here."""
     monkeypatch.setitem(sys.modules, "liger_kernel", None)
-    bench_methods._import.cache_clear()
+    optional_import.cache_clear()
     yield
-    bench_methods._import.cache_clear()
+    optional_import.cache_clear()

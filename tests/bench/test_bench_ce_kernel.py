@@ -1,5 +1,5 @@
 """``flce bench --kernel ce`` (the CE kernel's bandwidth and the host overhead per call)
-and ``scripts/device/parity_vs_liger.py`` on the CPU with tiny shapes."""
+and ``benchmarks/parity_vs_liger.py`` on the CPU with tiny shapes."""
 
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def test_parity_script_runs_on_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
         [
             sys.executable,
-            str(REPO / "scripts" / "device" / "parity_vs_liger.py"),
+            str(REPO / "benchmarks" / "parity_vs_liger.py"),
             str(tmp_path),
             "--quick",
             "--configs",
@@ -180,3 +180,6 @@ def test_parity_script_runs_on_cpu(tmp_path: Path) -> None:
         assert summary["within_tolerance"] == summary["cases"] > 0, summary
     text = (tmp_path / "parity_vs_liger.md").read_text()
     assert "## Summary" in text and "| flce:torch | dW |" in text and "torch same dtype" in text
+    # The command to repeat the run, with no path of this machine in it.
+    command = "python3 benchmarks/parity_vs_liger.py OUTDIR --quick --configs plain,all"
+    assert payload["command"] == command and f"Command: `{command}`" in text and str(tmp_path) not in text

@@ -16,15 +16,20 @@ import torch.nn.functional as F
 
 import flce
 from flce.bench import ce_kernel
-from flce.bench import methods as bench_methods
+from flce.bench.cases import FEATURES, BenchCase, BenchLossSettings, Inputs, Shape, make_inputs
 from flce.bench.cli import bench_parser, run_bench
-from flce.bench.methods import FEATURES, Case, LossOptions, Shape, make_inputs
+from flce.bench.methods import Method, as_loss
+from flce.bench.peers import cce, liger
+from flce.bench.peers.flce_backends import flce_loss_kwargs
+from flce.bench.peers.optional import optional_import
+from flce.bench.peers.torch_eager import eager_loss
+from flce.bench.registry import all_methods
 from flce.bench.timing import call_once
 from flce.cli import main
 from flce.reference import cross_entropy_reference, fused_linear_cross_entropy_reference
 
 NEW_FEATURES = ("bias", "token_scaling", "accuracy", "predicted")
-# Field of the benchmark's LossOptions that each new feature turns on.
+# Field of the benchmark's BenchLossSettings that each new feature turns on.
 FEATURE_FIELDS = {
     "bias": "use_bias",
     "token_scaling": "use_token_scaling",
@@ -74,30 +79,30 @@ def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attributes) -> No
     if top != name:
         monkeypatch.setitem(sys.modules, top, ModuleType(top))
     monkeypatch.setitem(sys.modules, name, module)
-    bench_methods._import.cache_clear()
+    optional_import.cache_clear()
 
 
 def _fake_liger(monkeypatch: pytest.MonkeyPatch, fused_loss) -> None:
     """A Liger whose ``liger_fused_linear_cross_entropy`` is ``fused_loss``."""
-    _fake_module(monkeypatch, bench_methods.LIGER_FUNCTIONAL, liger_fused_linear_cross_entropy=fused_loss)
+    _fake_module(monkeypatch, liger.LIGER_FUNCTIONAL, liger_fused_linear_cross_entropy=fused_loss)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_imports():
     yield
-    bench_methods._import.cache_clear()
+    optional_import.cache_clear()
 
 
-def _method(name: str) -> bench_methods.Method:
-    return next(m for m in bench_methods.all_methods() if m.name == name)
+def _method(name: str) -> Method:
+    return next(m for m in all_methods() if m.name == name)
 
 
-def _case(features: str, mode: str = "full", reduction: str = "mean", device: str = "cpu") -> Case:
-    opts = LossOptions.from_features(features.split(",") if features else (), reduction=reduction)
-    return Case(SHAPE, torch.float32, mode, opts, torch.device(device))
+def _case(features: str, mode: str = "full", reduction: str = "mean", device: str = "cpu") -> BenchCase:
+    opts = BenchLossSettings.from_features(features.split(",") if features else (), reduction=reduction)
+    return BenchCase(SHAPE, torch.float32, mode, opts, torch.device(device))
 
 
-def _reference(inputs: bench_methods.Inputs, opts: LossOptions):
+def _reference(inputs: Inputs, opts: BenchLossSettings):
     """The float64 reference of the run's loss on the benchmark's inputs."""
     return fused_linear_cross_entropy_reference(
         inputs.x.detach().double(),
@@ -128,31 +133,31 @@ def _rows(payload: dict) -> dict[str, dict]:
 
 @pytest.mark.parametrize("feature", NEW_FEATURES)
 def test_each_new_feature_turns_on_its_option_alone(feature: str) -> None:
-    opts = LossOptions.from_features([feature])
+    opts = BenchLossSettings.from_features([feature])
     assert opts.enabled() == (feature,)
     for name, field in FEATURE_FIELDS.items():
         assert getattr(opts, field) is (name == feature), field
-    assert LossOptions().enabled() == ()
+    assert BenchLossSettings().enabled() == ()
 
 
 def test_enabled_follows_features_order_whatever_the_order_given() -> None:
     assert FEATURES[-4:] == NEW_FEATURES
-    assert LossOptions.from_features(list(reversed(FEATURES))).enabled() == FEATURES
+    assert BenchLossSettings.from_features(list(reversed(FEATURES))).enabled() == FEATURES
 
 
 def test_flags_name_flce_keywords_and_only_those_on() -> None:
-    opts = LossOptions.from_features(["bias", "accuracy", "predicted"])
+    opts = BenchLossSettings.from_features(["bias", "accuracy", "predicted"])
     assert opts.flags() == {"return_token_accuracy": True, "return_predicted_tokens": True}
-    kwargs = bench_methods.flce_loss_kwargs(LossOptions.from_features(["token_scaling", "accuracy"]), "torch")
+    kwargs = flce_loss_kwargs(BenchLossSettings.from_features(["token_scaling", "accuracy"]), "torch")
     assert kwargs["use_token_scaling"] and kwargs["return_token_accuracy"] and not kwargs["return_predicted_tokens"]
     # The same keywords build the library's options (the CE-kernel benchmark does this).
-    library = ce_kernel.flce_options(LossOptions.from_features(list(FEATURES)))
+    library = ce_kernel.flce_options(BenchLossSettings.from_features(list(FEATURES)))
     assert library.use_token_scaling and library.return_token_accuracy and library.return_predicted_tokens
 
 
 def test_unknown_feature_is_rejected_naming_the_valid_ones(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(ValueError, match="unknown feature") as error:
-        LossOptions.from_features(["bias", "accuracies"])
+        BenchLossSettings.from_features(["bias", "accuracies"])
     message = str(error.value)
     assert "'accuracies'" in message
     assert all(f"'{name}'" in message for name in FEATURES)
@@ -206,7 +211,7 @@ def test_methods_add_the_bias_and_give_it_a_gradient(method: str, features: str)
     assert m.check(case) is None
     loss = m.make_loss(case, inputs)()
     expected = _reference(inputs, case.loss).loss
-    without_bias = _reference(bench_methods.Inputs(inputs.x, inputs.w, inputs.target, inputs.ce_weight), case.loss)
+    without_bias = _reference(Inputs(inputs.x, inputs.w, inputs.target, inputs.ce_weight), case.loss)
     assert abs(expected - without_bias.loss).item() > 1e-3  # the bias moves the loss
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
 
@@ -223,7 +228,7 @@ def test_eager_matches_the_reference_with_its_outputs(features: str, reduction: 
     case = _case(features, reduction=reduction)
     inputs = make_inputs(case, ignore_fraction=0.25)
     opts = case.loss
-    out = bench_methods.eager_loss(inputs.x, inputs.w, inputs.target, inputs.ce_weight, opts, inputs.bias)
+    out = eager_loss(inputs.x, inputs.w, inputs.target, inputs.ce_weight, opts, inputs.bias)
     ref = _reference(inputs, opts)
     if not opts.returns_extras:
         assert isinstance(out, torch.Tensor)
@@ -247,9 +252,7 @@ def test_eager_token_scaling_gradient_treats_the_scale_as_a_constant(features: s
     case = _case(features)
     inputs = make_inputs(case, ignore_fraction=0.25)
     opts = case.loss
-    loss = bench_methods.as_loss(
-        bench_methods.eager_loss(inputs.x, inputs.w, inputs.target, inputs.ce_weight, opts, inputs.bias)
-    )
+    loss = as_loss(eager_loss(inputs.x, inputs.w, inputs.target, inputs.ce_weight, opts, inputs.bias))
     loss.backward()
     x = inputs.x.detach().double().requires_grad_(True)
     reference = fused_linear_cross_entropy_reference(
@@ -274,9 +277,9 @@ def test_token_scaling_changes_the_loss() -> None:
         make_inputs(_case(features), ignore_fraction=0.25)
         for features in ("z_loss,weights", "z_loss,weights,token_scaling")
     )
-    plain_loss = bench_methods.eager_loss(plain.x, plain.w, plain.target, plain.ce_weight, _case("z_loss,weights").loss)
+    plain_loss = eager_loss(plain.x, plain.w, plain.target, plain.ce_weight, _case("z_loss,weights").loss)
     scaled_opts = _case("z_loss,weights,token_scaling").loss
-    scaled_loss = bench_methods.eager_loss(scaled.x, scaled.w, scaled.target, scaled.ce_weight, scaled_opts)
+    scaled_loss = eager_loss(scaled.x, scaled.w, scaled.target, scaled.ce_weight, scaled_opts)
     assert scaled_loss.item() < plain_loss.item() - 1e-3  # every row weighed by p(target) < 1
 
 
@@ -284,12 +287,14 @@ def test_flce_method_returns_the_per_token_outputs(monkeypatch: pytest.MonkeyPat
     """flce's call gets the flags and the bias: the outputs it returned match the reference."""
     returned = []
 
+    public = flce.fused_linear_cross_entropy
+
     def recording(*args, **kwargs):
-        out = flce.fused_linear_cross_entropy(*args, **kwargs)
+        out = public(*args, **kwargs)
         returned.append((out, kwargs))
         return out
 
-    monkeypatch.setattr(bench_methods, "_flce_function", lambda: (recording, ""))
+    monkeypatch.setattr(flce, "fused_linear_cross_entropy", recording)
     case = _case(ALL)
     inputs = make_inputs(case, ignore_fraction=0.25)
     loss = _method("flce:torch").make_loss(case, inputs)()
@@ -462,8 +467,8 @@ def test_cli_runs_all_features_together(tmp_path: Path, mode: str) -> None:
 def test_installed_peers_without_a_feature_give_it_as_the_reason(monkeypatch: pytest.MonkeyPatch, feature) -> None:
     """CCE and Liger's SM90 kernel take none of the new features: on a CUDA case (the
     checks read the device type only) the reason names the feature."""
-    _fake_module(monkeypatch, bench_methods.CCE, linear_cross_entropy=None)
-    _fake_module(monkeypatch, bench_methods.LIGER_SM90, liger_fused_linear_cross_entropy_sm90=None)
+    _fake_module(monkeypatch, cce.CCE, linear_cross_entropy=None)
+    _fake_module(monkeypatch, liger.LIGER_SM90, liger_fused_linear_cross_entropy_sm90=None)
     case = _case(f"softcap,{feature}", device="cuda")
     assert _method("cce").check(case) == f"CCE does not support {feature}"
     assert _method("liger:cute-sm90").check(case) == f"Liger CuTe SM90 FLCE does not support softcap, {feature}"
@@ -507,10 +512,10 @@ def test_kernel_bench_takes_the_per_token_features_but_no_bias(tmp_path: Path, c
 
 def test_liger_ce_kernels_are_skipped_for_token_scaling() -> None:
     case = ce_kernel.KernelCase(
-        12, 256, torch.bfloat16, LossOptions.from_features(["token_scaling", "accuracy"]), torch.device("cuda")
+        12, 256, torch.bfloat16, BenchLossSettings.from_features(["token_scaling", "accuracy"]), torch.device("cuda")
     )
     assert ce_kernel._liger_features(case) == "Liger CE does not support token_scaling"
     on_request = ce_kernel.KernelCase(
-        12, 256, torch.bfloat16, LossOptions.from_features(["accuracy", "predicted"]), torch.device("cuda")
+        12, 256, torch.bfloat16, BenchLossSettings.from_features(["accuracy", "predicted"]), torch.device("cuda")
     )
     assert ce_kernel._liger_features(on_request) is None

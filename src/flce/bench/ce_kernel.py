@@ -34,26 +34,17 @@ from typing import Any
 
 import torch
 
-from flce.bench.methods import Case as LossCase
-from flce.bench.methods import (
-    LossOptions,
-    Shape,
-    _first_reason,
-    _import,
-    _needs_cuda,
-    _unsupported_features,
-    as_loss,
-    dtype_name,
-    eager_cross_entropy,
-    flce_loss_kwargs,
-    make_inputs,
-)
+from flce.bench.cases import BenchCase, BenchLossSettings, Shape, dtype_name, make_inputs
+from flce.bench.methods import always, as_loss
+from flce.bench.peers.flce_backends import flce_loss_kwargs
+from flce.bench.peers.liger import LIGER_FUNCTIONAL
+from flce.bench.peers.optional import first_reason, needs_cuda, optional_import, unsupported_features
+from flce.bench.peers.torch_eager import eager_cross_entropy
 from flce.bench.runner import Running, SweepSettings, measure_runs, skip_reason, unusable_methods
 from flce.bench.timing import TimingStats, Workload, free_memory
 
 SCHEMA = "flce-bench-kernel/1"
 COPY = "copy"
-FLCE_KERNEL_BACKENDS = ("cutedsl", "triton", "torch")
 # Hidden size of the projection that makes the benchmark's logits: small, since only the
 # logits' distribution matters here (peaked at the target on most rows, as in training).
 LOGITS_HIDDEN = 64
@@ -63,7 +54,6 @@ FALLBACK_L2_BYTES = 64 * 2**20
 
 LIGER_TRITON_CE = "liger_kernel.ops.backends._triton.cross_entropy"
 LIGER_CUTE_CE = "liger_kernel.ops.backends._cutedsl.cross_entropy"
-LIGER_FUNCTIONAL = "liger_kernel.transformers.functional"
 # Liger's CuTe CE loads 16 bytes per thread; other vocabularies fall back to its Triton kernel.
 LIGER_CUTE_VECTOR_BYTES = 16
 LIGER_CUTE_MIN_CAPABILITY = (9, 0)
@@ -79,7 +69,7 @@ class KernelCase:
     n: int
     v: int
     dtype: torch.dtype
-    loss: LossOptions
+    loss: BenchLossSettings
     device: torch.device
 
     @property
@@ -125,9 +115,9 @@ def _l2_scrub(device: torch.device) -> torch.Tensor | None:
 
 
 def make_logits_inputs(case: KernelCase, seed: int = 0, ignore_fraction: float = 0.0) -> LogitsInputs:
-    """Logits ``X Wᵀ`` of the fused benchmark's inputs (``methods.make_inputs``), so both
+    """Logits ``X Wᵀ`` of the fused benchmark's inputs (``cases.make_inputs``), so both
     benchmarks see the same kind of rows, from flat to confidently right."""
-    loss_case = LossCase(
+    loss_case = BenchCase(
         shape=Shape(case.n, case.v, LOGITS_HIDDEN),
         dtype=torch.float32,
         mode="fwd",
@@ -184,11 +174,11 @@ def workload(step: Step, inputs: LogitsInputs) -> Workload:
 # ----------------------------------------------------------------------------- flce
 
 
-def flce_options(opts: LossOptions) -> Any:
-    """The library's ``LossOptions`` for the benchmark's loss options."""
-    from flce.options import LossOptions as FlceLossOptions
+def flce_options(settings: BenchLossSettings) -> Any:
+    """The library's ``flce.options.LossOptions`` for the benchmark's loss settings."""
+    from flce.options import LossOptions
 
-    return FlceLossOptions(**flce_loss_kwargs(opts, None))
+    return LossOptions(**flce_loss_kwargs(settings, None))
 
 
 def _flce_available(backend: str) -> KernelCheckFn:
@@ -261,9 +251,16 @@ def _flce_public_make(backend: str) -> MakeStepFn:
     return make
 
 
+def flce_kernel_backends() -> tuple[str, ...]:
+    """flce's backends in the auto policy's order of preference (the fastest first)."""
+    from flce.dispatch import BACKEND_NAMES, get_backend
+
+    return tuple(sorted(BACKEND_NAMES, key=lambda name: -get_backend(name).auto_priority))
+
+
 def flce_kernel_methods() -> list[KernelMethod]:
     methods = []
-    for backend in FLCE_KERNEL_BACKENDS:
+    for backend in flce_kernel_backends():
         check = _flce_available(backend)
         methods.append(
             KernelMethod(
@@ -302,28 +299,32 @@ def _liger_cute_check(case: KernelCase) -> str | None:
             return f"V={case.v} is not a multiple of {vector}: Liger falls back to its Triton kernel"
         return None
 
-    return _first_reason(
-        lambda: _import(LIGER_CUTE_CE)[1], lambda: _needs_cuda(case), capability, lambda: _liger_features(case)
+    return first_reason(
+        lambda: optional_import(LIGER_CUTE_CE)[1], lambda: needs_cuda(case), capability, lambda: _liger_features(case)
     )
 
 
 def _liger_triton_check(case: KernelCase) -> str | None:
-    return _first_reason(lambda: _import(LIGER_TRITON_CE)[1], lambda: _needs_cuda(case), lambda: _liger_features(case))
+    return first_reason(
+        lambda: optional_import(LIGER_TRITON_CE)[1], lambda: needs_cuda(case), lambda: _liger_features(case)
+    )
 
 
 def _liger_functional_check(case: KernelCase) -> str | None:
-    return _first_reason(lambda: _import(LIGER_FUNCTIONAL)[1], lambda: _needs_cuda(case), lambda: _liger_features(case))
+    return first_reason(
+        lambda: optional_import(LIGER_FUNCTIONAL)[1], lambda: needs_cuda(case), lambda: _liger_features(case)
+    )
 
 
 def _liger_features(case: KernelCase) -> str | None:
-    return _unsupported_features(case, LIGER_CE_FEATURES, "Liger CE")
+    return unsupported_features(case, LIGER_CE_FEATURES, "Liger CE")
 
 
 def _liger_kernel_make(module: str, function: str) -> MakeStepFn:
     def make(case: KernelCase, inputs: LogitsInputs) -> Step:
-        fn = getattr(_import(module)[0], function)
+        fn = getattr(optional_import(module)[0], function)
         n_valid, weight_denominator, weight_sum = _liger_batch_numbers(case, inputs)
-        opts = case.loss
+        settings = case.loss
         logits = inputs.logits.detach()  # the primitive writes the gradient here
         latest: list[torch.Tensor] = []
 
@@ -332,18 +333,18 @@ def _liger_kernel_make(module: str, function: str) -> MakeStepFn:
                 logits,
                 inputs.target,
                 inputs.ce_weight,
-                opts.ignore_index,
-                opts.lse_square_scale,
-                opts.label_smoothing,
-                opts.reduction,
-                opts.softcap,
+                settings.ignore_index,
+                settings.lse_square_scale,
+                settings.label_smoothing,
+                settings.reduction,
+                settings.softcap,
                 n_valid,
                 weight_denominator,
                 weight_sum,
                 # No z-loss output; accuracy and predictions as asked; with gradients.
                 False,
-                opts.return_token_accuracy,
-                opts.return_predicted_tokens,
+                settings.return_token_accuracy,
+                settings.return_predicted_tokens,
                 True,
             )[0]
             latest[:] = [row_losses]
@@ -354,7 +355,7 @@ def _liger_kernel_make(module: str, function: str) -> MakeStepFn:
     return make
 
 
-def _liger_autograd_make(loss_fn: Callable[[LogitsInputs, LossOptions], Any]) -> MakeStepFn:
+def _liger_autograd_make(loss_fn: Callable[[LogitsInputs, BenchLossSettings], Any]) -> MakeStepFn:
     def make(case: KernelCase, inputs: LogitsInputs) -> Step:
         def run() -> torch.Tensor:
             loss = as_loss(loss_fn(inputs, case.loss))
@@ -366,35 +367,35 @@ def _liger_autograd_make(loss_fn: Callable[[LogitsInputs, LossOptions], Any]) ->
     return make
 
 
-def _liger_triton_loss(inputs: LogitsInputs, opts: LossOptions) -> Any:
-    fn = _import(LIGER_FUNCTIONAL)[0].liger_cross_entropy
+def _liger_triton_loss(inputs: LogitsInputs, settings: BenchLossSettings) -> Any:
+    fn = optional_import(LIGER_FUNCTIONAL)[0].liger_cross_entropy
     return fn(
         inputs.logits,
         inputs.target,
         weight=inputs.ce_weight,
-        ignore_index=opts.ignore_index,
-        reduction=opts.reduction,
-        label_smoothing=opts.label_smoothing,
-        lse_square_scale=opts.lse_square_scale,
-        softcap=opts.softcap,
-        **opts.flags(),
+        ignore_index=settings.ignore_index,
+        reduction=settings.reduction,
+        label_smoothing=settings.label_smoothing,
+        lse_square_scale=settings.lse_square_scale,
+        softcap=settings.softcap,
+        **settings.flags(),
     )
 
 
-def _liger_cute_loss(inputs: LogitsInputs, opts: LossOptions) -> Any:
-    fn = _import(LIGER_CUTE_CE)[0].cross_entropy_cutedsl
+def _liger_cute_loss(inputs: LogitsInputs, settings: BenchLossSettings) -> Any:
+    fn = optional_import(LIGER_CUTE_CE)[0].cross_entropy_cutedsl
     return fn(
         inputs.logits,
         inputs.target,
         inputs.ce_weight,
-        opts.ignore_index,
-        opts.lse_square_scale,
-        opts.label_smoothing,
-        opts.reduction,
-        opts.softcap,
+        settings.ignore_index,
+        settings.lse_square_scale,
+        settings.label_smoothing,
+        settings.reduction,
+        settings.softcap,
         False,
-        opts.return_token_accuracy,
-        opts.return_predicted_tokens,
+        settings.return_token_accuracy,
+        settings.return_predicted_tokens,
     )
 
 
@@ -434,10 +435,6 @@ def liger_kernel_methods() -> list[KernelMethod]:
 # ----------------------------------------------------------------------------- PyTorch and the copy
 
 
-def _always(case: KernelCase) -> str | None:
-    return None
-
-
 def _eager_make(case: KernelCase, inputs: LogitsInputs) -> Step:
     def run() -> torch.Tensor:
         loss = as_loss(eager_cross_entropy(inputs.logits, inputs.target, inputs.ce_weight, case.loss))
@@ -455,10 +452,10 @@ def _copy_make(case: KernelCase, inputs: LogitsInputs) -> Step:
 def all_kernel_methods() -> list[KernelMethod]:
     """The copy first (the yardstick), then flce, Liger and eager PyTorch."""
     return [
-        KernelMethod(COPY, "copy of the logits (read + write)", "copy", _always, _copy_make, is_floor=True),
+        KernelMethod(COPY, "copy of the logits (read + write)", "copy", always, _copy_make, is_floor=True),
         *flce_kernel_methods(),
         *liger_kernel_methods(),
-        KernelMethod("torch:eager", "torch F.cross_entropy (logits dtype), fwd+bwd", "torch", _always, _eager_make),
+        KernelMethod("torch:eager", "torch F.cross_entropy (logits dtype), fwd+bwd", "torch", always, _eager_make),
     ]
 
 

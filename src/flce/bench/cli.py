@@ -11,29 +11,28 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flce.bench import ce_kernel, host_overhead, report
-from flce.bench.methods import (
+from flce.bench.cases import (
     DTYPES,
     FEATURES,
     LABEL_SMOOTHING,
     LSE_SQUARE_SCALE,
     MODES,
     SOFTCAP,
-    LossOptions,
-    Method,
+    BenchLossSettings,
     Shape,
-    all_methods,
     dtype_name,
-    select_methods,
 )
+from flce.bench.methods import Method, select_methods
+from flce.bench.registry import all_methods
 from flce.bench.runner import BenchConfig, Result, run_sweep
+from flce.cli import CommandError, progress_reporter, resolve_device
 
 # (tokens, vocab, hidden) lists of each named sweep; explicit --tokens/--vocab/--hidden override.
 SWEEPS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {
@@ -169,12 +168,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--list-methods", action="store_true", help="list the method names and exit")
 
 
-def _device(args: argparse.Namespace) -> torch.device:
-    if args.device:
-        return torch.device(args.device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
 def resolve_shapes(args: argparse.Namespace, device: torch.device) -> tuple[Shape, ...]:
     """Tokens × vocab × hidden from the sweep (or the device's default), then the explicit lists."""
     tokens, vocab, hidden = (
@@ -198,9 +191,8 @@ def _rounds_and_warmup(args: argparse.Namespace, default_rounds: int, default_wa
     return rounds, warmup
 
 
-def resolve_config(args: argparse.Namespace) -> BenchConfig:
+def resolve_config(args: argparse.Namespace, device: torch.device) -> BenchConfig:
     """The frozen run configuration; ValueError on inconsistent options."""
-    device = _device(args)
     on_gpu = device.type == "cuda"
     chosen_dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     rounds, warmup = _rounds_and_warmup(args, DEFAULT_ROUNDS[not on_gpu], DEFAULT_WARMUP[not on_gpu])
@@ -208,7 +200,7 @@ def resolve_config(args: argparse.Namespace) -> BenchConfig:
         mode=args.mode,
         dtype=DTYPES[chosen_dtype],
         shapes=resolve_shapes(args, device),
-        loss=LossOptions.from_features(args.features, reduction=args.reduction),
+        loss=BenchLossSettings.from_features(args.features, reduction=args.reduction),
         rounds=rounds,
         warmup=warmup,
         device=device,
@@ -241,49 +233,12 @@ def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence
         "mode": config.mode,
         "dtype": dtype_name(config.dtype),
         "shapes": [{"n": s.n, "v": s.v, "h": s.h} for s in config.shapes],
-        "loss_options": {
-            "reduction": config.loss.reduction,
-            "ignore_index": config.loss.ignore_index,
-            "label_smoothing": config.loss.label_smoothing,
-            "lse_square_scale": config.loss.lse_square_scale,
-            "softcap": config.loss.softcap,
-            "ce_weight": config.loss.use_weights,
-            "bias": config.loss.use_bias,
-            "use_token_scaling": config.loss.use_token_scaling,
-            "return_token_accuracy": config.loss.return_token_accuracy,
-            "return_predicted_tokens": config.loss.return_predicted_tokens,
-        },
+        "loss_options": config.loss.record(),
         **config.record(),
         "sweep": args.sweep,
         "chunk_sizes": list(args.chunk_size) if args.chunk_size else None,
         "methods": [m.name for m in methods],
     }
-
-
-@contextmanager
-def progress_reporter(total: int, enabled: bool = True) -> Iterator[Callable[[int, str], None]]:
-    """A rich progress bar over ``total`` calls, or a line per shape without rich."""
-    try:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        seen: set[str] = set()
-
-        def plain(n: int, what: str) -> None:
-            shape = what.split(" probe")[0].split(" warm")[0].split(" round")[0].split(" memory")[0]
-            if enabled and shape not in seen:
-                seen.add(shape)
-                print(f"benchmarking {shape} ...", flush=True)
-
-        yield plain
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True, disable=not enabled) as bar:
-        task = bar.add_task("bench", total=total)
-
-        def tick(n: int, what: str) -> None:
-            bar.update(task, advance=n, description=what[:60])
-
-        yield tick
 
 
 def _title(config: BenchConfig, env: dict[str, Any]) -> str:
@@ -299,23 +254,19 @@ def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, ti
         report.write_json(out / f"{stem}.json", payload),
         report.write_csv(out / f"{stem}.csv", payload["results"]),
     ]
-    if plots:
-        plot_dir = out / f"{stem}-plots"
-        plot_dir.mkdir(exist_ok=True)
-        written.extend(report.plot_results(payload["results"], plot_dir, title))
+    if plots:  # the folder is made only when some swept axis gives a plot
+        written.extend(report.plot_results(payload["results"], out / f"{stem}-plots", title))
     return written
 
 
-def run_tensor_parallel(args: argparse.Namespace) -> int:
+def run_tensor_parallel(args: argparse.Namespace, device: torch.device) -> int:
     """``flce bench --tp WORLD``: ``flce.bench.tensor_parallel`` under torchrun, one
     process per GPU; its JSON (parity, per-rank time and memory) goes to ``--out``."""
     import subprocess
 
     world = args.tp
-    device = _device(args)
     if world < 1:
-        print("flce bench: error: --tp must be >= 1", file=sys.stderr)
-        return 2
+        return _usage_error(ValueError("--tp must be >= 1"))
     if device.type == "cuda" and torch.cuda.device_count() < world:
         print(f"flce bench --tp {world}: skipped: {torch.cuda.device_count()} CUDA device(s) here, {world} needed")
         return 0
@@ -348,21 +299,37 @@ def run_tensor_parallel(args: argparse.Namespace) -> int:
     return subprocess.run(child, check=False).returncode
 
 
+def _usage_error(exc: Exception) -> int:
+    """One line on stderr and exit code 2, as ``flce.cli.main`` reports a ``CommandError``."""
+    print(f"flce bench: error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _saved_or_how(out: Path | None, written: Sequence[Path]) -> None:
+    """What was written, or how to keep the results (a run without ``--out`` writes nothing)."""
+    if out is None:
+        print("results not saved: add --out DIR to write them as JSON and CSV (and plots of swept shapes)")
+    for path in written:
+        print(f"wrote {path}")
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``flce bench``; returns the exit code (0 when some method was measured)."""
-    if args.kernel is not None:
-        return run_kernel_bench(args)
-    if args.overhead_calls is not None:
-        print("flce bench: error: --overhead-calls applies to --kernel ce only", file=sys.stderr)
-        return 2
-    if args.tp is not None:
-        return run_tensor_parallel(args)
     try:
-        config = resolve_config(args)
+        device = resolve_device(args.device)
+    except CommandError as exc:
+        return _usage_error(exc)
+    if args.kernel is not None:
+        return run_kernel_bench(args, device)
+    if args.overhead_calls is not None:
+        return _usage_error(ValueError("--overhead-calls applies to --kernel ce only"))
+    if args.tp is not None:
+        return run_tensor_parallel(args, device)
+    try:
+        config = resolve_config(args, device)
         methods = resolve_methods(args, config.device)
     except ValueError as exc:
-        print(f"flce bench: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(exc)
     if args.list_methods:
         for m in all_methods(args.chunk_size or (None,)):
             print(f"{m.name:28s} {m.label}")
@@ -384,10 +351,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "results": [report.result_row(r) for r in results],
     }
     report.print_table(payload["results"], title)
+    written = []
     if args.out is not None:
         stem = f"bench-{args.mode}-{payload['config']['dtype']}" + (f"-{args.sweep}" if args.sweep else "")
-        for path in write_outputs(args.out, stem, payload, not args.no_plots, title):
-            print(f"wrote {path}")
+        written = write_outputs(args.out, stem, payload, not args.no_plots, title)
+    _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
 
@@ -414,12 +382,11 @@ def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
     return conflicts
 
 
-def resolve_kernel_config(args: argparse.Namespace) -> ce_kernel.KernelBenchConfig:
+def resolve_kernel_config(args: argparse.Namespace, device: torch.device) -> ce_kernel.KernelBenchConfig:
     """The frozen configuration of ``--kernel ce``; ValueError on inconsistent options."""
     conflicts = _kernel_conflicts(args)
     if conflicts:
         raise ValueError(f"--kernel {args.kernel} does not take {', '.join(conflicts)}")
-    device = _device(args)
     on_gpu = device.type == "cuda"
     tokens, vocab = KERNEL_GPU_SHAPES if on_gpu else KERNEL_CPU_SHAPES
     dtype_names = (args.dtype,) if args.dtype else (KERNEL_GPU_DTYPES if on_gpu else KERNEL_CPU_DTYPES)
@@ -429,7 +396,7 @@ def resolve_kernel_config(args: argparse.Namespace) -> ce_kernel.KernelBenchConf
     return ce_kernel.KernelBenchConfig(
         shapes=tuple((n, v) for n in (args.tokens or tokens) for v in (args.vocab or vocab)),
         dtypes=tuple(DTYPES[name] for name in dtype_names),
-        loss=LossOptions.from_features(args.features, reduction=args.reduction),
+        loss=BenchLossSettings.from_features(args.features, reduction=args.reduction),
         rounds=rounds,
         warmup=warmup,
         device=device,
@@ -449,7 +416,7 @@ def _overhead_config(
     if calls == 0:
         return None
     names = {m.name for m in methods}
-    backends = tuple(b for b in ce_kernel.FLCE_KERNEL_BACKENDS if {f"flce:{b}", f"flce:{b}:kernel"} & names)
+    backends = tuple(b for b in ce_kernel.flce_kernel_backends() if {f"flce:{b}", f"flce:{b}:kernel"} & names)
     return host_overhead.OverheadConfig(
         dtype=config.dtypes[0], device=config.device, backends=backends, calls=calls, seed=config.seed
     )
@@ -484,14 +451,13 @@ def kernel_config_dict(
     }
 
 
-def run_kernel_bench(args: argparse.Namespace) -> int:
+def run_kernel_bench(args: argparse.Namespace, device: torch.device) -> int:
     """``flce bench --kernel ce``: the CE kernel's bandwidth, then the host overhead per call."""
     try:
-        config = resolve_kernel_config(args)
+        config = resolve_kernel_config(args, device)
         methods = select_methods(ce_kernel.all_kernel_methods(), args.methods)
     except ValueError as exc:
-        print(f"flce bench: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(exc)
     if args.list_methods:
         for m in ce_kernel.all_kernel_methods():
             print(f"{m.name:28s} {m.label}")
@@ -537,9 +503,11 @@ def run_kernel_bench(args: argparse.Namespace) -> int:
             host_overhead.overhead_notes(overhead_rows),
             left_columns=3,
         )
+    written = []
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        print(f"wrote {report.write_json(args.out / 'bench-kernel-ce.json', payload)}")
+        written.append(report.write_json(args.out / "bench-kernel-ce.json", payload))
+    _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from flce.bench.methods import Case, LossOptions, Shape, eager_cross_entropy, eager_loss, make_inputs
+from flce.bench.cases import BenchCase, BenchLossSettings, Shape, make_inputs
+from flce.bench.peers.torch_eager import eager_cross_entropy, eager_loss
 from flce.bench.runner import skip_reason
 from flce.bench.timing import synchronize
 
@@ -79,7 +80,9 @@ class _Tensors:
 
 
 def _tensors(config: OverheadConfig) -> _Tensors:
-    case = Case(shape=config.shape, dtype=config.dtype, mode="full", loss=LossOptions(), device=config.device)
+    case = BenchCase(
+        shape=config.shape, dtype=config.dtype, mode="full", loss=BenchLossSettings(), device=config.device
+    )
     inputs = make_inputs(case, seed=config.seed)
     logits = (inputs.x.detach() @ inputs.w.detach().t()).requires_grad_(True)
     return _Tensors(inputs.x, inputs.w, logits, inputs.target)
@@ -89,8 +92,8 @@ def _loss_fn(api: str, method: str, t: _Tensors) -> Callable[[], torch.Tensor]:
     """The loss of one series as a zero-argument callable."""
     if method == EAGER:
         if api == "cross_entropy":
-            return lambda: eager_cross_entropy(t.logits, t.target, None, LossOptions())
-        return lambda: eager_loss(t.x, t.w, t.target, None, LossOptions())
+            return lambda: eager_cross_entropy(t.logits, t.target, None, BenchLossSettings())
+        return lambda: eager_loss(t.x, t.w, t.target, None, BenchLossSettings())
     import flce
 
     backend = method.split(":", 1)[1]

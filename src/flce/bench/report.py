@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import platform
 import re
+import shlex
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
@@ -164,18 +165,21 @@ def spread_text(row: dict[str, Any]) -> str:
     return f"{row['min_ms']:.3g}–{row['max_ms']:.3g}"
 
 
-def _table_cells(row: dict[str, Any]) -> list[str]:
-    return [
-        row["method"],
-        fmt(row["median_ms"], ".3f"),
-        spread_text(row),
-        fmt(row["peak_extra_gib"], ".3f"),
-        fmt(row["tflops"], ".1f"),
-        fmt(row["ratio_to_floor"], ".3f"),
-    ]
-
-
-TABLE_HEADER = ("method", "median ms", "min–max ms", "peak extra GiB", "TFLOP/s", "× floor")
+# The terminal table's columns after the shape: header, the row's value, its format. A
+# column that no measured row has a value for is left out, with ``LEFT_OUT`` saying why.
+TABLE_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any], str], ...] = (
+    ("method", lambda row: row["method"], "s"),
+    ("median ms", lambda row: row["median_ms"], ".3f"),
+    ("min–max ms", spread_text, "s"),
+    ("peak extra GiB", lambda row: row["peak_extra_gib"], ".3f"),
+    ("TFLOP/s", lambda row: row["tflops"], ".1f"),
+    ("× floor", lambda row: row["ratio_to_floor"], ".3f"),
+)
+LEFT_OUT = {
+    "peak extra GiB": "peak extra memory is tracked on CUDA devices only",
+    "TFLOP/s": "TFLOP/s and × floor are left out off the GPU: there the GEMMs alone are no floor "
+    "for the loss (small CPU runs time host work and PyTorch's CPU kernels)",
+}
 
 
 def footnotes(
@@ -221,9 +225,19 @@ def grouped_cells(
 
 
 def print_table(rows: Sequence[dict[str, Any]], title: str) -> None:
-    """The measured results as a table (rich when installed), then skips and notes."""
-    cells = grouped_cells(rows, lambda row: [shape_text(row, "×")], _table_cells)
-    print_grid(title, ("N × V × H", *TABLE_HEADER), cells, footnotes(rows), left_columns=2)
+    """The measured results as a table (rich when installed), then skips and notes. Columns
+    without a value in any measured row (memory, TFLOP/s and × floor on the CPU) are left
+    out, with a note that says why, rather than shown as meaningless numbers."""
+    measured = [row for row in rows if row["status"] == "ok"]
+    columns = [c for c in TABLE_COLUMNS if not measured or any(c[1](row) is not None for row in measured)]
+    left_out = [LEFT_OUT[c[0]] for c in TABLE_COLUMNS if c not in columns and c[0] in LEFT_OUT]
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        return [format(value(row), spec) if value(row) is not None else "n/a" for _, value, spec in columns]
+
+    cells_by_row = grouped_cells(rows, lambda row: [shape_text(row, "×")], cells)
+    header = ("N × V × H", *(name for name, _, _ in columns))
+    print_grid(title, header, cells_by_row, [*footnotes(rows), *left_out], left_columns=2)
 
 
 def print_grid(
@@ -336,6 +350,7 @@ def plot_results(rows: Sequence[dict[str, Any]], out_dir: Path, title: str) -> l
             fig.tight_layout()
             suffix = "" if len(groups) == 1 else "_" + "_".join(f"{a}{k}" for a, k in zip(others, key, strict=False))
             path = out_dir / f"vs_{axis}{suffix}.png"
+            out_dir.mkdir(parents=True, exist_ok=True)
             fig.savefig(path, dpi=120)
             plt.close(fig)
             written.append(path)
@@ -384,6 +399,7 @@ def _plot_chunk_tradeoff(rows: Sequence[dict[str, Any]], out_dir: Path, title: s
     ax.set_title(f"chunk size trade-off: {title}", fontsize=9)
     fig.tight_layout()
     path = out_dir / "chunk_tradeoff.png"
+    out_dir.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return [path]
@@ -415,6 +431,18 @@ def config_text(config: dict[str, Any]) -> str:
     )
 
 
+def portable_command(command: str) -> str:
+    """``command`` with the value of ``--out`` replaced by ``OUTDIR``: where a run wrote its
+    files is no part of how to repeat it, and one machine's paths do not belong in docs."""
+    words = shlex.split(command)
+    for i, word in enumerate(words):
+        if word == "--out" and i + 1 < len(words):
+            words[i + 1] = "OUTDIR"
+        elif word.startswith("--out="):
+            words[i] = "--out=OUTDIR"
+    return shlex.join(words)
+
+
 def _md_escape(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -429,7 +457,7 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"**{device}** · {versions_text(env)} · {payload['date_utc']}",
         "",
         f"{config_text(payload['config'])}.  ",
-        f"Command: `{payload['command']}`",
+        f"Command: `{portable_command(payload['command'])}`",
         "",
         "| N × V × H | method | median ms (min–max) | peak extra GiB | × floor |",
         "|---|---|---:|---:|---:|",

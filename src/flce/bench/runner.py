@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from flce.bench.methods import Case, Inputs, LossOptions, Method, Shape, make_inputs
+from flce.bench.cases import BenchCase, BenchLossSettings, Inputs, Shape, make_inputs
+from flce.bench.methods import Method
 from flce.bench.timing import (
     Heater,
     TimingStats,
@@ -32,7 +33,7 @@ class SweepSettings:
     """What every sweep shares (the fused loss's and the CE kernel's): the loss options,
     the inputs' seed and ignored fraction, and how ``measure_runs`` measures."""
 
-    loss: LossOptions
+    loss: BenchLossSettings
     rounds: int
     warmup: int
     device: torch.device
@@ -67,8 +68,8 @@ class BenchConfig(SweepSettings):
     dtype: torch.dtype
     shapes: tuple[Shape, ...]
 
-    def case(self, shape: Shape) -> Case:
-        return Case(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
+    def case(self, shape: Shape) -> BenchCase:
+        return BenchCase(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -189,8 +190,16 @@ def measure_runs(
             progress(1, f"{label} round {r + 1}/{config.rounds}")
 
 
+# Devices on which the GEMMs alone are a floor for the loss's time, so that TFLOP/s and the
+# ratio to the floor mean something. On the CPU the small default case times host work and
+# PyTorch's CPU kernels: the loss was seen faster than its own GEMMs (a ratio below 1).
+FLOOR_DEVICES = ("cuda",)
+
+
 def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[Result]:
-    """Results of one shape, with TFLOP/s and the time ratio to the floor."""
+    """Results of one shape, with TFLOP/s and the time ratio to the floor where the floor
+    is one (``FLOOR_DEVICES``)."""
+    has_floor = config.device.type in FLOOR_DEVICES
     results = []
     for run in runs:
         m = run.method
@@ -204,13 +213,13 @@ def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[
                 **base,
                 timing=timing,
                 peak_extra_bytes=run.peak,
-                tflops=shape.flops(config.mode) / (timing.median_ms * 1e-3) / 1e12,
+                tflops=shape.flops(config.mode) / (timing.median_ms * 1e-3) / 1e12 if has_floor else None,
                 loss=run.loss,
                 notes=tuple(run.notes),
             )
         )
     floor = next((r for r in results if r.is_floor and r.ok), None)
-    if floor is None:
+    if floor is None or not has_floor:
         return results
     return [replace(r, ratio_to_floor=r.timing.median_ms / floor.timing.median_ms) if r.ok else r for r in results]
 

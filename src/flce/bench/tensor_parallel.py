@@ -39,9 +39,8 @@ import torch
 import torch.distributed as dist
 
 import flce
+from flce.bench.cases import DTYPES
 from flce.parallel import vocab_parallel_fused_linear_cross_entropy
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None):

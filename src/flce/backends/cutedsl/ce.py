@@ -82,7 +82,7 @@ class KernelKey:
 
 @cache
 def default_config(key: KernelKey) -> KernelConfig:
-    """Launch heuristics, from H200 timings at N=8192, V=128256 (scripts/device/cutedsl_smoke.py --sweep).
+    """Launch heuristics, from H200 timings at N=8192, V=128256 (benchmarks/cutedsl_ce_launch.py --sweep).
 
     - 256 threads (8 warps) once a row has >= 256 vectors; short rows get one thread per
       vector (at least a warp).

@@ -17,13 +17,24 @@ _INSTALL_HINT = "pip install 'flce[triton]'"
 
 
 @cache
-def _triton_import_error() -> str | None:
-    """None when Triton imports, else why not (checked once; importing is not free)."""
+def _triton_import_error(interpreter: bool = False) -> str | None:
+    """None when Triton (and, for ``interpreter``, the interpreter that runs its kernels on
+    CPU tensors) imports, else why not; checked once, importing is not free. A missing
+    dependency of an installed Triton (numpy, which the interpreter imports) is named as
+    such: the fix is to install it, not Triton."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
-    except ImportError:
-        return f"triton is not installed ({_INSTALL_HINT})"
+
+        if interpreter:
+            import triton.runtime.interpreter  # noqa: F401
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing == "triton":
+            return f"triton is not installed ({_INSTALL_HINT})"
+        if missing:
+            return f"triton is installed but {missing} is missing, which it imports (pip install {missing})"
+        return f"triton failed to import: {exc}"
     except Exception as exc:  # a broken install must not break availability
         return f"triton failed to import: {type(exc).__name__}: {exc}"
     return None
@@ -43,7 +54,7 @@ def availability(device: torch.device) -> tuple[bool, str]:
             False,
             f"the triton backend runs on CUDA devices (or on CPU through Triton's interpreter), not {device.type}",
         )
-    error = _triton_import_error()
+    error = _triton_import_error(interpreter=device.type == "cpu" and _interpreter_enabled())
     if error is not None:
         return False, error
     if device.type == "cpu":

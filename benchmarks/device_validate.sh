@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# A GPU session in one call: named steps, each command with its own time limit and its own
+# log under OUTDIR, so a slow or failing step never costs the results of the others.
+#
+#   bash benchmarks/device_validate.sh OUTDIR [STEP ...]
+#
+# Run it from a checkout on the GPU machine, with flce's dependencies installed
+# (pip install -e ".[test,bench,triton,cutedsl]", and liger-kernel, cut-cross-entropy for
+# the peers); the checkout's src/ goes first on PYTHONPATH. Without STEPs it runs the
+# validation, `info tests parity bench profile` (limits summing to under 10 minutes);
+# the measurements of the published tables are steps of their own, for further calls:
+#
+#   info           GPU state, `flce info`, the commit                    -> gpu.txt, info.log
+#   tests          GPU tests, one background pytest process per backend
+#                  (torch, triton, cutedsl), the GPU fuzz and the rest    -> tests-*.log
+#   parity         benchmarks/parity_vs_liger.py                          -> parity/
+#   bench          the reference shape, every peer interleaved with the floor -> bench/
+#   profile        kernel time per call at the reference shape            -> profile/
+#   sweeps         fwd+bwd over the vocabulary and the token sweeps       -> fwd-bwd/
+#   forward        forward only (no grad) over both sweeps                -> forward-only/
+#   memory         the exact low-memory mode (16 vocabulary blocks)       -> memory-mode/
+#   features       each loss feature alone, then all, then fp16           -> features/
+#   kernel         the CE kernel alone and the host overhead per call     -> ce-kernel/
+#   fused-forward  the fused forward GEMM alone against torch.mm          -> fused-forward.log
+#   tp             vocab-parallel over 2, 4, 8 GPUs (those present) + tests -> vocab-parallel/
+#
+# LIMIT_SCALE=2 doubles every time limit (a slower GPU). OUTDIR/steps.txt gets one line per
+# command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
+# are that file and each test log's pytest summary. Exit code 0 when every command passed.
+set -uo pipefail
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward tp]}
+shift
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo" || exit 2
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+export PYTHONPATH="$repo/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python=${PYTHON:-python3}
+scale=${LIMIT_SCALE:-1}
+failed=0
+# The peers of the published tables; the floor always runs.
+peers=flce:triton,flce:cutedsl,liger,cce
+
+# run NAME SECONDS COMMAND...: one command, its output in OUTDIR/NAME.log.
+run() {
+  local name=$1 limit=$(($2 * scale)) start=$SECONDS rc
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $((SECONDS - start))s" >>"$out/steps.txt"
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+# pytest_in_background NAME SECONDS PYTEST-ARGS...: `wait` for them. The tests are small, so
+# several processes share one GPU; with several GPUs (and CUDA_VISIBLE_DEVICES unset) the
+# processes take them in turn. Peak-memory tests read their own process's allocator.
+gpu_count=$(nvidia-smi -L 2>/dev/null | wc -l)
+next_gpu=0
+pytest_in_background() {
+  local name=$1 limit=$2 visible=${CUDA_VISIBLE_DEVICES-}
+  shift 2
+  if [ -z "${CUDA_VISIBLE_DEVICES+set}" ] && [ "$gpu_count" -gt 1 ]; then
+    visible=$((next_gpu % gpu_count))
+    next_gpu=$((next_gpu + 1))
+  fi
+  (
+    [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
+    run "$name" "$limit" "$python" -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@"
+    exit "$failed"
+  ) &
+}
+
+step_info() {
+  {
+    nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv
+    nvidia-smi topo -m
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    git -C "$repo" rev-parse HEAD 2>/dev/null
+  } >"$out/gpu.txt" 2>&1
+  run info 20 "$python" -m flce.cli info
+}
+
+step_tests() {
+  local fuzz=tests/gpu/test_gpu_fuzz.py
+  export FLCE_GPU_FUZZ_EXAMPLES=${FLCE_GPU_FUZZ_EXAMPLES:-150}
+  pytest_in_background tests-torch 270 tests/gpu --deselect "$fuzz" -k "not triton and not cutedsl"
+  pytest_in_background tests-triton 270 tests/gpu tests/backends --deselect "$fuzz" -k "triton and not cutedsl"
+  pytest_in_background tests-cutedsl 270 tests/gpu tests/backends --deselect "$fuzz" -k cutedsl
+  pytest_in_background tests-fuzz 270 "$fuzz"
+  pytest_in_background tests-rest 270 tests --ignore=tests/gpu --ignore=tests/backends --ignore=tests/bench
+  local pid
+  for pid in $(jobs -p); do wait "$pid" || failed=1; done
+}
+
+step_parity() {
+  run parity 90 "$python" benchmarks/parity_vs_liger.py "$out/parity"
+}
+
+step_bench() {
+  run bench 110 "$python" -m flce.cli bench --rounds 5 --warmup 2 \
+    --methods "$peers,torch:eager,torch:compile" --out "$out/bench"
+}
+
+step_profile() {
+  run profile 60 "$python" benchmarks/profile_breakdown.py "$out/profile"
+}
+
+step_sweeps() {
+  run fwd-bwd-vocab 150 "$python" -m flce.cli bench --sweep vocab --rounds 3 --warmup 1 \
+    --methods "$peers" --out "$out/fwd-bwd"
+  run fwd-bwd-tokens 130 "$python" -m flce.cli bench --sweep tokens --rounds 3 --warmup 1 \
+    --methods "$peers" --out "$out/fwd-bwd"
+}
+
+step_forward() {
+  run forward-vocab 80 "$python" -m flce.cli bench --mode fwd --sweep vocab --rounds 5 --warmup 2 \
+    --methods "$peers,torch:eager" --out "$out/forward-only"
+  run forward-tokens 70 "$python" -m flce.cli bench --mode fwd --sweep tokens --rounds 5 --warmup 2 \
+    --methods "$peers" --out "$out/forward-only"
+}
+
+step_memory() {
+  run memory-vocab 80 "$python" -m flce.cli bench --sweep vocab --rounds 2 --warmup 1 \
+    --methods 'flce:triton[vblocks=16],flce:cutedsl[vblocks=16],liger:triton' --out "$out/memory-mode" --no-plots
+}
+
+step_features() {
+  local feature
+  for feature in none label_smoothing z_loss softcap weights bias token_scaling accuracy predicted all; do
+    local features=()
+    case $feature in
+    none) ;;
+    all) features=(--features label_smoothing,z_loss,softcap,weights,bias,token_scaling,accuracy,predicted) ;;
+    *) features=(--features "$feature") ;;
+    esac
+    run "features-$feature" 40 "$python" -m flce.cli bench "${features[@]}" --rounds 5 --warmup 1 \
+      --methods flce:cutedsl,flce:triton --out "$out/features/$feature" --no-plots
+  done
+  run features-fp16 50 "$python" -m flce.cli bench --dtype fp16 --rounds 3 --warmup 1 \
+    --methods flce:cutedsl,flce:triton,liger:triton,cce --out "$out/features/fp16" --no-plots
+}
+
+step_kernel() {
+  run ce-kernel 120 "$python" -m flce.cli bench --kernel ce --out "$out/ce-kernel"
+}
+
+step_fused_forward() {
+  run fused-forward 200 "$python" benchmarks/fused_forward_check.py --vocab 128256,32000
+}
+
+step_tp() {
+  local world
+  for world in 2 4 8; do
+    [ "$world" -le "$gpu_count" ] || continue
+    run "tp$world" 180 "$python" -m flce.cli bench --tp "$world" --out "$out/vocab-parallel"
+  done
+  run tp-tests 150 "$python" -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_gpu_vocab_parallel.py tests/parallel
+}
+
+for step in "${steps[@]}"; do
+  if ! declare -F "step_${step//-/_}" >/dev/null; then
+    echo "unknown step '$step'" >&2
+    exit 2
+  fi
+done
+for step in "${steps[@]}"; do
+  "step_${step//-/_}"
+done
+echo "== steps"
+cat "$out/steps.txt"
+for log in "$out"/tests-*.log "$out"/tp-tests.log; do
+  [ -e "$log" ] || continue
+  summary=$(grep -E '[0-9]+ (passed|failed|errors?|deselected)|no tests ran' "$log" | tail -1)
+  echo "$(basename "$log"): ${summary:-no pytest summary (cut by its time limit?)}"
+done
+exit "$failed"

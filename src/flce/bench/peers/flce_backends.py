@@ -1,0 +1,90 @@
+"""flce's own backends as benchmark methods: the default call, chunk sizes, and the exact
+low-memory mode (the vocabulary in blocks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flce
+from flce.bench.cases import BenchCase, BenchLossSettings, Inputs
+from flce.bench.methods import CheckFn, LossFn, MakeLossFn, Method, as_loss
+from flce.dispatch import BACKEND_NAMES, availability
+
+# Vocabulary blocks of the low-memory method. With every row in one chunk each dW block is
+# written directly, so the extra memory is dW + dX (+ its fp32 accumulator) + one block of
+# logits: 1/16 of them is 0.12 GiB at N=8192, V=128256, while each block GEMM
+# (8016 columns x 8192 rows) stays large enough to run at full speed.
+LOW_MEMORY_VOCAB_BLOCKS = 16
+
+
+def flce_loss_kwargs(settings: BenchLossSettings, backend: str | None) -> dict[str, Any]:
+    """Keyword arguments of the public flce functions (and of ``flce.options.LossOptions``)
+    for the run's loss settings; the tensors (bias, class weights) are passed apart."""
+    return {
+        "ignore_index": settings.ignore_index,
+        "lse_square_scale": settings.lse_square_scale,
+        "label_smoothing": settings.label_smoothing,
+        "reduction": settings.reduction,
+        "softcap": settings.softcap,
+        "use_token_scaling": settings.use_token_scaling,
+        "return_token_accuracy": settings.return_token_accuracy,
+        "return_predicted_tokens": settings.return_predicted_tokens,
+        "backend": backend,
+    }
+
+
+def _check(backend: str) -> CheckFn:
+    def check(case: BenchCase) -> str | None:
+        ok, reason = availability(backend, case.device)
+        return None if ok else f"backend {backend!r} unavailable: {reason}"
+
+    return check
+
+
+def _make(backend: str, chunk_size: int | None, vocab_blocks: int | None = None) -> MakeLossFn:
+    def make(case: BenchCase, inputs: Inputs) -> LossFn:
+        kwargs: dict[str, Any] = {
+            "bias": inputs.bias,
+            "ce_weight": inputs.ce_weight,
+            **flce_loss_kwargs(case.loss, backend),
+        }
+        if chunk_size is not None:
+            kwargs["chunk_size"] = chunk_size
+        if vocab_blocks is not None:
+            kwargs["vocab_chunk_size"] = -(-inputs.w.shape[0] // vocab_blocks)
+        # Looked up on each call, so a test can wrap the public function.
+        return lambda: as_loss(flce.fused_linear_cross_entropy(inputs.x, inputs.w, inputs.target, **kwargs))
+
+    return make
+
+
+def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
+    """One method per flce backend and chunk size (None: the library's default), then each
+    backend in the exact low-memory mode (``LOW_MEMORY_VOCAB_BLOCKS`` vocabulary blocks)."""
+    methods = []
+    for backend in BACKEND_NAMES:
+        base = f"flce:{backend}"
+        for chunk in chunk_sizes:
+            methods.append(
+                Method(
+                    name=base if chunk is None else f"{base}[chunk={chunk}]",
+                    label=f"flce {backend}" + ("" if chunk is None else f" (chunk {chunk})"),
+                    family="flce",
+                    check=_check(backend),
+                    make_loss=_make(backend, chunk),
+                    chunk_size=chunk,
+                    base=base,
+                )
+            )
+    for backend in BACKEND_NAMES:
+        methods.append(
+            Method(
+                name=f"flce:{backend}[vblocks={LOW_MEMORY_VOCAB_BLOCKS}]",
+                label=f"flce {backend} (vocabulary in {LOW_MEMORY_VOCAB_BLOCKS} blocks)",
+                family="flce",
+                check=_check(backend),
+                make_loss=_make(backend, None, LOW_MEMORY_VOCAB_BLOCKS),
+            )
+        )
+    return methods
