@@ -55,7 +55,7 @@ def scalars_for(target, vocab, ignore_index=-100, weight=None, **kw) -> ChunkSca
         weight_sum=float(weight.sum()) if weight is not None else float(vocab),
     )
     d.update(kw)
-    return ChunkScalars(**d)
+    return ChunkScalars.from_numbers(**d, device=target.device)
 
 
 def run_chunk(fn, logits, target, weight, sc, zl=True, acc=True, grad=True, **kw):

@@ -61,7 +61,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--single-backend", default=None, help="flce backend of the single-GPU run (default: auto)")
     parser.add_argument(
-        "--backend", default=None, help="local kernels of the vocab-parallel run (default: auto, see flce.split_rows)"
+        "--backend",
+        default=None,
+        help="local kernels of the vocab-parallel run (default: the auto choice of flce.dispatch)",
     )
     return parser.parse_args(argv)
 
