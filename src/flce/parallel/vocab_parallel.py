@@ -68,7 +68,7 @@ from flce.driver import (
     run_chunks,
 )
 from flce.functional import FusedLinearCrossEntropyFunction, _no_autocast, _package
-from flce.options import FLOAT_DTYPES, LossOptions, _check_bool_int, validate_ce_weight, validate_fused_inputs
+from flce.options import FLOAT_DTYPES, LossOptions, as_int, validate_ce_weight, validate_fused_inputs
 from flce.output import CrossEntropyOutput
 from flce.split_rows import split_row_kernels
 
@@ -190,7 +190,7 @@ def _plan(
         compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
         validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
         if vocab_start is not None:
-            _check_bool_int("vocab_start", vocab_start)
+            vocab_start = as_int("vocab_start", vocab_start)
             if vocab_start < 0:
                 raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
     except (TypeError, ValueError) as exc:
