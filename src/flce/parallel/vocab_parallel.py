@@ -154,7 +154,7 @@ def _resolve_group(process_group):
 
 
 def _comm_device(group, input) -> torch.device:
-    if isinstance(input, torch.Tensor):
+    if isinstance(input, torch.Tensor) and input.device.type != "meta":  # a meta input is refused, on the host
         return input.device
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
@@ -574,7 +574,7 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     )
     group = _resolve_group(process_group)
     plan, ce_full = _plan(input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start)
-    input_2d = input.reshape(-1, input.shape[-1])
+    input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
     target_1d = target.reshape(-1)
     tensors = (input, weight_shard) if bias_shard is None else (input, weight_shard, bias_shard)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
