@@ -170,7 +170,7 @@ LOGITS_ENTRIES = {
             "ce_module",
             "logits",
             lambda s, backend, o: flce.CrossEntropyLoss(weight=s["ce_weight"], backend=backend, **o)(s["z"], s["t"]),
-            _parameters(flce.cross_entropy),
+            LOSS_OPTION_NAMES,
         ),
         Entry(
             "liger_ce",
@@ -283,7 +283,7 @@ def reference(entry_kind: str, problem: Problem, math_dtype=torch.float64, logit
     if entry_kind == "fused":
         x = tensors["x"]
         result = fused_linear_cross_entropy_reference(
-            x.reshape(-1, x.shape[-1]),
+            x.reshape(x.shape[:-1].numel(), x.shape[-1]),  # explicit N: H may be 0
             tensors["w"],
             target,
             tensors["bias"],
