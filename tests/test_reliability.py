@@ -20,9 +20,11 @@ from tests.entry_points import (
     ENTRIES,
     FUSED_ENTRIES,
     LOGITS_ENTRIES,
+    Entry,
     Problem,
     assert_close_to_reference,
     assert_matches_reference,
+    assert_predictions,
     fused_leaves,
     logits_leaves,
     plain_fused,
@@ -278,7 +280,7 @@ STRIDE_OPTIONS = dict(
 )
 
 
-def strided_problem(kind: str, layout: Layout, options: dict) -> Problem:
+def strided_problem(kind: str, layout: Layout, options: dict, dtype=torch.float32) -> Problem:
     base = fused_leaves(N_ROWS, HIDDEN, VOCAB, ce_weight=True) if kind == "fused" else logits_leaves(ce_weight=True)
     if layout.name == "logits-single-class-strided":
         base["t"] = torch.where(base["t"] == -100, base["t"], 0)  # one class: every valid target is 0
@@ -286,14 +288,15 @@ def strided_problem(kind: str, layout: Layout, options: dict) -> Problem:
     leaves = layout.stored(base)
     options = dict(options, reduction="none") if layout.upstream is not None else dict(options)
     differentiable = ("x", "w", "b") if kind == "fused" else ("z",)
-    return Problem(leaves, layout.make, options, differentiable, layout.upstream)
+    return Problem(leaves, layout.make, options, differentiable, layout.upstream, dtype)
 
 
 # The routes through distinct code: token chunks, vocabulary blocks (split-row kernels),
-# the vocab-parallel driver; ragged chunks of 3 rows slice every strided tensor.
+# the vocab-parallel driver; ragged chunks (of rows, and of classes) slice every strided
+# tensor.
 FUSED_ROUTES = {
     "chunks": ("fused", dict(chunk_size=3)),
-    "vocab-blocks": ("fused", dict(chunk_size=3, vocab_chunk_size=4)),
+    "vocab-blocks": ("fused", dict(chunk_size=5, vocab_chunk_size=6)),
     "vocab-parallel": ("vocab_parallel", dict(chunk_size=3)),
 }
 
@@ -303,9 +306,13 @@ FUSED_ROUTES = {
 @pytest.mark.parametrize("route", list(FUSED_ROUTES))
 @pytest.mark.parametrize("layout", FUSED_LAYOUTS, ids=lambda layout: layout.name)
 def test_strided_fused_tensors_give_the_contiguous_result(backend, route, layout):
+    check_strided_fused(backend, route, layout, torch.float32)
+
+
+def check_strided_fused(backend: str, route: str, layout: Layout, dtype: torch.dtype) -> None:
     entry_name, route_options = FUSED_ROUTES[route]
     entry = FUSED_ENTRIES[entry_name]
-    problem = strided_problem("fused", layout, {**STRIDE_OPTIONS, **route_options})
+    problem = strided_problem("fused", layout, {**STRIDE_OPTIONS, **route_options}, dtype)
     outputs, grads = run_entry(entry, problem, backend)
     assert_matches_reference(entry, problem, outputs, grads)
 
@@ -313,8 +320,12 @@ def test_strided_fused_tensors_give_the_contiguous_result(backend, route, layout
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LOGITS_LAYOUTS, ids=lambda layout: layout.name)
 def test_strided_logits_tensors_give_the_contiguous_result(backend, layout):
+    check_strided_logits(backend, layout, torch.float32)
+
+
+def check_strided_logits(backend: str, layout: Layout, dtype: torch.dtype) -> None:
     entry = LOGITS_ENTRIES["cross_entropy"]
-    problem = strided_problem("logits", layout, STRIDE_OPTIONS)
+    problem = strided_problem("logits", layout, STRIDE_OPTIONS, dtype)
     outputs, grads = run_entry(entry, problem, backend)
     assert_matches_reference(entry, problem, outputs, grads)
 
@@ -331,18 +342,20 @@ def _all_strided_fused_leaves(L: dict) -> dict:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
 def test_every_entry_point_with_every_tensor_strided(backend, entry):
+    check_every_tensor_strided(backend, ENTRIES[entry], torch.float32)
+
+
+def check_every_tensor_strided(backend: str, entry: Entry, dtype: torch.dtype) -> None:
     """The shims, modules and vocab-parallel front-ends pass every strided tensor on intact."""
-    entry = ENTRIES[entry]
     if entry.kind == "fused":
         leaves = _all_strided_fused_leaves(fused_leaves(N_ROWS, HIDDEN, VOCAB, ce_weight=True))
         leaves["cw"] = _interleaved(leaves["cw"], 0)
-        problem = Problem(leaves, _all_strided_fused, STRIDE_OPTIONS, ("x", "w", "b"))
+        problem = Problem(leaves, _all_strided_fused, STRIDE_OPTIONS, ("x", "w", "b"), dtype=dtype)
     else:
         leaves = logits_leaves(ce_weight=True)
         leaves = dict(leaves, z=leaves["z"].t().contiguous(), t=_interleaved(leaves["t"], 0))
-        problem = Problem(
-            leaves, lambda L: dict(z=L["z"].t(), t=L["t"][::2], ce_weight=L["cw"].expand(VOCAB)), STRIDE_OPTIONS, ("z",)
-        )
+        make = lambda L: dict(z=L["z"].t(), t=L["t"][::2], ce_weight=L["cw"].expand(VOCAB))  # noqa: E731
+        problem = Problem(leaves, make, STRIDE_OPTIONS, ("z",), dtype=dtype)
     outputs, grads = run_entry(entry, problem, backend)
     assert_matches_reference(entry, problem, outputs, grads)
 
@@ -361,11 +374,14 @@ def _create_graph_problem(kind: str, reduction: str) -> Problem:
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
 def test_create_graph_is_refused_not_silently_detached(backend, reduction, entry):
+    check_create_graph_refused(backend, reduction, ENTRIES[entry], torch.float32)
+
+
+def check_create_graph_refused(backend: str, reduction: str, entry: Entry, dtype: torch.dtype) -> None:
     """A gradient penalty needs d(grad)/dx; flce's kernels have no second derivative, so
     backward with create_graph=True raises (it used to return a detached gradient)."""
-    entry = ENTRIES[entry]
     problem = _create_graph_problem(entry.kind, reduction)
-    leaves, tensors = problem.tensors(torch.float32, DEVICE, requires_grad=True)
+    leaves, tensors = problem.tensors(dtype, DEVICE, requires_grad=True)
     loss = unpack(entry.call(tensors, backend, problem.options))[0].sum()
     differentiable = [leaves[name] for name in problem.differentiable]
     with pytest.raises(RuntimeError, match="create_graph=True") as info:
@@ -468,22 +484,26 @@ def _judge_except(name, ours, truth, eager, floor, keep) -> None:
 @pytest.mark.parametrize("bad", list(NON_FINITE))
 @pytest.mark.parametrize("features", list(FEATURE_SETS))
 def test_fused_non_finite_hidden_state_of_an_ignored_row(backend, route, bad, features):
+    check_fused_non_finite_ignored_row(backend, route, bad, features, torch.float32)
+
+
+def check_fused_non_finite_ignored_row(backend: str, route: str, bad: str, features: str, dtype) -> None:
     entry_name, route_options = FUSED_ROUTES[route]
     entry = FUSED_ENTRIES[entry_name]
     options = {**FEATURE_SETS[features], **route_options}
     leaves = fused_leaves(ce_weight=features == "all")
-    clean = Problem(leaves, plain_fused, options, ("x", "w", "b"))
+    clean = Problem(leaves, plain_fused, options, ("x", "w", "b"), dtype=dtype)
     x = _with_value(leaves["x"], (IGNORED_ROW, 0), NON_FINITE[bad])  # the ignored row's logits: all non-finite
-    poisoned = Problem(dict(leaves, x=x), plain_fused, options, ("x", "w", "b"))
+    poisoned = Problem(dict(leaves, x=x), plain_fused, options, ("x", "w", "b"), dtype=dtype)
     (loss, z_loss, accuracy, predicted), grads = run_entry(entry, poisoned, backend)
 
     truth, truth_grads = reference("fused", clean)
-    eager, eager_grads = reference("fused", clean, torch.float32, torch.float32)
-    floor = EPS[torch.float32]
+    eager, eager_grads = reference("fused", clean, torch.float32, dtype)
+    floor = EPS[dtype]
     assert_close_to_reference("loss", loss, truth[0], eager[0], floor)
     if z_loss is not None:
         assert_close_to_reference("z_loss", z_loss, truth[1], eager[1], floor)
-    torch.testing.assert_close(accuracy.double().cpu(), truth[2], rtol=1e-6, atol=0)
+    assert_predictions("fused", clean, (loss, z_loss, accuracy, predicted), truth)
     assert predicted[IGNORED_ROW].item() == -1
     assert torch.equal(grads["x"][IGNORED_ROW], torch.zeros_like(grads["x"][IGNORED_ROW]))
     assert_close_to_reference("grad x", grads["x"], truth_grads["x"], eager_grads["x"], floor)
@@ -499,21 +519,26 @@ def test_fused_non_finite_hidden_state_of_an_ignored_row(backend, route, bad, fe
 @pytest.mark.parametrize("where", ["row", "one-logit"])
 @pytest.mark.parametrize("features", list(FEATURE_SETS))
 def test_non_finite_logits_of_an_ignored_row(backend, bad, where, features):
+    check_non_finite_logits_of_an_ignored_row(backend, bad, where, features, torch.float32)
+
+
+def check_non_finite_logits_of_an_ignored_row(backend: str, bad: str, where: str, features: str, dtype) -> None:
     entry = LOGITS_ENTRIES["cross_entropy"]
     options = dict(FEATURE_SETS[features])
     leaves = logits_leaves(ce_weight=features == "all")
-    clean = Problem(leaves, plain_logits, options, ("z",))
+    clean = Problem(leaves, plain_logits, options, ("z",), dtype=dtype)
     index = IGNORED_ROW if where == "row" else (IGNORED_ROW, 3)
-    poisoned = Problem(dict(leaves, z=_with_value(leaves["z"], index, NON_FINITE[bad])), plain_logits, options, ("z",))
+    z = _with_value(leaves["z"], index, NON_FINITE[bad])
+    poisoned = Problem(dict(leaves, z=z), plain_logits, options, ("z",), dtype=dtype)
     (loss, z_loss, accuracy, predicted), grads = run_entry(entry, poisoned, backend)
 
     truth, truth_grads = reference("logits", clean)
-    eager, eager_grads = reference("logits", clean, torch.float32, torch.float32)
-    floor = EPS[torch.float32]
+    eager, eager_grads = reference("logits", clean, torch.float32, dtype)
+    floor = EPS[dtype]
     assert_close_to_reference("loss", loss, truth[0], eager[0], floor)
     if z_loss is not None:
         assert_close_to_reference("z_loss", z_loss, truth[1], eager[1], floor)
-    torch.testing.assert_close(accuracy.double().cpu(), truth[2], rtol=1e-6, atol=0)
+    assert_predictions("logits", clean, (loss, z_loss, accuracy, predicted), truth)
     assert predicted[IGNORED_ROW].item() == -1
     assert torch.equal(grads["z"][IGNORED_ROW], torch.zeros_like(grads["z"][IGNORED_ROW]))
     assert_close_to_reference("grad logits", grads["z"], truth_grads["z"], eager_grads["z"], floor)
@@ -525,13 +550,13 @@ def test_non_finite_logits_of_an_ignored_row(backend, bad, where, features):
 # the count of valid rows. Eager PyTorch returns NaN there (0 / 0).
 
 
-def _zero_weight_problem(kind: str, options: dict) -> Problem:
+def _zero_weight_problem(kind: str, options: dict, dtype) -> Problem:
     leaves = fused_leaves(ce_weight=True) if kind == "fused" else logits_leaves(ce_weight=True)
     valid = leaves["t"] != -100
     leaves["cw"] = _with_value(leaves["cw"], leaves["t"][valid], 0.0)  # every valid target's class weighs 0
     if kind == "fused":
-        return Problem(leaves, plain_fused, options, ("x", "w", "b"))
-    return Problem(leaves, plain_logits, options, ("z",))
+        return Problem(leaves, plain_fused, options, ("x", "w", "b"), dtype=dtype)
+    return Problem(leaves, plain_logits, options, ("z",), dtype=dtype)
 
 
 ZERO_WEIGHT_ROUTES = {**FUSED_ROUTES, "cross_entropy": ("cross_entropy", {})}
@@ -543,10 +568,14 @@ ZERO_WEIGHT_ROUTES = {**FUSED_ROUTES, "cross_entropy": ("cross_entropy", {})}
 @pytest.mark.parametrize("z_loss", [0.0, 0.05], ids=["no-z", "z"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["no-ls", "ls"])
 def test_class_weights_summing_to_zero_over_the_valid_targets(backend, route, z_loss, smoothing):
+    check_class_weights_summing_to_zero(backend, route, z_loss, smoothing, torch.float32)
+
+
+def check_class_weights_summing_to_zero(backend: str, route: str, z_loss: float, smoothing: float, dtype) -> None:
     entry_name, route_options = ZERO_WEIGHT_ROUTES[route]
     entry = ENTRIES[entry_name]
     options = dict(route_options, lse_square_scale=z_loss, label_smoothing=smoothing)
-    problem = _zero_weight_problem(entry.kind, options)
+    problem = _zero_weight_problem(entry.kind, options, dtype)
     outputs, grads = run_entry(entry, problem, backend)
     assert_matches_reference(entry, problem, outputs, grads)
     if z_loss == 0.0:  # nothing but a CE part whose divisor is 0: exactly nothing
