@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from functools import cache
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from flce.backends.base import BackendSpec, ChunkScalars
 from flce.backends.cutedsl import fused_forward_applicable
@@ -42,7 +41,7 @@ from flce.driver import (
     run_vocab_blocks,
     scale_gradients_,
 )
-from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
+from flce.options import LossOptions, first_order_backward, validate_fused_inputs, validate_logits_inputs
 from flce.output import CrossEntropyOutput
 
 LossResult = torch.Tensor | CrossEntropyOutput
@@ -210,7 +209,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return _mark_outputs(ctx, reduce_rows(rows, plan.options, plan.scalars, plan.stats))
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward("flce.fused_linear_cross_entropy")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
         if grad_loss is None:
             return None, None, None, None, None, None
@@ -438,7 +437,7 @@ class CrossEntropyFunction(torch.autograd.Function):
         return _mark_outputs(ctx, reduce_rows(rows, plan.options, plan.scalars, plan.stats))
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward("flce.cross_entropy")
     def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
         if grad_loss is None:
             return None, None, None, None

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from flce.driver import reduce_rows
 from flce.functional import make_plan
-from flce.options import LossOptions
+from flce.options import LossOptions, refuse_create_graph
 
 _EMPTY_SHAPE = (0,)
 
@@ -298,6 +298,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
+    refuse_create_graph("flce.fused_linear_cross_entropy (compiled)")
     args = ctx.args
     if args["reduction"] == "none":
         input, weight, target, bias, ce_weight = ctx.saved_tensors
@@ -428,6 +429,7 @@ def _ce_setup_context(ctx, inputs, output):
 
 
 def _ce_backward(ctx, grad_loss, _z, _acc, _pred, _grad):
+    refuse_create_graph("flce.cross_entropy (compiled)")
     (grad,) = ctx.saved_tensors
     if not ctx.compute_grad:
         return (None,) * 14

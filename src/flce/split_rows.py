@@ -73,7 +73,8 @@ class TorchSplitRowKernels:
             scalars,
             eps,
             softcap_derivative,
-            row_scale * (grad_target >= 0),
+            row_scale,
+            grad_target >= 0,
         )
         logits.copy_(grad)
 
@@ -105,11 +106,11 @@ class _InPlaceSplitRowKernels:
         z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
         self._kernels().partial_gradient(
             logits,
-            grad_target.contiguous(),
+            grad_target,
             ce_local,
-            row_max.contiguous(),
-            inv_sum.contiguous(),
-            onehot_coef.contiguous(),
+            row_max,
+            inv_sum,
+            onehot_coef,
             smooth_coef,
             z_coef,
             scalars.weight_sum,

@@ -68,7 +68,7 @@ from flce.driver import (
     run_chunks,
 )
 from flce.functional import FusedLinearCrossEntropyFunction, _no_autocast, _package
-from flce.options import FLOAT_DTYPES, LossOptions, _check_bool_int, validate_ce_weight, validate_fused_inputs
+from flce.options import FLOAT_DTYPES, LossOptions, as_int, validate_ce_weight, validate_fused_inputs
 from flce.output import CrossEntropyOutput
 from flce.split_rows import split_row_kernels
 
@@ -154,7 +154,7 @@ def _resolve_group(process_group):
 
 
 def _comm_device(group, input) -> torch.device:
-    if isinstance(input, torch.Tensor):
+    if isinstance(input, torch.Tensor) and input.device.type != "meta":  # a meta input is refused, on the host
         return input.device
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():
@@ -190,7 +190,7 @@ def _plan(
         compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
         validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
         if vocab_start is not None:
-            _check_bool_int("vocab_start", vocab_start)
+            vocab_start = as_int("vocab_start", vocab_start)
             if vocab_start < 0:
                 raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
     except (TypeError, ValueError) as exc:
@@ -574,7 +574,7 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     )
     group = _resolve_group(process_group)
     plan, ce_full = _plan(input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start)
-    input_2d = input.reshape(-1, input.shape[-1])
+    input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
     target_1d = target.reshape(-1)
     tensors = (input, weight_shard) if bias_shard is None else (input, weight_shard, bias_shard)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):

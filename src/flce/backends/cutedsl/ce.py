@@ -44,7 +44,15 @@ try:
 except ImportError:  # older nvidia-cutlass-dsl
     from cutlass.utils import SmemAllocator
 
-from flce.backends.base import ChunkScalars, gradient_destination
+from flce.backends.base import (
+    ChunkScalars,
+    check_logits_layout,
+    check_row_outputs,
+    gradient_destination,
+    kernel_class_weights,
+    kernel_row_vector,
+    kernel_target,
+)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -471,6 +479,7 @@ class RowStream:
         coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
         softcap: Float32,
         inv_softcap: Float32,
+        row_ignored=None,  # Boolean: the row's gradient is exactly 0 (None: a row that is not ignored)
     ):
         key = self.key
         VEC = self.vec
@@ -510,6 +519,12 @@ class RowStream:
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
                 g[j] = g[j] * (Float32(1.0) - t[j] * t[j])
+        if const_expr(row_ignored is not None):
+            # Selected, not scaled by the row's zero coefficients: an ignored row's logits
+            # may be NaN or Inf, and 0 * NaN is NaN (flce.backends.base).
+            if row_ignored:
+                for j in cutlass.range_constexpr(VEC):
+                    g[j] = Float32(0.0)
         out = cute.make_rmem_tensor((VEC,), self.dtype)
         out.store(g.load().to(self.dtype))
         cute.autovec_copy(out, gOut[None, vidx])
@@ -653,6 +668,7 @@ class ChunkCrossEntropy(RowStream):
         # Row target; ignored rows use class 0 for every gather (their results are zeroed).
         y_raw = Int64(mTarget[row])
         valid = y_raw != ignore_index
+        ignored = y_raw == ignore_index
         y = Int32(0)
         if valid:
             y = Int32(y_raw)
@@ -755,7 +771,7 @@ class ChunkCrossEntropy(RowStream):
                         if vidx < v_end:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
-                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
+                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap, ignored)
                         rd_slot = R + ((rd_slot - R + 1) & (self.stages - 1))
                         wr_slot = R + ((wr_slot - R + 1) & (self.stages - 1))
                         vidx = vidx - T
@@ -766,7 +782,7 @@ class ChunkCrossEntropy(RowStream):
                         if vidx < v_end:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, t], frag)
-                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
+                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap, ignored)
                         vidx = vidx + T
             else:
                 vidx = v0 + tid
@@ -774,7 +790,7 @@ class ChunkCrossEntropy(RowStream):
                     if vidx < v_end:
                         frag = cute.make_rmem_tensor((VEC,), self.dtype)
                         cute.autovec_copy(gRow[None, vidx], frag)
-                        self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
+                        self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap, ignored)
                     vidx = vidx + T
 
 
@@ -871,15 +887,15 @@ def _ptr(tensor: torch.Tensor | None, dtype, align: int) -> cute.Pointer:
 
 def cross_entropy_chunk(
     logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient (compute_grad, no grad_out)
-    target: torch.Tensor,  # (M,) int64 or int32
-    ce_weight: torch.Tensor | None,  # (V,) fp32
+    target: torch.Tensor,  # (M,) integer, any strides (copied to contiguous int64/int32)
+    ce_weight: torch.Tensor | None,  # (V,) float, any strides (copied to contiguous, aligned fp32)
     scalars: ChunkScalars,
     *,
-    loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: torch.Tensor | None,  # (M,) fp32
-    correct_out: torch.Tensor | None,  # (M,) fp32
-    predicted_out: torch.Tensor | None,  # (M,) int64
-    row_grad_scale: torch.Tensor | None,  # (M,) fp32
+    loss_out: torch.Tensor,  # (M,) fp32 contiguous
+    z_loss_out: torch.Tensor | None,  # (M,) fp32 contiguous
+    correct_out: torch.Tensor | None,  # (M,) fp32 contiguous
+    predicted_out: torch.Tensor | None,  # (M,) int64 contiguous
+    row_grad_scale: torch.Tensor | None,  # (M,) fp32, any strides (copied to contiguous)
     compute_grad: bool,
     grad_out: torch.Tensor | None = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
     config: KernelConfig | None = None,
@@ -889,29 +905,19 @@ def cross_entropy_chunk(
         return
     if logits.dtype not in _TORCH_TO_CUTE:
         raise TypeError(f"cutedsl CE supports fp16/bf16/fp32 logits, got {logits.dtype}")
-    if logits.stride(1) != 1:
-        raise ValueError("cutedsl CE needs logits with a contiguous last dimension")
+    check_logits_layout(logits)
     grad = gradient_destination(logits, grad_out, compute_grad)
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
-    target = target if target.is_contiguous() else target.contiguous()
-    for name, t in (
-        ("loss_out", loss_out),
-        ("z_loss_out", z_loss_out),
-        ("correct_out", correct_out),
-        ("predicted_out", predicted_out),
-    ):
-        if t is not None and num_rows > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous")
-    if row_grad_scale is not None and num_rows > 1 and row_grad_scale.stride(0) != 1:
-        row_grad_scale = row_grad_scale.contiguous()
+    check_row_outputs(
+        num_rows, loss_out=loss_out, z_loss_out=z_loss_out, correct_out=correct_out, predicted_out=predicted_out
+    )
+    # The kernel reads these at ptr + row (ptr + class): strided or expanded ones are copied.
+    target = kernel_target(target)
+    row_grad_scale = kernel_row_vector("row_grad_scale", row_grad_scale, num_rows)
     ls = float(scalars.label_smoothing)
     c = scalars.softcap
-    weight = None
-    if ce_weight is not None:
-        weight = ce_weight
-        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.data_ptr() % 16:
-            weight = weight.to(torch.float32).contiguous().clone()
+    weight = kernel_class_weights(ce_weight)
+    if weight is not None and weight.data_ptr() % 16:
+        weight = weight.clone()  # read in 16-byte vectors: a fresh allocation is aligned
     key = KernelKey(
         dtype=logits.dtype,
         vocab=vocab,

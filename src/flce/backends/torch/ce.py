@@ -64,10 +64,13 @@ def gradient_from_softmax(
     scalars: ChunkScalars,
     eps: float,
     softcap_derivative: torch.Tensor | None,  # (M, V)
-    row_scale: torch.Tensor,  # (M,) token scale x upstream gradient x valid
+    row_scale: torch.Tensor,  # (M,) token scale x upstream gradient (anything on dropped rows)
+    rows_kept: torch.Tensor,  # (M,) bool: False on ignored rows, whose gradient is exactly 0
 ) -> torch.Tensor:
     """dL/dz in the grouped form of ``flce.backends.base``: each group cancels exactly
-    where the true gradient is ~0 (p_y ~ 1, V = 1), which an expanded form would not."""
+    where the true gradient is ~0 (p_y ~ 1, V = 1), which an expanded form would not.
+    Dropped rows are selected to 0, not multiplied by it: their logits (hence ``p``) may
+    be NaN or Inf, and ``0 * NaN`` is NaN."""
     grad = p.clone()
     grad.scatter_add_(1, onehot_index[:, None], -onehot_mask[:, None])  # p_i - [i == y]
     grad.mul_((scalars.ce_grad_scale * (1.0 - scalars.label_smoothing) * w_y)[:, None])
@@ -79,7 +82,8 @@ def gradient_from_softmax(
         grad.add_(p, alpha=scalars.ce_grad_scale * eps)
     if softcap_derivative is not None:
         grad.mul_(softcap_derivative)
-    return grad.mul_(row_scale[:, None])
+    grad.mul_(row_scale[:, None])
+    return grad.masked_fill_(~rows_kept[:, None], 0.0)
 
 
 def cross_entropy_chunk(
@@ -136,14 +140,22 @@ def cross_entropy_chunk(
     if not compute_grad:
         return
 
-    row_scale = valid.float()
-    if token_scale is not None:
-        row_scale = row_scale * token_scale
+    row_scale = torch.ones_like(lse) if token_scale is None else token_scale
     if row_grad_scale is not None:
         row_scale = row_scale * row_grad_scale.float()
     p.div_(s_sum[:, None])  # (M, V) softmax
     grad_destination.copy_(
         gradient_from_softmax(
-            p, safe_target, torch.ones_like(lse), w_y, lse, ce_weight, scalars, eps, softcap_derivative, row_scale
+            p,
+            safe_target,
+            torch.ones_like(lse),
+            w_y,
+            lse,
+            ce_weight,
+            scalars,
+            eps,
+            softcap_derivative,
+            row_scale,
+            valid,
         )
     )
