@@ -1,4 +1,5 @@
-"""The backend registry and its one selection rule: argument > ``FLCE_BACKEND`` > auto.
+"""The backend registry and its one selection rule: argument > ``FLCE_BACKEND`` > auto
+(one spelling rule for both, ``backend_name``: case-insensitive).
 
 Each backend lives in ``flce.backends.<name>`` and exposes ``BACKEND`` (a
 ``flce.backends.base.BackendSpec``: its chunk kernels, split-row kernels and optional
@@ -20,6 +21,7 @@ from flce.backends.base import BackendSpec, SplitRowKernels
 
 BACKEND_NAMES = ("torch", "triton", "cutedsl")
 ENV_VAR = "FLCE_BACKEND"
+AUTO = "auto"  # the choice that asks for auto dispatch
 
 
 class BackendUnavailableError(RuntimeError):
@@ -39,19 +41,28 @@ def availability(name: str, device: torch.device) -> tuple[bool, str]:
     return get_backend(name).availability(device)
 
 
+def backend_name(value, source: str = "backend") -> str | None:
+    """The one spelling rule for a backend choice, shared by the ``backend=`` argument
+    and ``FLCE_BACKEND``: a registered name or ``"auto"``, any case, surrounding spaces
+    ignored; ``None`` (and an empty ``FLCE_BACKEND``) means not chosen. Returns the
+    lower-case name, ``"auto"`` or None; anything else raises naming ``source``."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{source} must be a str or None, got {value!r}")
+    name = value.strip().lower()
+    if name not in BACKEND_NAMES and name != AUTO:
+        raise ValueError(f"{source} must be one of {BACKEND_NAMES}, {AUTO!r} or None (any case), got {value!r}")
+    return name
+
+
 def requested_backend(backend: str | None) -> str | None:
-    """The explicit request: the argument, else ``FLCE_BACKEND``, else None (auto)."""
-    if backend is None:
-        backend = os.environ.get(ENV_VAR) or None
-        if backend is not None and backend.strip().lower() == "auto":
-            return None
-        if backend is not None:
-            backend = backend.strip().lower()
-            if backend not in BACKEND_NAMES:
-                raise ValueError(f"{ENV_VAR} must be one of {BACKEND_NAMES} or 'auto', got {backend!r}")
-    elif backend not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES} or None, got {backend!r}")
-    return backend
+    """The explicit request: the argument, else ``FLCE_BACKEND``, else None (auto).
+    An argument of ``"auto"`` asks for auto dispatch whatever ``FLCE_BACKEND`` says."""
+    name = backend_name(backend)
+    if name is None:
+        name = backend_name(os.environ.get(ENV_VAR) or None, ENV_VAR)
+    return None if name == AUTO else name
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> BackendSpec:

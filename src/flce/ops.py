@@ -19,8 +19,15 @@ from torch import Tensor
 
 from flce.driver.chunks import Gradients, GradRequest
 from flce.driver.scaling import scaled_gradients
-from flce.options import OPTION_FIELDS, LossOptions, option_values, options_from_values, options_schema
-from flce.plan import LinearOperands, LogitsOperands, Operands, backward, forward, make_plan, refuse_create_graph
+from flce.options import (
+    OPTION_FIELDS,
+    LossOptions,
+    option_values,
+    options_from_values,
+    options_schema,
+    refuse_create_graph,
+)
+from flce.plan import LinearOperands, LogitsOperands, Operands, backward, forward, make_plan
 from flce.rows.cross_entropy import Reduced
 
 _EMPTY = (0,)
@@ -165,7 +172,7 @@ def _linear_setup_context(ctx, inputs, output):
 
 
 def _linear_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
-    refuse_create_graph()
+    refuse_create_graph("flce.fused_linear_cross_entropy (compiled)")
     grad_input, grad_weight, grad_bias = ctx.flags
     if ctx.deferred:
         dx, dw, db = fused_linear_cross_entropy_bwd(grad_loss, *ctx.saved_tensors, *ctx.arguments)
@@ -240,7 +247,7 @@ def _logits_setup_context(ctx, inputs, output):
 
 
 def _logits_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _grad):
-    refuse_create_graph()
+    refuse_create_graph("flce.cross_entropy (compiled)")
     if not ctx.grad_logits:
         return (None,) * (4 + _N_OPTIONS)
     if ctx.deferred:

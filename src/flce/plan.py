@@ -38,7 +38,7 @@ from flce.driver.fused import loss_only_refusal, run_fused_statistics
 from flce.driver.scaling import scale_gradients_, scaled_gradients
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.vocab_blocks import run_vocab_blocks
-from flce.options import LossOptions
+from flce.options import LossOptions, refuse_create_graph
 from flce.rows.cross_entropy import ChunkScalars, Reduced, RowOutputs, reduce_rows
 
 # ------------------------------------------------------------------ operands
@@ -47,6 +47,8 @@ from flce.rows.cross_entropy import ChunkScalars, Reduced, RowOutputs, reduce_ro
 @dataclass(frozen=True)
 class LinearOperands:
     """The fused loss's tensors, validated and flattened."""
+
+    entry = "flce.fused_linear_cross_entropy"
 
     input: torch.Tensor  # (N, H)
     weight: torch.Tensor  # (V, H)
@@ -74,6 +76,8 @@ class LinearOperands:
 @dataclass(frozen=True)
 class LogitsOperands:
     """``flce.cross_entropy``'s tensors, validated and flattened; the gradient is dL/dlogits."""
+
+    entry = "flce.cross_entropy"
 
     logits: torch.Tensor  # (N, V)
     target: torch.Tensor  # (N,)
@@ -267,18 +271,6 @@ def backward(
     return grads
 
 
-def refuse_create_graph() -> None:
-    """Backward runs with grad mode on only under ``create_graph=True``: the gradients these
-    kernels return are not differentiable, so a higher-order gradient would be silently
-    wrong (a detached zero) instead of an error."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            "flce's losses do not support higher-order gradients: backward ran with create_graph=True "
-            "(e.g. torch.autograd.grad(loss, x, create_graph=True) for a gradient penalty). Compute that "
-            "loss with F.linear + F.cross_entropy instead, or take first-order gradients only."
-        )
-
-
 class LossFunction(torch.autograd.Function):
     """The autograd of every loss call: ``apply(plan, operands_type, *operands.tensors())``
     -> (loss, z_loss, token_accuracy, predicted_tokens), the unused ones None."""
@@ -299,7 +291,7 @@ class LossFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
-        refuse_create_graph()
+        refuse_create_graph(ctx.operands_type.entry)
         tensors = ctx.saved_tensors
         if grad_loss is None:
             return (None, None) + (None,) * len(tensors)

@@ -439,3 +439,127 @@ def test_gradient_into_grad_out_leaves_logits_untouched(feature):
     torch.testing.assert_close(out["loss"], in_place["loss"])
     with pytest.raises(ValueError, match="grad_out must match logits"):
         run_chunk(triton_chunk, source, target, None, scalars, None, grad_out=wide[:, :122])
+
+
+# ------------------------------------------------------------------ layouts, ignored rows
+
+
+def _interleaved(t: torch.Tensor, junk) -> torch.Tensor:
+    """``t`` with ``junk`` after each element: ``[::2]`` gives ``t`` back as a strided view
+    (a kernel reading ``ptr + row`` instead would pick the junk up)."""
+    return torch.stack([t, torch.full_like(t, junk)], dim=1).flatten()
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["target-sliced", "target-expanded", "target-int16", "weight-sliced", "row-scale-sliced", "row-scale-expanded"],
+)
+def test_strided_and_expanded_row_vectors_read_as_their_values(layout):
+    """The kernel loads ``target_ptr + row``, ``weight_ptr + class`` and
+    ``row_grad_scale_ptr + row``: the wrapper hands it contiguous copies of these small
+    vectors, whatever their strides (a sliced target used to read the wrong rows, an
+    expanded one past its storage)."""
+    logits, target, weight, rgs = make_inputs(12, 37, torch.float32, seed=11)
+    if layout == "target-expanded":
+        target = target[:1].expand(12)
+    scalars = make_scalars(37, weight, FEATURES["all"])
+    strided = dict(target=target, weight=weight, rgs=rgs)
+    if layout == "target-sliced":
+        strided["target"] = _interleaved(target, 10**6)[::2]
+    elif layout == "target-int16":
+        strided["target"] = _interleaved(target.to(torch.int16), 30000)[::2]
+    elif layout == "weight-sliced":
+        strided["weight"] = _interleaved(weight, float("nan"))[::2]
+    elif layout == "row-scale-sliced":
+        strided["rgs"] = _interleaved(rgs, float("nan"))[::2]
+    elif layout == "row-scale-expanded":
+        rgs = rgs[:1].expand(12)
+        strided["rgs"] = rgs
+    ours = run_chunk(triton_chunk, logits, strided["target"], strided["weight"], scalars, strided["rgs"])
+    contiguous = run_chunk(triton_chunk, logits, target.contiguous(), weight, scalars, rgs.contiguous())
+    for name in ("loss", "z_loss", "correct", "predicted", "grad"):
+        assert torch.equal(ours[name], contiguous[name]), name
+
+
+@pytest.mark.parametrize("kernel", [triton_chunk, torch_chunk], ids=["triton", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_ignored_row_with_non_finite_logits_gets_an_exactly_zero_gradient(kernel, bad):
+    """An ignored row contributes nothing its logits could poison: loss 0, predicted -1 and
+    a gradient row of exact zeros (selected, never ``0 * NaN``), with token scaling and a
+    per-row upstream gradient that are themselves non-finite on that row."""
+    logits, target, weight, rgs = make_inputs(8, 37, torch.float32, seed=12)
+    assert target[1] == -100
+    logits[1] = bad
+    logits[1, 5] = 1.0
+    scalars = make_scalars(37, weight, FEATURES["all"])
+    out = run_chunk(kernel, logits, target, weight, scalars, rgs)
+    assert out["loss"][1] == 0 and out["z_loss"][1] == 0 and out["correct"][1] == 0 and out["predicted"][1] == -1
+    assert torch.equal(out["grad"][1], torch.zeros_like(out["grad"][1]))
+    clean = logits.clone()
+    clean[1] = 0.0
+    expected = run_chunk(kernel, clean, target, weight, scalars, rgs)
+    for name in ("loss", "z_loss", "grad"):
+        assert torch.equal(out[name], expected[name]), name
+
+
+@pytest.mark.parametrize("kernel", [triton_chunk, torch_chunk], ids=["triton", "torch"])
+def test_in_place_gradient_over_repeated_rows_is_refused(kernel):
+    logits, target, weight, _ = make_inputs(6, 37, torch.float32, seed=13)
+    repeated = logits[:1].expand(6, 37)  # six rows, one row of memory
+    loss = torch.empty(6, device=DEVICE)
+    kwargs = dict(loss_out=loss, z_loss_out=None, correct_out=None, predicted_out=None, row_grad_scale=None)
+    scalars = make_scalars(37, None, {})
+    with pytest.raises(ValueError, match="repeats one row"):
+        kernel(repeated, target, None, scalars, compute_grad=True, **kwargs)
+    # Read only (the gradient into a buffer of its own, or none), repeated rows are fine.
+    grad = torch.empty(6, 37, device=DEVICE)
+    kernel(repeated, target, None, scalars, compute_grad=True, grad_out=grad, **kwargs)
+    twin = run_chunk(torch_chunk, repeated.contiguous(), target, None, scalars, None)
+    torch.testing.assert_close(loss, twin["loss"])
+    torch.testing.assert_close(grad, twin["grad"])
+
+
+def test_strided_row_outputs_are_refused():
+    logits, target, weight, _ = make_inputs(6, 37, torch.float32, seed=14)
+    loss = torch.empty(12, device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="loss_out must be a contiguous"):
+        triton_chunk(
+            logits.clone(),
+            target,
+            None,
+            make_scalars(37, None, {}),
+            loss_out=loss,
+            z_loss_out=None,
+            correct_out=None,
+            predicted_out=None,
+            row_grad_scale=None,
+            compute_grad=False,
+        )
+
+
+def test_split_row_kernels_read_strided_row_vectors_as_their_values():
+    """``flce.backends.triton.partial``: the local target and the per-row statistics and
+    coefficients, strided, give what their contiguous copies give."""
+    from flce.backends.triton.partial import partial_gradient, partial_statistics
+
+    logits, target, weight, rgs = make_inputs(10, 37, torch.float32, seed=15)
+    local = torch.where(target >= 0, target, 37)
+    stats = partial_statistics(logits, local, weight, 5.0, True, True)
+    strided_stats = partial_statistics(logits, _interleaved(local, 10**6)[::2], weight, 5.0, True, True)
+    for a, b in zip(stats, strided_stats, strict=True):
+        assert torch.equal(a, b)
+    row_max, row_sum = stats[0], stats[1]
+    coefficients = (row_max, 1.0 / row_sum, rgs, rgs * 0.1, rgs * 0.01)
+    grad_target = torch.where(target >= 0, target, -1)
+    expected = logits.clone()
+    partial_gradient(expected, grad_target, weight, *coefficients, float(weight.sum()), 5.0)
+    ours = logits.clone()
+    partial_gradient(
+        ours,
+        _interleaved(grad_target, 10**6)[::2],
+        _interleaved(weight, float("nan"))[::2],
+        *(_interleaved(c, float("nan"))[::2] for c in coefficients),
+        float(weight.sum()),
+        5.0,
+    )
+    assert torch.equal(ours, expected)

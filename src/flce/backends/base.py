@@ -19,6 +19,13 @@ Slots of a ``BackendSpec``:
   the GEMM, for calls without gradients;
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
   forward computed, skipped on the device when the scale is 1.
+
+Ignored rows (``ignore_index``) come out exactly zero whatever their logits hold: NaN or
+Inf there must not leak out, so kernels select the zeros (or skip the row) instead of
+multiplying by a zero row scale (``0 * NaN`` is NaN).
+
+Layouts: a kernel either honours a tensor's strides or copies it (the small per-row and
+per-class vectors, with the helpers below); logits need unit stride along V only.
 """
 
 from __future__ import annotations
@@ -37,17 +44,19 @@ class ChunkCEKernel(Protocol):
     """Signature every backend's chunk CE kernel implements.
 
     Arguments (M rows of one chunk, V the vocabulary):
-      logits          (M, V) fp16/bf16/fp32, last dim contiguous; overwritten with
+      logits          (M, V) fp16/bf16/fp32, unit stride along V, any row stride; overwritten with
                       dL/dlogits (same dtype) when ``compute_grad`` is True and ``grad_out``
                       is None, untouched otherwise.
-      target          (M,) int64 or int32; values in [0, V) or ``ignore_index``.
-      ce_weight       (V,) fp32 contiguous, or None.
+      target          (M,) integer, any strides (``kernel_target``); values in [0, V) or
+                      ``ignore_index``.
+      ce_weight       (V,) fp32, or None.
       scalars         the per-call ``ChunkScalars``.
-      loss_out        (M,) fp32, written: ``st * ce`` per row.
+      loss_out        (M,) fp32 contiguous (as every ``*_out``), written: ``st * ce`` per row.
       z_loss_out      (M,) fp32 or None: ``st * zl`` per row when given.
       correct_out     (M,) fp32 or None: 1.0 where argmax(z') == y (first index wins ties).
       predicted_out   (M,) int64 or None: argmax(z') (first index wins), -1 on ignored rows.
-      row_grad_scale  (M,) fp32 or None: per-row upstream gradient (reduction="none" backward).
+      row_grad_scale  (M,) fp32 or None: per-row upstream gradient (reduction="none" backward),
+                      any strides (``kernel_row_vector``).
       compute_grad    whether to write the gradient (into ``logits``, unless ``grad_out``).
       grad_out        (M, V) logits dtype, unit stride along V, or None: where the gradient
                       goes, the logits then only read (saves the copy a caller who must keep
@@ -71,20 +80,82 @@ class ChunkCEKernel(Protocol):
     ) -> None: ...
 
 
+def unit_stride_along_vocabulary(logits: torch.Tensor) -> bool:
+    """Whether a row's classes are adjacent in memory (the kernels' only layout demand on
+    logits; the row stride is free). A single column is, whatever its stride says."""
+    return logits.shape[-1] <= 1 or logits.stride(-1) == 1
+
+
+def check_logits_layout(logits: torch.Tensor) -> None:
+    """Refuses logits whose classes are not adjacent (``unit_stride_along_vocabulary``).
+    Callers that own the logits make them contiguous instead (``flce.functional``); a
+    kernel never copies a chunk of logits behind the caller's back."""
+    if not unit_stride_along_vocabulary(logits):
+        raise ValueError(f"logits must have unit stride along the vocabulary, got strides {tuple(logits.stride())}")
+
+
+def kernel_target(target: torch.Tensor) -> torch.Tensor:
+    """The target as the kernels read it: ``(M,)`` contiguous int64 or int32. A strided
+    or expanded (stride-0) target is copied, and other integer dtypes widened to int64:
+    M values, nothing next to a chunk of logits (the kernels load ``target_ptr + row``)."""
+    if target.dtype not in (torch.int64, torch.int32):
+        target = target.long()
+    return target.contiguous()
+
+
+def kernel_row_vector(name: str, vector: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+    """A per-row fp32 input (``row_grad_scale``, split-row statistics) as the kernels read
+    it: ``(M,)`` contiguous fp32, copied when strided or expanded (M values)."""
+    if vector is None:
+        return None
+    if tuple(vector.shape) != (num_rows,):
+        raise ValueError(f"{name} must have shape ({num_rows},), got {tuple(vector.shape)}")
+    return vector.to(torch.float32).contiguous()
+
+
+def kernel_class_weights(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
+    """Class weights as the kernels read them: ``(V,)`` contiguous fp32 (V values)."""
+    return None if ce_weight is None else ce_weight.to(torch.float32).contiguous()
+
+
+def check_row_outputs(num_rows: int, **outputs: torch.Tensor | None) -> None:
+    """Per-row outputs the kernels write at ``ptr + row``: each ``(M,)`` and contiguous.
+    They are the driver's own buffers; anything else is a caller bug, refused rather than
+    written past or into the wrong rows."""
+    for name, out in outputs.items():
+        if out is None:
+            continue
+        if tuple(out.shape) != (num_rows,) or (num_rows > 1 and out.stride(0) != 1):
+            raise ValueError(
+                f"{name} must be a contiguous ({num_rows},) tensor, got shape {tuple(out.shape)} "
+                f"with strides {tuple(out.stride())}"
+            )
+
+
 def gradient_destination(logits: torch.Tensor, grad_out: torch.Tensor | None, compute_grad: bool) -> torch.Tensor:
     """Where a chunk kernel writes the gradient: ``grad_out`` (checked against the
     ``ChunkCEKernel`` contract: the logits' shape, dtype and device, unit stride along V)
-    or, without it, the logits themselves."""
-    if grad_out is None or not compute_grad:
+    or, without it, the logits themselves; either must give each row its own memory."""
+    if not compute_grad:
         return logits
-    if grad_out.shape != logits.shape or grad_out.dtype != logits.dtype or grad_out.device != logits.device:
+    destination = logits
+    if grad_out is not None:
+        if grad_out.shape != logits.shape or grad_out.dtype != logits.dtype or grad_out.device != logits.device:
+            raise ValueError(
+                f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
+                f"({tuple(grad_out.shape)}, {grad_out.dtype}, {grad_out.device})"
+            )
+        if not unit_stride_along_vocabulary(grad_out):
+            raise ValueError(
+                f"grad_out must have unit stride along the vocabulary, got strides {tuple(grad_out.stride())}"
+            )
+        destination = grad_out
+    if destination.shape[0] > 1 and destination.stride(0) == 0:
         raise ValueError(
-            f"grad_out must match logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), got "
-            f"({tuple(grad_out.shape)}, {grad_out.dtype}, {grad_out.device})"
+            "the gradient's destination repeats one row (stride 0, e.g. expanded logits written in place); "
+            "each row's gradient needs its own memory: pass grad_out"
         )
-    if grad_out.stride(1) != 1:
-        raise ValueError(f"grad_out must have unit stride along the vocabulary, got strides {tuple(grad_out.stride())}")
-    return grad_out
+    return destination
 
 
 class SplitRowKernels(Protocol):

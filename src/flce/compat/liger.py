@@ -16,7 +16,7 @@ import math
 import torch
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import LossOptions
+from flce.options import LossOptions, as_int
 from flce.output import CrossEntropyOutput
 
 __all__ = [
@@ -32,24 +32,39 @@ _LIGER_IMPL_ALIASES = {"nvidia-cutedsl": "cutedsl", "cutedsl": "cutedsl", "trito
 
 
 def _backend_from_ce_impl(ce_impl) -> str | None:
+    """Liger's ``ce_impl`` as an flce backend name; case-insensitive, as ``backend=``."""
     if ce_impl is None:
         return None
-    if ce_impl not in _LIGER_IMPL_ALIASES:
+    name = ce_impl.strip().lower() if isinstance(ce_impl, str) else None
+    if name not in _LIGER_IMPL_ALIASES:
         raise ValueError(f"ce_impl must be None or one of {sorted(_LIGER_IMPL_ALIASES)}, got {ce_impl!r}")
-    return _LIGER_IMPL_ALIASES[ce_impl]
+    return _LIGER_IMPL_ALIASES[name]
 
 
 def _liger_chunk_size(n_rows: int, vocab: int, hidden: int, chunk_mem_const) -> int | None:
     """Liger's chunk rule for a non-default ``chunk_mem_const``: logits per chunk bounded
     by ``chunk_mem_const * N * H`` elements, rounded to a power of two; the default (1)
-    keeps flce's memory-budget sizing."""
-    if isinstance(chunk_mem_const, bool) or not isinstance(chunk_mem_const, int) or chunk_mem_const < 1:
+    keeps flce's memory-budget sizing, as does H = 0 (no rule: the logits are the bias)."""
+    chunk_mem_const = as_int("chunk_mem_const", chunk_mem_const)
+    if chunk_mem_const < 1:
         raise ValueError(f"chunk_mem_const must be a positive int, got {chunk_mem_const!r}")
-    if chunk_mem_const == 1 or n_rows == 0:
+    if chunk_mem_const == 1 or n_rows == 0 or hidden == 0:
         return None
     inc_factor = math.ceil(vocab / (chunk_mem_const * hidden))
-    rows = math.ceil(n_rows / inc_factor)
+    rows = math.ceil(n_rows / max(inc_factor, 1))
     return min(1 << (rows - 1).bit_length(), n_rows)
+
+
+def _chunk_size_for(input, weight, chunk_mem_const) -> int | None:
+    """``_liger_chunk_size`` of these operands (N counts every row of a (B, T, H) input).
+    Shapes the boundary check will refuse are left to it, for its message (the value of
+    ``chunk_mem_const`` is checked all the same)."""
+    shapes_known = (
+        isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor) and input.dim() >= 1 and weight.dim() == 2
+    )
+    if not shapes_known:
+        return _liger_chunk_size(0, 0, 0, chunk_mem_const)
+    return _liger_chunk_size(input.shape[:-1].numel(), weight.shape[0], input.shape[-1], chunk_mem_const)
 
 
 def _fused(
@@ -83,9 +98,7 @@ def _fused(
         return_token_accuracy=return_token_accuracy,
         return_predicted_tokens=return_predicted_tokens,
         backend=_backend_from_ce_impl(ce_impl),
-        chunk_size=_liger_chunk_size(input.shape[0], weight.shape[0], input.shape[-1], chunk_mem_const)
-        if isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor) and input.dim() >= 1
-        else None,
+        chunk_size=_chunk_size_for(input, weight, chunk_mem_const),
     )
     return fused_linear_cross_entropy_with_options(input, weight, target, bias, ce_weight, options)
 

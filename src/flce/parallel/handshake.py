@@ -78,7 +78,7 @@ def resolve_group(process_group):
 
 
 def _comm_device(group, input) -> torch.device:
-    if isinstance(input, torch.Tensor):
+    if isinstance(input, torch.Tensor) and input.device.type != "meta":  # a meta input is refused, on the host
         return input.device
     backend = str(dist.get_backend(group))
     if "nccl" in backend and torch.cuda.is_available():

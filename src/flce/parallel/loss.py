@@ -59,7 +59,7 @@ from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.validation import raise_pending
-from flce.options import LossOptions, check_int, validate_ce_weight, validate_fused_inputs
+from flce.options import LossOptions, as_int, validate_ce_weight, validate_fused_inputs
 from flce.output import LossResult, package_result
 from flce.parallel.dtensor import unwrap_dtensors
 from flce.parallel.handshake import agree_on_call, gather_class_weights, resolve_group
@@ -157,7 +157,7 @@ def _plan(
         compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
         validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
         if vocab_start is not None:
-            check_int("vocab_start", vocab_start)
+            vocab_start = as_int("vocab_start", vocab_start)
             if vocab_start < 0:
                 raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
     except (TypeError, ValueError) as exc:
@@ -327,7 +327,8 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     )
     group = resolve_group(process_group)
     plan, ce_full = _plan(input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start)
-    operands = LinearOperands(input.reshape(-1, input.shape[-1]), weight_shard, bias_shard, target.reshape(-1), ce_full)
+    input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
+    operands = LinearOperands(input_2d, weight_shard, bias_shard, target.reshape(-1), ce_full)
     return package_result(options, tuple(target.shape), *run_loss(plan, operands))
 
 

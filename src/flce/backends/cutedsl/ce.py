@@ -35,7 +35,15 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.base import ChunkScalars, gradient_destination
+from flce.backends.base import (
+    ChunkScalars,
+    check_logits_layout,
+    check_row_outputs,
+    gradient_destination,
+    kernel_class_weights,
+    kernel_row_vector,
+    kernel_target,
+)
 from flce.backends.cutedsl.common import (
     CLUSTER_SLICE_BYTES,
     CTA_SMEM_BUDGET,
@@ -255,6 +263,7 @@ class ChunkCrossEntropy(RowStream):
         # class 0 too, never outside the row.
         y_raw = Int64(mTarget[row])
         valid = y_raw != ignore_index
+        ignored = y_raw == ignore_index
         y = Int32(0)
         if valid:
             if y_raw >= Int64(0):
@@ -359,7 +368,7 @@ class ChunkCrossEntropy(RowStream):
                         if vidx < v_end:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, rd_slot], frag)
-                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
+                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap, ignored)
                         rd_slot = R + ((rd_slot - R + 1) & (self.stages - 1))
                         wr_slot = R + ((wr_slot - R + 1) & (self.stages - 1))
                         vidx = vidx - T
@@ -370,7 +379,7 @@ class ChunkCrossEntropy(RowStream):
                         if vidx < v_end:
                             frag = cute.make_rmem_tensor((VEC,), self.dtype)
                             cute.autovec_copy(sBuf[None, tid, t], frag)
-                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
+                            self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap, ignored)
                         vidx = vidx + T
             else:
                 vidx = v0 + tid
@@ -378,7 +387,7 @@ class ChunkCrossEntropy(RowStream):
                     if vidx < v_end:
                         frag = cute.make_rmem_tensor((VEC,), self.dtype)
                         cute.autovec_copy(gRow[None, vidx], frag)
-                        self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap)
+                        self._grad_step(frag, vidx, gGrad, mWeight, y, coefs, softcap, inv_softcap, ignored)
                     vidx = vidx + T
 
 
@@ -421,15 +430,15 @@ def _build(key: KernelKey, config: KernelConfig):
 
 def cross_entropy_chunk(
     logits: torch.Tensor,  # (M, V) fp16/bf16/fp32; overwritten with the gradient (compute_grad, no grad_out)
-    target: torch.Tensor,  # (M,) int64 or int32
-    ce_weight: torch.Tensor | None,  # (V,) fp32
+    target: torch.Tensor,  # (M,) integer, any strides (copied to contiguous int64/int32)
+    ce_weight: torch.Tensor | None,  # (V,) float, any strides (copied to contiguous, aligned fp32)
     scalars: ChunkScalars,
     *,
-    loss_out: torch.Tensor,  # (M,) fp32
-    z_loss_out: torch.Tensor | None,  # (M,) fp32
-    correct_out: torch.Tensor | None,  # (M,) fp32
-    predicted_out: torch.Tensor | None,  # (M,) int64
-    row_grad_scale: torch.Tensor | None,  # (M,) fp32
+    loss_out: torch.Tensor,  # (M,) fp32 contiguous
+    z_loss_out: torch.Tensor | None,  # (M,) fp32 contiguous
+    correct_out: torch.Tensor | None,  # (M,) fp32 contiguous
+    predicted_out: torch.Tensor | None,  # (M,) int64 contiguous
+    row_grad_scale: torch.Tensor | None,  # (M,) fp32, any strides (copied to contiguous)
     compute_grad: bool,
     grad_out: torch.Tensor | None = None,  # (M, V) logits dtype: the gradient goes here, logits are only read
     config: KernelConfig | None = None,
@@ -439,29 +448,19 @@ def cross_entropy_chunk(
         return
     if logits.dtype not in TORCH_TO_CUTE:
         raise TypeError(f"cutedsl CE supports fp16/bf16/fp32 logits, got {logits.dtype}")
-    if logits.stride(1) != 1:
-        raise ValueError("cutedsl CE needs logits with a contiguous last dimension")
+    check_logits_layout(logits)
     grad = gradient_destination(logits, grad_out, compute_grad)
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
-    target = target if target.is_contiguous() else target.contiguous()
-    for name, t in (
-        ("loss_out", loss_out),
-        ("z_loss_out", z_loss_out),
-        ("correct_out", correct_out),
-        ("predicted_out", predicted_out),
-    ):
-        if t is not None and num_rows > 1 and t.stride(0) != 1:
-            raise ValueError(f"{name} must be contiguous")
-    if row_grad_scale is not None and num_rows > 1 and row_grad_scale.stride(0) != 1:
-        row_grad_scale = row_grad_scale.contiguous()
+    check_row_outputs(
+        num_rows, loss_out=loss_out, z_loss_out=z_loss_out, correct_out=correct_out, predicted_out=predicted_out
+    )
+    # The kernel reads these at ptr + row (ptr + class): strided or expanded ones are copied.
+    target = kernel_target(target)
+    row_grad_scale = kernel_row_vector("row_grad_scale", row_grad_scale, num_rows)
     ls = float(scalars.label_smoothing)
     c = scalars.softcap
-    weight = None
-    if ce_weight is not None:
-        weight = ce_weight
-        if weight.dtype != torch.float32 or not weight.is_contiguous() or weight.data_ptr() % 16:
-            weight = weight.to(torch.float32).contiguous().clone()
+    weight = kernel_class_weights(ce_weight)
+    if weight is not None and weight.data_ptr() % 16:
+        weight = weight.clone()  # read in 16-byte vectors: a fresh allocation is aligned
     key = KernelKey(
         dtype=logits.dtype,
         vocab=vocab,

@@ -399,6 +399,7 @@ class RowStream:
         coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
         softcap: Float32,
         inv_softcap: Float32,
+        row_ignored=None,  # Boolean: the row's gradient is exactly 0 (None: a row that is not ignored)
     ):
         key = self.key
         VEC = self.vec
@@ -438,6 +439,12 @@ class RowStream:
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
                 g[j] = g[j] * (Float32(1.0) - t[j] * t[j])
+        if const_expr(row_ignored is not None):
+            # Selected, not scaled by the row's zero coefficients: an ignored row's logits
+            # may be NaN or Inf, and 0 * NaN is NaN (flce.backends.base).
+            if row_ignored:
+                for j in cutlass.range_constexpr(VEC):
+                    g[j] = Float32(0.0)
         out = cute.make_rmem_tensor((VEC,), self.dtype)
         out.store(g.load().to(self.dtype))
         cute.autovec_copy(out, gOut[None, vidx])

@@ -30,6 +30,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
+from flce.backends.base import gradient_destination, unit_stride_along_vocabulary
 from flce.backends.cutedsl.common import (
     TORCH_TO_CUTE,
     KernelConfig,
@@ -309,7 +310,7 @@ def _check_logits(logits: torch.Tensor) -> None:
         raise ValueError(f"{_NAME}: logits must be on a CUDA device, got {logits.device}")
     if logits.shape[1] == 0:
         raise ValueError(f"{_NAME}: the block has no columns (V_r = 0)")
-    if logits.stride(1) != 1:
+    if not unit_stride_along_vocabulary(logits):
         raise ValueError(
             f"{_NAME}: logits must have unit stride along the vocabulary, got strides {tuple(logits.stride())}"
         )
@@ -441,6 +442,7 @@ def partial_gradient(
 ) -> None:
     """Writes dL/dlogits over ``logits``: zeros on ignored rows (``local_target < 0``)."""
     _check_logits(logits)
+    gradient_destination(logits, None, True)  # written in place: each row needs its own memory
     num_rows, vocab_local = logits.shape
     if num_rows == 0:
         return

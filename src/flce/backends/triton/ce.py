@@ -15,7 +15,15 @@ import torch
 import triton
 import triton.language as tl
 
-from flce.backends.base import ChunkScalars, gradient_destination
+from flce.backends.base import (
+    ChunkScalars,
+    check_logits_layout,
+    check_row_outputs,
+    gradient_destination,
+    kernel_class_weights,
+    kernel_row_vector,
+    kernel_target,
+)
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 
 # In-place kernel: no fp32 workspace beyond the chunk itself.
@@ -184,8 +192,8 @@ def _ce_chunk_kernel(
     logits_row_stride,  # elements between rows (>= V)
     grad_ptr,  # (M, V) same dtype, unit stride along V: the gradient (logits_ptr when in place)
     grad_row_stride,
-    target_ptr,  # (M,) int32/int64
-    weight_ptr,  # (V,) fp32 class weights (read only if HAS_WEIGHT)
+    target_ptr,  # (M,) int32/int64, contiguous
+    weight_ptr,  # (V,) fp32 class weights, contiguous (read only if HAS_WEIGHT)
     loss_ptr,  # (M,) fp32 out: st * ce
     z_loss_ptr,  # (M,) fp32 out: st * zl (written only if HAS_Z_LOSS)
     correct_ptr,  # (M,) fp32 out (written only if WRITE_CORRECT)
@@ -325,8 +333,8 @@ def _ce_chunk_kernel(
 
 def cross_entropy_chunk(
     logits: torch.Tensor,  # (M, V) fp16/bf16/fp32, unit stride along V; the gradient's place unless grad_out
-    target: torch.Tensor,  # (M,) int32/int64
-    ce_weight: torch.Tensor | None,  # (V,) fp32 contiguous
+    target: torch.Tensor,  # (M,) integer, any strides (copied to contiguous int32/int64)
+    ce_weight: torch.Tensor | None,  # (V,) float, any strides (copied to contiguous fp32)
     scalars: ChunkScalars,
     *,
     loss_out: torch.Tensor,  # (M,) fp32
@@ -346,16 +354,20 @@ def cross_entropy_chunk(
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
-    if logits.stride(1) != 1:
-        raise ValueError(f"logits must have unit stride along the vocabulary, got strides {tuple(logits.stride())}")
+    check_logits_layout(logits)
     grad = gradient_destination(logits, grad_out, compute_grad)
+    check_row_outputs(
+        num_rows, loss_out=loss_out, z_loss_out=z_loss_out, correct_out=correct_out, predicted_out=predicted_out
+    )
+    # The kernel reads these at ptr + row (ptr + class): strided or expanded ones are copied.
+    target = kernel_target(target)
+    ce_weight = kernel_class_weights(ce_weight)
+    row_grad_scale = kernel_row_vector("row_grad_scale", row_grad_scale, num_rows)
     if config is None:
         config = ce_kernel_config(vocab, logits.dtype, logits.device.type)
     ls = float(scalars.label_smoothing)
     softcap = scalars.softcap
     dummy = loss_out  # stands in for absent optional tensors; never dereferenced
-    if ce_weight is not None and not ce_weight.is_contiguous():
-        ce_weight = ce_weight.contiguous()
     args = (
         logits,
         logits.stride(0),

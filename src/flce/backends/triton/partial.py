@@ -15,6 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
+from flce.backends.base import (
+    check_logits_layout,
+    gradient_destination,
+    kernel_class_weights,
+    kernel_row_vector,
+    kernel_target,
+)
 from flce.backends.triton.ce import _row_statistics, _softcapped, _tanh, _write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
 
@@ -142,8 +149,7 @@ def _launch(kernel, logits: torch.Tensor, args: tuple, flags: dict) -> None:
     num_rows, vocab_local = logits.shape
     if num_rows == 0:
         return
-    if logits.stride(1) != 1:
-        raise ValueError(f"logits must have unit stride along the vocabulary, got strides {tuple(logits.stride())}")
+    check_logits_layout(logits)
     config = ce_kernel_config(vocab_local, logits.dtype, logits.device.type)
     if logits.device.type == "cuda":
         with torch.cuda.device(logits.device):
@@ -170,8 +176,9 @@ def partial_statistics(
     smooth = f32() if with_smoothing else None
     argmax = torch.empty(rows, dtype=torch.int64, device=logits.device) if with_argmax else None
     dummy = row_max
-    if ce_weight is not None and not ce_weight.is_contiguous():
-        ce_weight = ce_weight.contiguous()
+    # Read at ptr + row (ptr + class): strided or expanded vectors are copied (tiny).
+    local_target = kernel_target(local_target)
+    ce_weight = kernel_class_weights(ce_weight)
     args = (
         logits,
         logits.stride(0),
@@ -208,9 +215,22 @@ def partial_gradient(
     weight_sum: torch.Tensor,  # () fp32 on the device
     softcap: float | None,
 ) -> None:
+    gradient_destination(logits, None, True)  # written in place: each row needs its own memory
+    # Read at ptr + row (ptr + class): strided or expanded vectors are copied (tiny).
+    rows = logits.shape[0]
+    local_target = kernel_target(local_target)
+    ce_weight = kernel_class_weights(ce_weight)
+    row_max, inv_sum, onehot_coef, smooth_coef, z_coef = (
+        kernel_row_vector(name, vector, rows)
+        for name, vector in (
+            ("row_max", row_max),
+            ("inv_sum", inv_sum),
+            ("onehot_coef", onehot_coef),
+            ("smooth_coef", smooth_coef),
+            ("z_coef", z_coef),
+        )
+    )
     dummy = row_max
-    if ce_weight is not None and not ce_weight.is_contiguous():
-        ce_weight = ce_weight.contiguous()
     args = (
         logits,
         logits.stride(0),

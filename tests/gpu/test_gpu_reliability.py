@@ -1,0 +1,162 @@
+"""The reliability cases of ``tests/test_reliability.py`` on a CUDA GPU, for the triton
+and cutedsl backends, in fp32 and bf16: every tensor in every layout, NaN/Inf in an
+ignored row, class weights summing to 0 over the valid targets, create_graph refused;
+plus the cutedsl loss-only route (the fused forward GEMM on Hopper), which the CPU
+cannot reach."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("GPU reliability tests: need a CUDA GPU", allow_module_level=True)
+
+from flce.dispatch import availability
+from tests.entry_points import (
+    ENTRIES,
+    FUSED_ENTRIES,
+    Problem,
+    assert_close_to_reference,
+    assert_matches_reference,
+    assert_predictions,
+    fused_leaves,
+    plain_fused,
+    process_group_of_one,  # noqa: F401 (a fixture)
+    reference,
+    run_entry,
+)
+from tests.test_reliability import (
+    FEATURE_SETS,
+    FUSED_LAYOUTS,
+    FUSED_ROUTES,
+    IGNORED_ROW,
+    LOGITS_LAYOUTS,
+    NON_FINITE,
+    ZERO_WEIGHT_ROUTES,
+    check_class_weights_summing_to_zero,
+    check_create_graph_refused,
+    check_every_tensor_strided,
+    check_fused_non_finite_ignored_row,
+    check_non_finite_logits_of_an_ignored_row,
+    check_strided_fused,
+    check_strided_logits,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("process_group_of_one")]
+
+CUDA = torch.device("cuda")
+GPU_BACKENDS = [
+    pytest.param(name, marks=pytest.mark.skipif(not availability(name, CUDA)[0], reason=availability(name, CUDA)[1]))
+    for name in ("triton", "cutedsl")
+]
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("route", list(FUSED_ROUTES))
+@pytest.mark.parametrize("layout", FUSED_LAYOUTS, ids=lambda layout: layout.name)
+def test_gpu_strided_fused_tensors(backend, dtype, route, layout):
+    check_strided_fused(backend, route, layout, dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LOGITS_LAYOUTS, ids=lambda layout: layout.name)
+def test_gpu_strided_logits_tensors(backend, dtype, layout):
+    check_strided_logits(backend, layout, dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_gpu_every_entry_point_with_every_tensor_strided(backend, dtype, entry):
+    check_every_tensor_strided(backend, ENTRIES[entry], dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("route", list(FUSED_ROUTES))
+@pytest.mark.parametrize("bad", list(NON_FINITE))
+@pytest.mark.parametrize("features", list(FEATURE_SETS))
+def test_gpu_fused_non_finite_hidden_state_of_an_ignored_row(backend, dtype, route, bad, features):
+    check_fused_non_finite_ignored_row(backend, route, bad, features, dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bad", list(NON_FINITE))
+@pytest.mark.parametrize("where", ["row", "one-logit"])
+@pytest.mark.parametrize("features", list(FEATURE_SETS))
+def test_gpu_non_finite_logits_of_an_ignored_row(backend, dtype, bad, where, features):
+    check_non_finite_logits_of_an_ignored_row(backend, bad, where, features, dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("route", list(ZERO_WEIGHT_ROUTES))
+@pytest.mark.parametrize("z_loss", [0.0, 0.05], ids=["no-z", "z"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["no-ls", "ls"])
+def test_gpu_class_weights_summing_to_zero_over_the_valid_targets(backend, dtype, route, z_loss, smoothing):
+    check_class_weights_summing_to_zero(backend, route, z_loss, smoothing, dtype)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_gpu_create_graph_is_refused(backend, reduction, entry):
+    check_create_graph_refused(backend, reduction, ENTRIES[entry], torch.bfloat16)
+
+
+# ------------------------------------------------- the cutedsl loss-only route (Hopper)
+# Nothing requires grad, bf16, H a multiple of 64: the per-row outputs come from the
+# fused forward GEMM's statistics (no logits). Strided operands are made TMA-ready (or the
+# call falls back to the chunked driver); an ignored row's NaN stays in its statistics.
+
+LOSS_ONLY_HIDDEN, LOSS_ONLY_VOCAB = 128, 300
+LOSS_ONLY_OPTIONS = dict(
+    lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True
+)
+
+
+def _loss_only_leaves():
+    return fused_leaves(16, LOSS_ONLY_HIDDEN, LOSS_ONLY_VOCAB, ignored=(IGNORED_ROW, 5))
+
+
+LOSS_ONLY_LAYOUTS = {
+    "contiguous": plain_fused,
+    "input-transposed": lambda L: dict(plain_fused(L), x=L["x"].t().contiguous().t()),
+    "input-sliced": lambda L: dict(plain_fused(L), x=L["x"].repeat_interleave(2, dim=1)[:, ::2]),
+    "target-sliced": lambda L: dict(plain_fused(L), t=L["t"].repeat_interleave(2)[::2]),
+    "target-expanded": lambda L: dict(plain_fused(L), t=L["t"][2:3].expand(16)),
+    "weight-transposed": lambda L: dict(plain_fused(L), w=L["w"].t().contiguous().t()),
+    "bias-expanded": lambda L: dict(plain_fused(L), bias=L["b"][:1].expand(LOSS_ONLY_VOCAB)),
+}
+
+
+@pytest.mark.skipif(not availability("cutedsl", CUDA)[0], reason=availability("cutedsl", CUDA)[1])
+@pytest.mark.parametrize("layout", list(LOSS_ONLY_LAYOUTS))
+def test_gpu_cutedsl_loss_only_route_with_strided_operands(layout):
+    entry = FUSED_ENTRIES["fused"]
+    problem = Problem(_loss_only_leaves(), LOSS_ONLY_LAYOUTS[layout], LOSS_ONLY_OPTIONS, (), dtype=torch.bfloat16)
+    outputs, grads = run_entry(entry, problem, "cutedsl")
+    assert grads == {}
+    assert_matches_reference(entry, problem, outputs, grads)
+
+
+@pytest.mark.skipif(not availability("cutedsl", CUDA)[0], reason=availability("cutedsl", CUDA)[1])
+@pytest.mark.parametrize("bad", list(NON_FINITE))
+def test_gpu_cutedsl_loss_only_route_with_a_non_finite_ignored_row(bad):
+    entry = FUSED_ENTRIES["fused"]
+    leaves = _loss_only_leaves()
+    clean = Problem(leaves, plain_fused, LOSS_ONLY_OPTIONS, (), dtype=torch.bfloat16)
+    x = leaves["x"].clone()
+    x[IGNORED_ROW, 0] = NON_FINITE[bad]
+    poisoned = Problem(dict(leaves, x=x), plain_fused, LOSS_ONLY_OPTIONS, (), dtype=torch.bfloat16)
+    (loss, z_loss, accuracy, predicted), _ = run_entry(entry, poisoned, "cutedsl")
+    truth, _ = reference("fused", clean)
+    eager, _ = reference("fused", clean, torch.float32, torch.bfloat16)
+    floor = 2 * torch.finfo(torch.bfloat16).eps
+    assert_close_to_reference("loss", loss, truth[0], eager[0], floor)
+    assert_close_to_reference("z_loss", z_loss, truth[1], eager[1], floor)
+    assert predicted[IGNORED_ROW].item() == -1
+    assert_predictions("fused", clean, (loss, z_loss, accuracy, predicted), truth)
