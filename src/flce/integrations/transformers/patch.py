@@ -1,0 +1,784 @@
+"""The patched forward: the model's own forward, with the head and the loss intercepted.
+
+A patched model runs its own ``forward`` (its decoder, vision tower, router, aux losses and
+output type are all its own). Two things are intercepted on the instance
+(``Interceptor.install``):
+
+- the head (``model.get_output_embeddings()``), by a forward pre-hook that keeps its input
+  (the hidden states at the scored positions) and hands the head an empty batch instead, and
+  a forward hook that returns a placeholder ``(..., K)`` tensor holding ``PLACEHOLDER_POINTS``
+  in place of the ``(..., V)`` logits;
+- ``model.loss_function``, whose call receives the placeholder after the model's own logit
+  post-processing (a scale such as Cohere's ``logit_scale`` or Granite's
+  ``1 / logits_scaling``, Gemma's soft-cap) and the labels exactly as the stock loss would,
+  and returns flce's loss on the kept hidden states instead. A scale is read from the
+  processed placeholder (the value at the point 1.0), so a learnable scale gets its gradient.
+
+Which of these a model needs is found out once per instance by a probe (``probe``): a few
+forwards on a 6-token input, in training and eval mode, with autograd checking that the loss
+is ``loss_function(...)`` plus terms that never touch the logits, that nothing else in the
+output is computed from them, and which post-processing the placeholder went through.
+Models that compute their cross-entropy inline instead (BART-style decoders) are probed with
+known logits for their label convention (shifted or not) and then called without labels,
+flce adding the loss. Anything the probe cannot establish raises ``UnsupportedModelError``
+and leaves the model unpatched.
+
+Without labels nothing is intercepted (``generate`` is the stock one). With labels the
+logits are not computed unless asked for (``skip_logits=False``); then they are the model's
+own and the loss is ``flce.cross_entropy`` on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from flce.integrations.transformers.errors import UnsupportedModelError
+from flce.integrations.transformers.head import (
+    UnsupportedHeadError,
+    head_parts,
+    hooked_modules,
+    linear_terms,
+    loaded_weights,
+)
+
+# What the head returns per position while intercepted: the model's post-processing g turns
+# them into g(points). g(1.0) is the scale; the others tell a scale from a soft-cap at probe
+# time (64 and 1024 bend under any soft-cap in use, -4 checks the sign is kept).
+PLACEHOLDER_POINTS = (1.0, -4.0, 64.0, 1024.0)
+PROBE_LENGTH = 6  # tokens in the probe's input: short, and enough to tell shifted labels from unshifted
+
+ROUTE_LOSS_FUNCTION = "loss_function"  # the forward calls self.loss_function(logits, labels, ...)
+ROUTE_INLINE = "inline"  # the forward computes a plain cross-entropy itself
+
+INTERCEPTOR_ATTRIBUTE = "_flce_interceptor"
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _flce():
+    import flce  # late: always the current functions (tests replace them)
+
+    return flce
+
+
+# Options flce's loss takes that the integration decides itself, with the reason.
+REJECTED_OPTIONS = {
+    "reduction": "the integration uses 'mean', or 'sum' divided by num_items_in_batch when the Trainer passes it",
+    "softcap": "the model's own logit soft-capping (final_logit_softcapping) is applied as its forward does",
+    "return_z_loss": "the model's output has no field for the extra values",
+    "return_token_accuracy": "the model's output has no field for the extra values",
+    "return_predicted_tokens": "the model's output has no field for the extra values",
+}
+# Options that only the fused path (hidden states and weight) has; the logits path ignores them.
+FUSED_ONLY_OPTIONS = ("accum_dtype", "chunk_size", "vocab_chunk_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The user's loss options, validated once (by ``flce.LossOptions``) at patch time."""
+
+    options: Any  # flce.LossOptions
+    ce_weight: torch.Tensor | None = None
+
+    @staticmethod
+    def from_kwargs(loss_options: dict[str, Any]) -> LossSettings:
+        flce = _flce()
+        known = {field.name for field in dataclasses.fields(flce.LossOptions)} | {"ce_weight"}
+        for key in loss_options:
+            if key in REJECTED_OPTIONS:
+                raise ValueError(
+                    f"loss option {key!r} is not supported by the transformers integration: {REJECTED_OPTIONS[key]}"
+                )
+            if key not in known:
+                allowed = sorted(known - set(REJECTED_OPTIONS))
+                raise TypeError(f"unknown loss option {key!r}; expected one of {allowed}")
+        options = dict(loss_options)
+        ce_weight = options.pop("ce_weight", None)
+        if ce_weight is not None and not isinstance(ce_weight, torch.Tensor):
+            raise TypeError(f"ce_weight must be a (V,) float tensor or None, got {type(ce_weight).__name__}")
+        return LossSettings(flce.LossOptions(**options), ce_weight)
+
+    def fused_kwargs(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "ce_weight": self.ce_weight,
+            "lse_square_scale": o.lse_square_scale,
+            "label_smoothing": o.label_smoothing,
+            "accum_dtype": o.accum_dtype,
+            "use_token_scaling": o.use_token_scaling,
+            "backend": o.backend,
+            "chunk_size": o.chunk_size,
+            "vocab_chunk_size": o.vocab_chunk_size,
+        }
+
+    def logits_kwargs(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "weight": self.ce_weight,
+            "lse_square_scale": o.lse_square_scale,
+            "label_smoothing": o.label_smoothing,
+            "use_token_scaling": o.use_token_scaling,
+            "backend": o.backend,
+        }
+
+
+# --------------------------------------------------------------------------- recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What the probe established about one model instance's forward."""
+
+    route: str  # ROUTE_LOSS_FUNCTION or ROUTE_INLINE
+    shift: bool  # position t is scored against labels[t + 1]
+    scale: bool  # the head's output is multiplied by a factor (read from the placeholder at run time)
+    softcap: float | None  # then soft-capped: z -> c * tanh(z / c)
+    output_fields: tuple[str, ...]  # the output dataclass's fields, to rebuild it without the logits
+
+
+def _known_loss_functions() -> dict[Any, bool]:
+    """transformers' loss functions flce reproduces -> whether they shift the labels."""
+    from transformers.loss import loss_utils
+
+    return {loss_utils.ForCausalLMLoss: True, loss_utils.ForMaskedLMLoss: False}
+
+
+def _argument(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``labels[..., t + 1]`` at position t, ``ignore_index`` at the last (as transformers)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+# --------------------------------------------------------------------------- interceptor
+
+
+class _HeadInputHook:
+    """Forward pre-hook of the head: keep its input, hand it an empty batch."""
+
+    def __init__(self, interceptor: Interceptor):
+        self.interceptor = interceptor
+
+    def __call__(self, module, args):
+        it = self.interceptor
+        if not it.intercepts_head():
+            return None
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise RuntimeError(
+                f"flce: the head {type(module).__name__} was called with {len(args)} positional arguments; "
+                "expected the hidden states alone"
+            )
+        hidden = args[0]
+        it.head_calls += 1
+        it.hidden = hidden
+        return (hidden.new_empty((0, hidden.shape[-1])),)
+
+
+class _HeadOutputHook:
+    """Forward hook of the head: the placeholder instead of its (empty) output."""
+
+    def __init__(self, interceptor: Interceptor):
+        self.interceptor = interceptor
+
+    def __call__(self, module, args, output):
+        it = self.interceptor
+        if not it.intercepts_head():
+            return None
+        positions = it.hidden.shape[:-1]
+        if it.mode == "probe_logits":  # known logits, for a forward that computes its cross-entropy itself
+            generator = torch.Generator().manual_seed(0)
+            logits = 3.0 * torch.randn((*positions, output.shape[-1]), generator=generator)
+            it.placeholder = logits.to(output.device).requires_grad_()
+            return it.placeholder
+        points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float32, device=output.device)
+        placeholder = points.expand(*positions, len(PLACEHOLDER_POINTS)).contiguous()
+        if it.mode == "probe":
+            placeholder.requires_grad_()
+        it.placeholder = placeholder
+        return placeholder
+
+
+class Interceptor:
+    """Installed on one model instance: the head's hooks and the model's ``loss_function``.
+
+    Passive (``mode`` None) outside the patched forward: the hooks do nothing and the loss
+    function is the model's own. The patched forward sets ``mode`` for one call:
+    ``"fused"`` (placeholder logits, flce's fused loss on the kept hidden states) or
+    ``"logits"`` (real logits, ``flce.cross_entropy`` on them); the probe uses ``"probe"``
+    and ``"probe_logits"``.
+    """
+
+    def __init__(self, head: torch.nn.Module, loss_function, settings: LossSettings):
+        self.head = head
+        self.original_loss_function = loss_function
+        self.shift_of_loss_function = _known_loss_functions().get(loss_function)  # None: not one flce reproduces
+        self.settings = settings
+        self.recipe: Recipe | None = None
+        self.mode: str | None = None
+        self.hidden: torch.Tensor | None = None
+        self.placeholder: torch.Tensor | None = None
+        self.head_calls = 0
+        self.loss_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # probe: (logits received, result leaf)
+        self.handles: list[Any] = []
+        self.previous_loss_function = None
+
+    # -- installation
+
+    def install(self, model: torch.nn.Module) -> None:
+        self.handles = [
+            self.head.register_forward_pre_hook(_HeadInputHook(self)),
+            self.head.register_forward_hook(_HeadOutputHook(self)),
+        ]
+        self.previous_loss_function = model.__dict__.get("_loss_function")
+        model._loss_function = self  # the `loss_function` property returns it
+        setattr(model, INTERCEPTOR_ATTRIBUTE, self)
+
+    def uninstall(self, model: torch.nn.Module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if model.__dict__.get("_loss_function") is self:
+            if self.previous_loss_function is None:
+                del model._loss_function
+            else:
+                model._loss_function = self.previous_loss_function
+        if model.__dict__.get(INTERCEPTOR_ATTRIBUTE) is self:
+            delattr(model, INTERCEPTOR_ATTRIBUTE)
+
+    # -- per call
+
+    def intercepts_head(self) -> bool:
+        return self.mode in ("fused", "probe", "probe_logits")
+
+    def begin(self, mode: str) -> None:
+        self.mode = mode
+        self.hidden = None
+        self.placeholder = None
+        self.head_calls = 0
+        self.loss_calls = []
+
+    def end(self) -> None:
+        self.mode = None
+        self.hidden = None
+        self.placeholder = None
+
+    # -- the loss function the model calls
+
+    def __call__(self, *args, **kwargs):
+        """``loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+        shift_labels=None, **kwargs)``, as transformers' ``ForCausalLMLoss`` / ``ForMaskedLMLoss``."""
+        if self.mode is None:
+            return self.original_loss_function(*args, **kwargs)
+        logits = _argument(args, kwargs, 0, "logits")
+        if self.mode == "probe_logits":  # the inline probe: the model should not get here
+            self.loss_calls.append((logits, None))
+            return self.original_loss_function(*args, **kwargs)
+        if self.mode == "probe":
+            result = torch.zeros((), device=logits.device, requires_grad=True)
+            self.loss_calls.append((logits, result))
+            return result * 1.0  # not a leaf: the model may add to it in place
+        labels = _argument(args, kwargs, 1, "labels")
+        num_items_in_batch = _argument(args, kwargs, 3, "num_items_in_batch")
+        ignore_index = _argument(args, kwargs, 4, "ignore_index", self.settings.options.ignore_index)
+        shift_labels = kwargs.get("shift_labels") if self.shift_of_loss_function else None
+        if shift_labels is None:
+            targets = _shifted(labels, ignore_index) if self.shift_of_loss_function else labels
+        else:
+            targets = shift_labels
+        return self.loss(logits, targets, ignore_index, num_items_in_batch)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, num_items_in_batch) -> torch.Tensor:
+        """Mean over the non-ignored targets, or the sum divided by ``num_items_in_batch``
+        (the Trainer's count over the accumulated micro-batches), as transformers."""
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        if self.mode == "logits":
+            loss = self._logits_loss(logits, targets, ignore_index, reduction)
+        else:
+            loss = self._fused_loss(logits, targets, ignore_index, reduction)
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss
+
+    def _logits_loss(self, logits, targets, ignore_index, reduction) -> torch.Tensor:
+        logits_2d = logits.reshape(-1, logits.shape[-1])
+        _check_target_count(targets, logits_2d.shape[0])
+        return _flce().cross_entropy(
+            logits_2d,
+            targets.reshape(-1).to(logits.device),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            **self.settings.logits_kwargs(),
+        )
+
+    def _fused_loss(self, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
+        hidden = self.hidden
+        if hidden is None or self.head_calls != 1:
+            raise RuntimeError(
+                f"flce: the head was called {self.head_calls} times before the loss (expected once); "
+                "the model's forward changed since it was probed"
+            )
+        if placeholder.shape != (*hidden.shape[:-1], len(PLACEHOLDER_POINTS)):
+            raise RuntimeError(
+                f"flce: the loss received logits of shape {tuple(placeholder.shape)} for hidden states of shape "
+                f"{tuple(hidden.shape)}; the model's forward changed since it was probed"
+            )
+        parts = head_parts(self.head)
+        hooked = hooked_modules(parts)
+        if not hooked:
+            return self._fused_from_parts(parts, hidden, placeholder, targets, ignore_index, reduction)
+        with loaded_weights(hooked):
+            return self._fused_from_parts(parts, hidden, placeholder, targets, ignore_index, reduction)
+
+    def _fused_from_parts(self, parts, hidden, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
+        device = parts.linear.weight.device
+        terms = linear_terms(parts, hidden.to(device))
+        features = terms.input
+        if self.recipe.scale:  # g(z) = a * z: fold a (the processed point 1.0) into the input, differentiably
+            features = features * placeholder[..., :1].to(device=device, dtype=features.dtype)
+        rows = features.shape[:-1].numel()
+        _check_target_count(targets, rows)
+        return _flce().fused_linear_cross_entropy(
+            features.reshape(rows, features.shape[-1]),
+            terms.weight,
+            targets.reshape(-1).to(device),
+            bias=terms.bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            softcap=self.recipe.softcap,
+            **self.settings.fused_kwargs(),
+        )
+
+    # -- one patched call
+
+    def run(self, call: ForwardCall, model, args: tuple, kwargs: dict, materialize: bool):
+        """The model's own forward with the head and loss intercepted; its own output type,
+        ``logits`` None unless ``materialize``."""
+        recipe = self.recipe
+        kwargs = dict(kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True) is not False
+        if call.accepts_return_dict:
+            kwargs["return_dict"] = True
+        inline_labels = None
+        if recipe.route == ROUTE_INLINE:  # the model would score the labels itself: it gets none
+            if kwargs.get("shift_labels") is not None:
+                raise ValueError(
+                    f"{type(model).__name__} computes its own loss without shift_labels; pass labels instead"
+                )
+            inline_labels, args, kwargs = _without_labels(args, kwargs, call.labels_index)
+        self.begin("logits" if materialize else "fused")
+        try:
+            output = call.original(model, *args, **kwargs)
+            if isinstance(output, tuple):
+                raise RuntimeError(
+                    f"flce: {type(model).__name__}.forward returned a {type(output).__name__}, not its output "
+                    "dataclass; leave config.return_dict at True"
+                )
+            if recipe.route == ROUTE_INLINE:
+                ignore_index = self.settings.options.ignore_index
+                targets = _shifted(inline_labels, ignore_index) if recipe.shift else inline_labels
+                logits = output.logits if materialize else self.placeholder
+                inline_loss = self.loss(logits, targets, ignore_index, None)
+        finally:
+            self.end()
+        values = {name: getattr(output, name) for name in recipe.output_fields}
+        if recipe.route == ROUTE_INLINE:
+            values["loss"] = inline_loss
+        if not materialize:
+            values["logits"] = None
+        output = type(output)(**values)
+        return output if return_dict else output.to_tuple()
+
+
+def _check_target_count(targets: torch.Tensor, rows: int) -> None:
+    if targets.numel() != rows:
+        raise ValueError(
+            f"the labels give {targets.numel()} targets but the logits have {rows} positions "
+            "(with logits_to_keep the labels must match the kept positions, as for the stock loss)"
+        )
+
+
+def _without_labels(args: tuple, kwargs: dict, labels_index: int | None):
+    if "labels" in kwargs:
+        labels = kwargs["labels"]
+        return labels, args, {**kwargs, "labels": None}
+    labels = args[labels_index]
+    return labels, (*args[:labels_index], None, *args[labels_index + 1 :]), kwargs
+
+
+@functools.cache
+def _can_return_tuple_code():
+    """The code of transformers' ``can_return_tuple`` wrapper, which takes ``return_dict`` off the kwargs."""
+    from transformers.utils.generic import can_return_tuple
+
+    return can_return_tuple(lambda self: None).__code__
+
+
+# --------------------------------------------------------------------------- probe
+
+
+def _special_token_ids(config) -> set[int]:
+    """Every ``*_token_id`` / ``*_token_index`` of the config and its sub-configs (image
+    tokens among them: the probe's text must not ask for pixels)."""
+    found: set[int] = set()
+    seen: set[int] = set()
+
+    def walk(cfg):
+        if id(cfg) in seen:
+            return
+        seen.add(id(cfg))
+        for key, value in vars(cfg).items():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                walk(value)
+            elif "token" in key and ("id" in key or "index" in key):
+                values = value if isinstance(value, (list, tuple)) else [value]
+                found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+    walk(config)
+    return found
+
+
+def _softcap_candidates(config) -> list[float]:
+    found: list[float] = []
+    seen: set[int] = set()
+
+    def walk(cfg):
+        if id(cfg) in seen:
+            return
+        seen.add(id(cfg))
+        for key, value in vars(cfg).items():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                walk(value)
+            elif "softcap" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.append(float(value))
+
+    walk(config)
+    return found
+
+
+def _probe_inputs(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    embeddings = model.get_input_embeddings()
+    rows = getattr(embeddings, "num_embeddings", vocab)
+    special = _special_token_ids(model.config)
+    tokens = [t for t in range(3, min(rows, vocab)) if t not in special][:PROBE_LENGTH]
+    if len(tokens) < PROBE_LENGTH:
+        raise UnsupportedModelError(type(model).__name__, f"its vocabulary ({vocab}) is too small to probe")
+    weight = getattr(embeddings, "weight", None)
+    device = weight.device if isinstance(weight, torch.Tensor) and weight.device.type != "meta" else model.device
+    if device.type == "meta":
+        device = torch.device("cpu")
+    input_ids = torch.tensor([tokens[::-1]], device=device)  # not sorted: labels and shifted labels differ
+    labels = input_ids.clone()
+    labels[0, 2] = -100  # an ignored target must stay ignored
+    return input_ids, labels
+
+
+def _grad(output: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    if not output.requires_grad:
+        return [None] * len(inputs)
+    return list(torch.autograd.grad(output.sum(), inputs, allow_unused=True, retain_graph=True))
+
+
+def _depends(grad: torch.Tensor | None) -> bool:
+    return grad is not None and bool((grad != 0).any())
+
+
+def _fit_transform(name: str, received: torch.Tensor, config) -> tuple[bool, float | None]:
+    """(scale, softcap) such that the model's post-processing g is ``softcap(scale * z)``."""
+    rows = received.detach().double().reshape(-1, len(PLACEHOLDER_POINTS))
+    if not bool((rows == rows[:1]).all()):
+        raise UnsupportedModelError(name, "its post-processing of the logits differs between positions")
+    observed = rows[0].cpu()
+    points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float64)
+    rtol = 8 * torch.finfo(received.dtype).eps
+    if torch.allclose(observed, points, rtol=rtol, atol=0):
+        return False, None
+    scale = observed[0]
+    if scale != 0 and torch.allclose(observed, scale * points, rtol=rtol, atol=0):
+        return True, None
+    for cap in _softcap_candidates(config):
+        if torch.allclose(observed, cap * torch.tanh(points / cap), rtol=max(rtol, 1e-6), atol=0):
+            return False, cap
+    seen = ", ".join(f"{p:g} -> {v:.6g}" for p, v in zip(PLACEHOLDER_POINTS, observed.tolist(), strict=True))
+    raise UnsupportedModelError(
+        name,
+        f"its forward transforms the head's output by a function that is neither a scale nor the config's "
+        f"soft-cap ({seen}); flce cannot fold it into the loss",
+    )
+
+
+def _output_fields(name: str, output) -> tuple[str, ...]:
+    if not dataclasses.is_dataclass(output) or not hasattr(output, "to_tuple"):
+        raise UnsupportedModelError(name, f"its forward returns a {type(output).__name__}, not a ModelOutput")
+    fields = tuple(f.name for f in dataclasses.fields(output))
+    missing = {"loss", "logits"} - set(fields)
+    if missing:
+        raise UnsupportedModelError(name, f"its output {type(output).__name__} has no {sorted(missing)} field")
+    return fields
+
+
+def _check_outputs_independent(name: str, output, placeholder: torch.Tensor, fields: tuple[str, ...]) -> None:
+    for field in fields:
+        if field in ("loss", "logits"):
+            continue
+        value = getattr(output, field)
+        tensors = [value] if isinstance(value, torch.Tensor) else []
+        if isinstance(value, (tuple, list)):
+            tensors = [v for v in value if isinstance(v, torch.Tensor)]
+        for tensor in tensors:
+            if tensor.is_floating_point() and _depends(_grad(tensor, [placeholder])[0]):
+                raise UnsupportedModelError(
+                    name, f"its output field {field!r} is computed from the logits, which flce does not materialise"
+                )
+
+
+def _call_for_probe(interceptor: Interceptor, mode: str, original, model, input_ids, labels):
+    interceptor.begin(mode)
+    try:
+        with torch.enable_grad():
+            output = original(model, input_ids=input_ids, labels=labels)
+        return output, None
+    except Exception as exc:  # the reason is reported if no route works
+        return None, exc
+
+
+def _probe_loss_function(name, interceptor, model, output, error) -> Recipe:
+    """The forward called ``loss_function``: check the loss is that result plus terms that
+    never touch the logits, and find the logits' post-processing."""
+    if error is not None:
+        raise UnsupportedModelError(name, f"its forward fails with the head intercepted: {error!r}") from error
+    if len(interceptor.loss_calls) != 1 or interceptor.head_calls != 1:
+        raise UnsupportedModelError(
+            name,
+            f"its forward calls the head {interceptor.head_calls} times and loss_function "
+            f"{len(interceptor.loss_calls)} times per call (flce needs one of each)",
+        )
+    received, result = interceptor.loss_calls[0]
+    placeholder = interceptor.placeholder
+    if received.shape != placeholder.shape:
+        raise UnsupportedModelError(
+            name,
+            f"its forward reshapes the logits between the head and loss_function "
+            f"({tuple(placeholder.shape)} -> {tuple(received.shape)})",
+        )
+    if interceptor.shift_of_loss_function is None:
+        function = interceptor.original_loss_function
+        raise UnsupportedModelError(
+            name,
+            f"its loss_function is {getattr(function, '__qualname__', function)!r}, not transformers' "
+            "ForCausalLMLoss or ForMaskedLMLoss",
+        )
+    fields = _output_fields(name, output)
+    if output.loss is None:
+        raise UnsupportedModelError(name, "its forward drops the loss_function result")
+    _check_outputs_independent(name, output, placeholder, fields)
+    weight_of_result, weight_of_logits = _grad(output.loss, [result, placeholder])
+    if weight_of_result is None or float(weight_of_result) != 1.0:
+        raise UnsupportedModelError(
+            name, "its loss is not loss_function(...) plus terms of their own (it rescales or drops the result)"
+        )
+    if _depends(weight_of_logits):
+        raise UnsupportedModelError(name, "its loss uses the logits outside loss_function (e.g. a z-loss on them)")
+    scale, softcap = _fit_transform(name, received, model.config)
+    if scale and head_parts(interceptor.head).linear.bias is not None:
+        raise UnsupportedModelError(name, "its head has a bias and its logits are scaled after it")
+    return Recipe(ROUTE_LOSS_FUNCTION, interceptor.shift_of_loss_function, scale, softcap, fields)
+
+
+def _cross_entropy64(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    targets = _shifted(labels, -100) if shift else labels
+    return F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device))
+
+
+def _probe_inline(name, interceptor, model, output, error, input_ids, labels, first_error) -> Recipe:
+    """The forward did not call ``loss_function``: accept it only if its loss is exactly the
+    mean cross-entropy of its logits (given known ones) against the labels, shifted or not."""
+    if error is not None:
+        cause = first_error or error
+        raise UnsupportedModelError(name, f"its forward fails with the head intercepted: {cause!r}") from cause
+    if interceptor.head_calls != 1:
+        raise UnsupportedModelError(name, f"its forward calls the head {interceptor.head_calls} times per call")
+    fields = _output_fields(name, output)
+    if output.loss is None:
+        raise UnsupportedModelError(name, "its forward computes no loss from labels")
+    logits = interceptor.placeholder
+    returned = output.logits
+    if returned is None or returned.shape != logits.shape or not torch.equal(returned.double(), logits.double()):
+        raise UnsupportedModelError(
+            name, "its forward computes its loss without loss_function and transforms the logits before it"
+        )
+    _check_outputs_independent(name, output, logits, tuple(f for f in fields if f != "logits"))
+    (stock_grad,) = _grad(output.loss, [logits])
+    matches = []
+    for shift in (True, False):
+        reference_logits = logits.detach().double().requires_grad_()
+        reference = _cross_entropy64(reference_logits, labels, shift)
+        (reference_grad,) = torch.autograd.grad(reference, [reference_logits])
+        same_value = math.isclose(float(output.loss.detach()), float(reference.detach()), rel_tol=1e-5, abs_tol=1e-6)
+        if same_value and stock_grad is not None and torch.allclose(stock_grad.double(), reference_grad, atol=1e-6):
+            matches.append(shift)
+    if len(matches) != 1:
+        raise UnsupportedModelError(
+            name,
+            "its forward computes its loss without loss_function, and that loss is not the mean cross-entropy "
+            "of the logits against the labels (shifted or not)",
+        )
+    return Recipe(ROUTE_INLINE, matches[0], False, None, fields)
+
+
+def _probe_once(name: str, interceptor: Interceptor, original, model) -> Recipe:
+    input_ids, labels = _probe_inputs(model, head_parts(interceptor.head).linear.out_features)
+    try:
+        output, error = _call_for_probe(interceptor, "probe", original, model, input_ids, labels)
+        if interceptor.loss_calls:
+            return _probe_loss_function(name, interceptor, model, output, error)
+        if error is None and output is not None and getattr(output, "loss", None) is None:
+            raise UnsupportedModelError(name, "its forward computes no loss from labels")
+        first_error = error
+        output, error = _call_for_probe(interceptor, "probe_logits", original, model, input_ids, labels)
+        return _probe_inline(name, interceptor, model, output, error, input_ids, labels, first_error)
+    finally:
+        interceptor.end()
+
+
+def probe(interceptor: Interceptor, original, model) -> Recipe:
+    """How this instance's forward scores labels, in training and in eval mode (a forward
+    may add terms in one only); raises ``UnsupportedModelError``."""
+    name = type(model).__name__
+    was_training = model.training
+    try:
+        recipes = []
+        for training in (True, False):
+            model.train(training)
+            recipes.append(_probe_once(name, interceptor, original, model))
+    finally:
+        model.train(was_training)
+    if recipes[0] != recipes[1]:
+        raise UnsupportedModelError(name, f"its forward scores labels differently in training and eval: {recipes}")
+    return recipes[0]
+
+
+def attach(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
+    """Install (or re-install) the interceptor on ``model`` and probe it."""
+    name = type(model).__name__
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError) as exc:
+        raise UnsupportedModelError(name, f"get_output_embeddings() fails: {exc!r}") from exc
+    if not isinstance(head, torch.nn.Module):
+        raise UnsupportedModelError(name, "it has no output embeddings (get_output_embeddings() is None)")
+    try:
+        head_parts(head)
+    except UnsupportedHeadError as exc:
+        raise UnsupportedModelError(name, str(exc)) from exc
+    existing = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
+    if existing is not None:
+        existing.uninstall(model)
+    interceptor = Interceptor(head, model.loss_function, settings)
+    interceptor.install(model)
+    try:
+        interceptor.recipe = probe(interceptor, call.original, model)
+    except BaseException:
+        interceptor.uninstall(model)
+        raise
+    return interceptor
+
+
+def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
+    """The instance's interceptor, attached (and probed) on first use or when its head was
+    replaced (``resize_token_embeddings``, PEFT wrapping the head after patching)."""
+    interceptor = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
+    if interceptor is not None and interceptor.head is model.get_output_embeddings():
+        if interceptor.settings is not settings:
+            interceptor.settings = settings
+        return interceptor
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"flce: {type(model).__name__} has not been probed yet (or its head was replaced); call it once with "
+            "labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
+        )
+    return attach(model, settings, call)
+
+
+# --------------------------------------------------------------------------- forward
+
+FLCE_MARK = "_flce_patched"
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCall:
+    """The model's own forward and what the patched one needs to know about its signature
+    (found once at patch time, so the per-call code is plain attribute reads)."""
+
+    original: Any
+    labels_index: int | None  # position of `labels` among the positional arguments after self
+    accepts_return_dict: bool
+
+    @staticmethod
+    def of(original) -> ForwardCall:
+        parameters = inspect.signature(original).parameters
+        if "labels" not in parameters:
+            raise TypeError(f"{original.__qualname__} takes no labels argument")
+        positional = [
+            name
+            for name, p in parameters.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ][1:]  # without self
+        labels_index = positional.index("labels") if "labels" in positional else None
+        accepts_return_dict = "return_dict" in parameters or original.__code__ is _can_return_tuple_code()
+        return ForwardCall(original, labels_index, accepts_return_dict)
+
+    def labels(self, args: tuple, kwargs: dict):
+        if "labels" in kwargs or self.labels_index is None:
+            return kwargs.get("labels")
+        return args[self.labels_index] if len(args) > self.labels_index else None
+
+
+def make_forward(original, settings: LossSettings):
+    """The patched forward around the model's own ``original`` forward."""
+    call = ForwardCall.of(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)
+        has_targets = call.labels(args, kwargs) is not None or kwargs.get("shift_labels") is not None
+        if skip_logits is None:
+            skip_logits = has_targets
+        elif skip_logits and not has_targets:
+            raise ValueError("skip_logits=True needs labels or shift_labels")
+        if not has_targets:
+            return original(self, *args, **kwargs)
+        interceptor = interceptor_for(self, settings, call)
+        return interceptor.run(call, self, args, kwargs, materialize=not skip_logits)
+
+    setattr(forward, FLCE_MARK, True)
+    forward.flce_original_forward = original
+    forward.flce_settings = settings
+    return forward
+
+
+def is_flce_forward(fn) -> bool:
+    return bool(getattr(getattr(fn, "__func__", fn), FLCE_MARK, False))
+
+
+def unwrap_forward(fn):
+    """The model's own forward under (possibly several) flce-patched ones."""
+    fn = getattr(fn, "__func__", fn)
+    while is_flce_forward(fn):
+        fn = fn.flce_original_forward
+    return fn
