@@ -29,6 +29,10 @@ Behaviour of the patched forward, the model's own otherwise:
 when the model passes none), ``label_smoothing``, ``lse_square_scale``, ``ce_weight``,
 ``use_token_scaling``, ``accum_dtype``, ``backend``, ``chunk_size``, ``vocab_chunk_size``.
 ``reduction``, ``softcap`` and the ``return_*`` flags are decided by the model and refused.
+
+``enable_flce(trainer)`` is the one line for the HF ``Trainer`` and its subclasses: it
+patches the trainer's model and keeps evaluation's logits when needed (TRL's trainers,
+which fuse their LM head themselves, are refused with the reason).
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ from flce.integrations.transformers.patch import (
     make_forward,
     unwrap_forward,
 )
+from flce.integrations.transformers.trainer import enable_flce
 
 __all__ = [
     "UnsupportedModelError",
     "apply_flce",
+    "enable_flce",
     "is_patched",
     "model_classes",
     "patch_model_type",

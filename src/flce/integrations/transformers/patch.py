@@ -464,7 +464,12 @@ def _softcap_candidates(config) -> list[float]:
         for key, value in vars(cfg).items():
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):
                 walk(value)
-            elif "softcap" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            elif (
+                ("softcap" in key or "soft_cap" in key)
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value > 0
+            ):
                 found.append(float(value))
 
     walk(config)
@@ -547,11 +552,12 @@ def _check_outputs_independent(name: str, output, placeholder: torch.Tensor, fie
                 )
 
 
-def _call_for_probe(interceptor: Interceptor, mode: str, original, model, input_ids, labels):
+def _call_for_probe(interceptor: Interceptor, mode: str | None, original, model, input_ids, labels):
     interceptor.begin(mode)
+    extra = {"use_cache": False} if "use_cache" in inspect.signature(original).parameters else {}  # as in training
     try:
         with torch.enable_grad():
-            output = original(model, input_ids=input_ids, labels=labels)
+            output = original(model, input_ids=input_ids, labels=labels, **extra)
         return output, None
     except Exception as exc:  # the reason is reported if no route works
         return None, exc
@@ -641,10 +647,21 @@ def _probe_inline(name, interceptor, model, output, error, input_ids, labels, fi
     return Recipe(ROUTE_INLINE, matches[0], False, None, fields)
 
 
+def _check_stock_runs(name: str, interceptor: Interceptor, original, model, input_ids, labels) -> None:
+    """A forward that fails under interception may fail without it too: say which."""
+    _, error = _call_for_probe(interceptor, None, original, model, input_ids, labels)
+    if error is not None:
+        raise UnsupportedModelError(
+            name, f"its own forward fails on a {PROBE_LENGTH}-token text input with labels: {error!r}"
+        ) from error
+
+
 def _probe_once(name: str, interceptor: Interceptor, original, model) -> Recipe:
     input_ids, labels = _probe_inputs(model, head_parts(interceptor.head).linear.out_features)
     try:
         output, error = _call_for_probe(interceptor, "probe", original, model, input_ids, labels)
+        if error is not None:
+            _check_stock_runs(name, interceptor, original, model, input_ids, labels)
         if interceptor.loss_calls:
             return _probe_loss_function(name, interceptor, model, output, error)
         if error is None and output is not None and getattr(output, "loss", None) is None:
