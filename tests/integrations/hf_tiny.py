@@ -164,11 +164,11 @@ def inputs(model, seed: int = 1, rows: int = 2, length: int = 10) -> dict:
     (some stateful models cannot backpropagate through their cache update)."""
     import inspect
 
-    from flce.integrations.transformers.patch import _special_token_ids
+    from flce.integrations.transformers.probe import special_token_ids
 
     head = model.get_output_embeddings()
     vocab = head.weight.shape[0] if head is not None else VOCAB
-    special = _special_token_ids(model.config)
+    special = special_token_ids(model.config)
     allowed = torch.tensor([t for t in range(3, vocab) if t not in special])
     generator = torch.Generator().manual_seed(seed)
     input_ids = allowed[torch.randint(0, len(allowed), (rows, length), generator=generator)]
