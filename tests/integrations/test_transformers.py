@@ -16,6 +16,7 @@ import flce
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from flce.integrations import transformers as flce_hf  # noqa: E402  (needs transformers)
+from flce.integrations.transformers.patch import is_flce_forward  # noqa: E402
 
 VOCAB = 160
 COMMON = {
@@ -186,38 +187,36 @@ def test_softcap_is_applied(arch):
     torch.testing.assert_close(loss_flce, capped, **LOSS_TOL)
     assert abs(loss_flce.item() - uncapped.item()) > 0.1
 
-    # The option overrides the config; softcap=None turns it off.
-    no_cap = flce_hf.apply_flce(copy.deepcopy(ref), softcap=None)
-    loss_no_cap = no_cap(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-    torch.testing.assert_close(loss_no_cap, uncapped, **LOSS_TOL)
+    # The model's own soft-cap is applied as its forward does: the option is refused.
+    with pytest.raises(ValueError, match="softcap"):
+        flce_hf.apply_flce(copy.deepcopy(ref), softcap=None)
 
-    # Eval logits are the capped ones, as HF returns them.
+    # Logits asked for are the capped ones, as HF returns them.
     ref.eval()
     patched.eval()
     torch.testing.assert_close(patched(input_ids=input_ids).logits, ref(input_ids=input_ids).logits, **LOSS_TOL)
+    out = patched(input_ids=input_ids, labels=labels, skip_logits=False)
+    torch.testing.assert_close(out.logits, ref(input_ids=input_ids).logits, **LOSS_TOL)
+    torch.testing.assert_close(out.loss, loss_ref, **LOSS_TOL)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_logits_materialised_only_when_needed(arch):
     ref, patched = pair(arch)
     input_ids, attention_mask, labels = make_batch()
-    patched.train()
-    out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.logits is None and out.loss is not None
+    for training in (True, False):  # with labels, no logits in training or in eval
+        patched.train(training)
+        out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        assert out.logits is None and out.loss is not None
     # Asked for explicitly, or no labels: logits as HF computes them.
-    out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels, skip_logits=False)
-    assert out.logits is not None and out.loss is not None
-    out = patched(input_ids=input_ids, attention_mask=attention_mask)
-    assert out.loss is None and out.logits.shape == (*input_ids.shape, VOCAB)
-    # Eval: logits and loss both.
     ref.eval()
-    patched.eval()
     out_ref = ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels, skip_logits=False)
     torch.testing.assert_close(out.logits, out_ref.logits, **LOSS_TOL)
     torch.testing.assert_close(out.loss, out_ref.loss, **LOSS_TOL)
-    out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels, skip_logits=True)
-    assert out.logits is None
+    out = patched(input_ids=input_ids, attention_mask=attention_mask)
+    assert out.loss is None and out.logits.shape == (*input_ids.shape, VOCAB)
+    torch.testing.assert_close(out.logits, out_ref.logits, **LOSS_TOL)
     with pytest.raises(ValueError, match="skip_logits"):
         patched(input_ids=input_ids, skip_logits=True)
 
@@ -230,6 +229,9 @@ def test_output_types_logits_to_keep_and_tuples():
     out = patched(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast)
     assert out[1] is not None  # the cache comes through
+    out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=True)
+    assert type(out) is transformers.modeling_outputs.CausalLMOutputWithPast and out.logits is None
+    assert list(out.keys()) == ["loss", "cache"]  # the logits are gone from the dict too
     last = patched(input_ids=input_ids, logits_to_keep=2).logits
     torch.testing.assert_close(last, ref(input_ids=input_ids, logits_to_keep=2).logits, **LOSS_TOL)
     assert last.shape == (input_ids.shape[0], 2, VOCAB)
@@ -240,12 +242,12 @@ def test_output_types_logits_to_keep_and_tuples():
     torch.testing.assert_close(out.loss, out_ref.loss, **LOSS_TOL)
     with pytest.raises(ValueError, match="logits_to_keep"):
         patched(input_ids=input_ids, labels=labels, logits_to_keep=4)
-    # return_dict=False: a tuple, loss first; positional input_ids work.
-    as_tuple = patched(input_ids, labels=labels, return_dict=False)
-    assert isinstance(as_tuple, tuple)
+    # return_dict=False: the tuple of the output without logits, loss first; positional input_ids work.
+    as_tuple = patched(input_ids, labels=labels, return_dict=False, use_cache=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 1
     torch.testing.assert_close(as_tuple[0], ref(input_ids, labels=labels).loss, **LOSS_TOL)
     # hidden states requested from the decoder are returned.
-    out = patched(input_ids=input_ids, output_hidden_states=True)
+    out = patched(input_ids=input_ids, labels=labels, output_hidden_states=True)
     assert out.hidden_states is not None and len(out.hidden_states) == ref.config.num_hidden_layers + 1
 
 
@@ -279,6 +281,7 @@ def test_flce_computes_the_loss(monkeypatch):
     monkeypatch.setattr(flce, "fused_linear_cross_entropy", spy)
     _, patched = pair("gemma2", chunk_size=7)
     input_ids, attention_mask, labels = make_batch()
+    calls.clear()  # the probe at patch time does not call flce
     patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
     assert len(calls) == 1
     assert calls[0]["softcap"] == 1.0 and calls[0]["chunk_size"] == 7 and calls[0]["reduction"] == "mean"
@@ -290,7 +293,7 @@ def test_patch_model_type_and_undo():
     input_ids, attention_mask, labels = make_batch()
     ref = make_model("llama")
     loss_ref = ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-    cls = flce_hf.patch_model_type("llama")
+    (cls,) = flce_hf.patch_model_type("llama")
     try:
         assert cls is transformers.LlamaForCausalLM and flce_hf.is_patched(cls)
         existing = ref  # class-level: existing instances are patched too
@@ -302,7 +305,7 @@ def test_patch_model_type_and_undo():
         assert fresh(input_ids=input_ids, labels=labels).logits is None
         # Patching again replaces the options instead of stacking wrappers.
         flce_hf.patch_model_type(transformers.LlamaForCausalLM, label_smoothing=0.2)
-        assert not flce_hf._is_flce_forward(cls.forward._flce_original_forward)
+        assert not is_flce_forward(cls.forward.flce_original_forward)
         # The Trainer reads the signature: columns and **kwargs (for num_items_in_batch).
         params = inspect.signature(fresh.forward).parameters
         assert "input_ids" in params and "labels" in params
@@ -312,9 +315,11 @@ def test_patch_model_type_and_undo():
     assert not flce_hf.is_patched(transformers.LlamaForCausalLM)
     assert "forward" in transformers.LlamaForCausalLM.__dict__
     assert ref(input_ids=input_ids, labels=labels).logits is not None
-    # Other supported types resolve to their classes.
-    for model_type in ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text", "phi3"):
-        assert flce_hf._resolve_class(model_type).__name__.endswith("ForCausalLM")
+    # A model_type resolves to what the auto classes load for it (multimodal Gemma 3 for "gemma3").
+    assert flce_hf.model_classes("gemma3") == (transformers.Gemma3ForConditionalGeneration,)
+    assert flce_hf.model_classes("gemma3_text") == (transformers.Gemma3ForCausalLM,)
+    llama4 = (transformers.Llama4ForCausalLM, transformers.Llama4ForConditionalGeneration)
+    assert flce_hf.model_classes("llama4") == llama4
 
 
 def test_remove_flce_restores_instance():
@@ -322,7 +327,7 @@ def test_remove_flce_restores_instance():
     input_ids, _, labels = make_batch()
     assert flce_hf.is_patched(patched) and not flce_hf.is_patched(ref)
     flce_hf.apply_flce(patched, label_smoothing=0.1)  # re-patching replaces
-    assert not flce_hf._is_flce_forward(patched.forward.__func__._flce_original_forward)
+    assert not is_flce_forward(patched.forward.__func__.flce_original_forward)
     flce_hf.remove_flce(patched)
     assert not flce_hf.is_patched(patched)
     assert patched(input_ids=input_ids, labels=labels).logits is not None
@@ -336,12 +341,12 @@ def test_invalid_options_and_models():
         flce_hf.apply_flce(model, return_z_loss=True)
     with pytest.raises(TypeError, match="unknown loss option"):
         flce_hf.apply_flce(model, label_smothing=0.1)
-    with pytest.raises(ValueError, match="unsupported model_type"):
-        flce_hf.patch_model_type("gpt2")
-    scaled = make_model("llama")
-    scaled.config.logit_scale = 0.5  # e.g. Cohere's scaled head: not a plain linear head
-    with pytest.raises(NotImplementedError, match="logit_scale"):
-        flce_hf.apply_flce(scaled)
+    with pytest.raises(ValueError, match="label_smoothing"):  # flce's own option checks, at patch time
+        flce_hf.apply_flce(model, label_smoothing=2.0)
+    with pytest.raises(ValueError, match="unknown model_type"):
+        flce_hf.patch_model_type("not_a_model")
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        flce_hf.apply_flce(torch.nn.Linear(2, 2))
     assert not flce_hf.is_patched(model)
 
 

@@ -1,0 +1,509 @@
+"""The patched forward: the model's own forward, with the head and the loss intercepted.
+
+A patched model runs its own ``forward`` (its decoder, vision tower, router, aux losses and
+output type are all its own). Two things are intercepted on the instance
+(``Interceptor.install``):
+
+- the head (``model.get_output_embeddings()``), by a forward pre-hook that keeps its input
+  (the hidden states at the scored positions) and hands the head an empty batch instead, and
+  a forward hook that returns a placeholder ``(..., K)`` tensor holding ``PLACEHOLDER_POINTS``
+  in place of the ``(..., V)`` logits;
+- ``model.loss_function``, whose call receives the placeholder after the model's own logit
+  post-processing (a scale such as Cohere's ``logit_scale`` or Granite's
+  ``1 / logits_scaling``, Gemma's soft-cap) and the labels exactly as the stock loss would,
+  and returns flce's loss on the kept hidden states instead. A scale is read from the
+  processed placeholder (the value at the point 1.0), so a learnable scale gets its gradient.
+
+Whether this reproduces a model's loss is established once per instance by ``probe.py``
+(``attach`` installs the interceptor and probes; a failure uninstalls it and raises
+``UnsupportedModelError``). Models that compute their cross-entropy inline instead
+(BART-style decoders, route ``inline``) are called without labels, flce adding the loss
+with the label convention the probe found.
+
+Without labels nothing is intercepted (``generate`` is the stock one). With labels the
+logits are not computed unless asked for (``skip_logits=False``); then they are the model's
+own and the loss is ``flce.cross_entropy`` on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any
+
+import torch
+
+from flce.integrations.transformers.errors import UnsupportedModelError
+from flce.integrations.transformers.head import (
+    UnsupportedHeadError,
+    head_parts,
+    hooked_modules,
+    linear_terms,
+    loaded_weights,
+)
+from flce.integrations.transformers.probe import (
+    PLACEHOLDER_POINTS,
+    ROUTE_INLINE,
+    Recipe,
+    known_loss_functions,
+    probe,
+    shifted_labels,
+)
+
+INTERCEPTOR_ATTRIBUTE = "_flce_interceptor"
+
+
+# --------------------------------------------------------------------------- options
+
+
+def _flce():
+    import flce  # late: always the current functions (tests replace them)
+
+    return flce
+
+
+# Options flce's loss takes that the integration decides itself, with the reason.
+REJECTED_OPTIONS = {
+    "reduction": "the integration uses 'mean', or 'sum' divided by num_items_in_batch when the Trainer passes it",
+    "softcap": "the model's own logit soft-capping (final_logit_softcapping) is applied as its forward does",
+    "return_z_loss": "the model's output has no field for the extra values",
+    "return_token_accuracy": "the model's output has no field for the extra values",
+    "return_predicted_tokens": "the model's output has no field for the extra values",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """The user's loss options, validated once (by ``flce.LossOptions``) at patch time."""
+
+    options: Any  # flce.LossOptions
+    ce_weight: torch.Tensor | None = None
+
+    @staticmethod
+    def from_kwargs(loss_options: dict[str, Any]) -> LossSettings:
+        flce = _flce()
+        known = {field.name for field in dataclasses.fields(flce.LossOptions)} | {"ce_weight"}
+        for key in loss_options:
+            if key in REJECTED_OPTIONS:
+                raise ValueError(
+                    f"loss option {key!r} is not supported by the transformers integration: {REJECTED_OPTIONS[key]}"
+                )
+            if key not in known:
+                allowed = sorted(known - set(REJECTED_OPTIONS))
+                raise TypeError(f"unknown loss option {key!r}; expected one of {allowed}")
+        options = dict(loss_options)
+        ce_weight = options.pop("ce_weight", None)
+        if ce_weight is not None and not isinstance(ce_weight, torch.Tensor):
+            raise TypeError(f"ce_weight must be a (V,) float tensor or None, got {type(ce_weight).__name__}")
+        return LossSettings(flce.LossOptions(**options), ce_weight)
+
+    def fused_kwargs(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "ce_weight": self.ce_weight,
+            "lse_square_scale": o.lse_square_scale,
+            "label_smoothing": o.label_smoothing,
+            "accum_dtype": o.accum_dtype,
+            "use_token_scaling": o.use_token_scaling,
+            "backend": o.backend,
+            "chunk_size": o.chunk_size,
+            "vocab_chunk_size": o.vocab_chunk_size,
+        }
+
+    def logits_kwargs(self) -> dict[str, Any]:
+        o = self.options
+        return {
+            "weight": self.ce_weight,
+            "lse_square_scale": o.lse_square_scale,
+            "label_smoothing": o.label_smoothing,
+            "use_token_scaling": o.use_token_scaling,
+            "backend": o.backend,
+        }
+
+
+# --------------------------------------------------------------------------- interceptor
+
+
+def _argument(args: tuple, kwargs: dict, index: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if len(args) > index else default
+
+
+class _HeadInputHook:
+    """Forward pre-hook of the head: keep its input, hand it an empty batch."""
+
+    def __init__(self, interceptor: Interceptor):
+        self.interceptor = interceptor
+
+    def __call__(self, module, args):
+        it = self.interceptor
+        if not it.intercepts_head():
+            return None
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            raise RuntimeError(
+                f"flce: the head {type(module).__name__} was called with {len(args)} positional arguments; "
+                "expected the hidden states alone"
+            )
+        hidden = args[0]
+        it.head_calls += 1
+        it.hidden = hidden
+        return (hidden.new_empty((0, hidden.shape[-1])),)
+
+
+class _HeadOutputHook:
+    """Forward hook of the head: the placeholder instead of its (empty) output."""
+
+    def __init__(self, interceptor: Interceptor):
+        self.interceptor = interceptor
+
+    def __call__(self, module, args, output):
+        it = self.interceptor
+        if not it.intercepts_head():
+            return None
+        positions = it.hidden.shape[:-1]
+        if it.mode == "probe_logits":  # known logits, for a forward that computes its cross-entropy itself
+            generator = torch.Generator().manual_seed(0)
+            logits = 3.0 * torch.randn((*positions, output.shape[-1]), generator=generator)
+            it.placeholder = logits.to(output.device).requires_grad_()
+            return it.placeholder
+        points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float32, device=output.device)
+        placeholder = points.expand(*positions, len(PLACEHOLDER_POINTS)).contiguous()
+        if it.mode == "probe":
+            placeholder.requires_grad_()
+        it.placeholder = placeholder
+        return placeholder
+
+
+class Interceptor:
+    """Installed on one model instance: the head's hooks and the model's ``loss_function``.
+
+    Passive (``mode`` None) outside the patched forward: the hooks do nothing and the loss
+    function is the model's own. The patched forward sets ``mode`` for one call:
+    ``"fused"`` (placeholder logits, flce's fused loss on the kept hidden states) or
+    ``"logits"`` (real logits, ``flce.cross_entropy`` on them); the probe uses ``"probe"``
+    and ``"probe_logits"``.
+    """
+
+    def __init__(self, head: torch.nn.Module, loss_function, settings: LossSettings):
+        self.head = head
+        self.original_loss_function = loss_function
+        self.shift_of_loss_function = known_loss_functions().get(loss_function)  # None: not one flce reproduces
+        self.settings = settings
+        self.recipe: Recipe | None = None
+        self.mode: str | None = None
+        self.hidden: torch.Tensor | None = None
+        self.placeholder: torch.Tensor | None = None
+        self.head_calls = 0
+        self.loss_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # probe: (logits received, result leaf)
+        self.handles: list[Any] = []
+        self.previous_loss_function = None
+
+    # -- installation
+
+    def install(self, model: torch.nn.Module) -> None:
+        self.handles = [
+            self.head.register_forward_pre_hook(_HeadInputHook(self)),
+            self.head.register_forward_hook(_HeadOutputHook(self)),
+        ]
+        self.previous_loss_function = model.__dict__.get("_loss_function")
+        model._loss_function = self  # the `loss_function` property returns it
+        setattr(model, INTERCEPTOR_ATTRIBUTE, self)
+
+    def uninstall(self, model: torch.nn.Module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if model.__dict__.get("_loss_function") is self:
+            if self.previous_loss_function is None:
+                del model._loss_function
+            else:
+                model._loss_function = self.previous_loss_function
+        if model.__dict__.get(INTERCEPTOR_ATTRIBUTE) is self:
+            delattr(model, INTERCEPTOR_ATTRIBUTE)
+
+    # -- per call
+
+    def intercepts_head(self) -> bool:
+        return self.mode in ("fused", "probe", "probe_logits")
+
+    def begin(self, mode: str) -> None:
+        self.mode = mode
+        self.hidden = None
+        self.placeholder = None
+        self.head_calls = 0
+        self.loss_calls = []
+
+    def end(self) -> None:
+        self.mode = None
+        self.hidden = None
+        self.placeholder = None
+
+    # -- the loss function the model calls
+
+    def __call__(self, *args, **kwargs):
+        """``loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+        shift_labels=None, **kwargs)``, as transformers' ``ForCausalLMLoss`` / ``ForMaskedLMLoss``."""
+        if self.mode is None:
+            return self.original_loss_function(*args, **kwargs)
+        logits = _argument(args, kwargs, 0, "logits")
+        if self.mode == "probe_logits":  # the inline probe: the model should not get here
+            self.loss_calls.append((logits, None))
+            return self.original_loss_function(*args, **kwargs)
+        if self.mode == "probe":
+            result = torch.zeros((), device=logits.device, requires_grad=True)
+            self.loss_calls.append((logits, result))
+            return result * 1.0  # not a leaf: the model may add to it in place
+        labels = _argument(args, kwargs, 1, "labels")
+        num_items_in_batch = _argument(args, kwargs, 3, "num_items_in_batch")
+        ignore_index = _argument(args, kwargs, 4, "ignore_index", self.settings.options.ignore_index)
+        shift_labels = kwargs.get("shift_labels") if self.shift_of_loss_function else None
+        if shift_labels is None:
+            targets = shifted_labels(labels, ignore_index) if self.shift_of_loss_function else labels
+        else:
+            targets = shift_labels
+        return self.loss(logits, targets, ignore_index, num_items_in_batch)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, num_items_in_batch) -> torch.Tensor:
+        """Mean over the non-ignored targets, or the sum divided by ``num_items_in_batch``
+        (the Trainer's count over the accumulated micro-batches), as transformers."""
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        if self.mode == "logits":
+            loss = self._logits_loss(logits, targets, ignore_index, reduction)
+        else:
+            loss = self._fused_loss(logits, targets, ignore_index, reduction)
+        if num_items_in_batch is not None:
+            if torch.is_tensor(num_items_in_batch):
+                num_items_in_batch = num_items_in_batch.to(loss.device)
+            loss = loss / num_items_in_batch
+        return loss
+
+    def _logits_loss(self, logits, targets, ignore_index, reduction) -> torch.Tensor:
+        logits_2d = logits.reshape(-1, logits.shape[-1])
+        _check_target_count(targets, logits_2d.shape[0])
+        return _flce().cross_entropy(
+            logits_2d,
+            targets.reshape(-1).to(logits.device),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            **self.settings.logits_kwargs(),
+        )
+
+    def _fused_loss(self, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
+        hidden = self.hidden
+        if hidden is None or self.head_calls != 1:
+            raise RuntimeError(
+                f"flce: the head was called {self.head_calls} times before the loss (expected once); "
+                "the model's forward changed since it was probed"
+            )
+        if placeholder.shape != (*hidden.shape[:-1], len(PLACEHOLDER_POINTS)):
+            raise RuntimeError(
+                f"flce: the loss received logits of shape {tuple(placeholder.shape)} for hidden states of shape "
+                f"{tuple(hidden.shape)}; the model's forward changed since it was probed"
+            )
+        parts = head_parts(self.head)
+        hooked = hooked_modules(parts)
+        if not hooked:
+            return self._fused_from_parts(parts, hidden, placeholder, targets, ignore_index, reduction)
+        with loaded_weights(hooked):
+            return self._fused_from_parts(parts, hidden, placeholder, targets, ignore_index, reduction)
+
+    def _fused_from_parts(self, parts, hidden, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
+        device = parts.linear.weight.device
+        terms = linear_terms(parts, hidden.to(device))
+        features = terms.input
+        if self.recipe.scale:  # g(z) = a * z: fold a (the processed point 1.0) into the input, differentiably
+            features = features * placeholder[..., :1].to(device=device, dtype=features.dtype)
+        rows = features.shape[:-1].numel()
+        _check_target_count(targets, rows)
+        return _flce().fused_linear_cross_entropy(
+            features.reshape(rows, features.shape[-1]),
+            terms.weight,
+            targets.reshape(-1).to(device),
+            bias=terms.bias,
+            ignore_index=ignore_index,
+            reduction=reduction,
+            softcap=self.recipe.softcap,
+            **self.settings.fused_kwargs(),
+        )
+
+    # -- one patched call
+
+    def run(self, call: ForwardCall, model, args: tuple, kwargs: dict, materialize: bool):
+        """The model's own forward with the head and loss intercepted; its own output type,
+        ``logits`` None unless ``materialize``."""
+        recipe = self.recipe
+        kwargs = dict(kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True) is not False
+        if call.accepts_return_dict:
+            kwargs["return_dict"] = True
+        inline_labels = None
+        if recipe.route == ROUTE_INLINE:  # the model would score the labels itself: it gets none
+            if kwargs.get("shift_labels") is not None:
+                raise ValueError(
+                    f"{type(model).__name__} computes its own loss without shift_labels; pass labels instead"
+                )
+            inline_labels, args, kwargs = _without_labels(args, kwargs, call.labels_index)
+        self.begin("logits" if materialize else "fused")
+        try:
+            output = call.original(model, *args, **kwargs)
+            if isinstance(output, tuple):
+                raise RuntimeError(
+                    f"flce: {type(model).__name__}.forward returned a {type(output).__name__}, not its output "
+                    "dataclass; leave config.return_dict at True"
+                )
+            if recipe.route == ROUTE_INLINE:
+                ignore_index = self.settings.options.ignore_index
+                targets = shifted_labels(inline_labels, ignore_index) if recipe.shift else inline_labels
+                logits = output.logits if materialize else self.placeholder
+                inline_loss = self.loss(logits, targets, ignore_index, None)
+        finally:
+            self.end()
+        values = {name: getattr(output, name) for name in recipe.output_fields}
+        if recipe.route == ROUTE_INLINE:
+            values["loss"] = inline_loss
+        if not materialize:
+            values["logits"] = None
+        output = type(output)(**values)
+        return output if return_dict else output.to_tuple()
+
+
+def _check_target_count(targets: torch.Tensor, rows: int) -> None:
+    if targets.numel() != rows:
+        raise ValueError(
+            f"the labels give {targets.numel()} targets but the logits have {rows} positions "
+            "(with logits_to_keep the labels must match the kept positions, as for the stock loss)"
+        )
+
+
+def _without_labels(args: tuple, kwargs: dict, labels_index: int | None):
+    if "labels" in kwargs:
+        labels = kwargs["labels"]
+        return labels, args, {**kwargs, "labels": None}
+    labels = args[labels_index]
+    return labels, (*args[:labels_index], None, *args[labels_index + 1 :]), kwargs
+
+
+@functools.cache
+def _can_return_tuple_code():
+    """The code of transformers' ``can_return_tuple`` wrapper, which takes ``return_dict`` off the kwargs."""
+    from transformers.utils.generic import can_return_tuple
+
+    return can_return_tuple(lambda self: None).__code__
+
+
+# --------------------------------------------------------------------------- attaching
+
+
+def attach(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
+    """Install (or re-install) the interceptor on ``model`` and probe it."""
+    name = type(model).__name__
+    try:
+        head = model.get_output_embeddings()
+    except (AttributeError, NotImplementedError) as exc:
+        raise UnsupportedModelError(name, f"get_output_embeddings() fails: {exc!r}") from exc
+    if not isinstance(head, torch.nn.Module):
+        raise UnsupportedModelError(name, "it has no output embeddings (get_output_embeddings() is None)")
+    try:
+        head_parts(head)
+    except UnsupportedHeadError as exc:
+        raise UnsupportedModelError(name, str(exc)) from exc
+    existing = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
+    if existing is not None:
+        existing.uninstall(model)
+    interceptor = Interceptor(head, model.loss_function, settings)
+    interceptor.install(model)
+    try:
+        interceptor.recipe = probe(interceptor, call.original, model)
+    except BaseException:
+        interceptor.uninstall(model)
+        raise
+    return interceptor
+
+
+def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
+    """The instance's interceptor, attached (and probed) on first use or when its head was
+    replaced (``resize_token_embeddings``, PEFT wrapping the head after patching)."""
+    interceptor = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
+    if interceptor is not None and interceptor.head is model.get_output_embeddings():
+        if interceptor.settings is not settings:
+            interceptor.settings = settings
+        return interceptor
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"flce: {type(model).__name__} has not been probed yet (or its head was replaced); call it once with "
+            "labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
+        )
+    return attach(model, settings, call)
+
+
+# --------------------------------------------------------------------------- forward
+
+FLCE_MARK = "_flce_patched"
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCall:
+    """The model's own forward and what the patched one needs to know about its signature
+    (found once at patch time, so the per-call code is plain attribute reads)."""
+
+    original: Any
+    labels_index: int | None  # position of `labels` among the positional arguments after self
+    accepts_return_dict: bool
+
+    @staticmethod
+    def of(original) -> ForwardCall:
+        parameters = inspect.signature(original).parameters
+        if "labels" not in parameters:
+            raise TypeError(f"{original.__qualname__} takes no labels argument")
+        positional = [
+            name
+            for name, p in parameters.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        ][1:]  # without self
+        labels_index = positional.index("labels") if "labels" in positional else None
+        accepts_return_dict = "return_dict" in parameters or original.__code__ is _can_return_tuple_code()
+        return ForwardCall(original, labels_index, accepts_return_dict)
+
+    def labels(self, args: tuple, kwargs: dict):
+        if "labels" in kwargs or self.labels_index is None:
+            return kwargs.get("labels")
+        return args[self.labels_index] if len(args) > self.labels_index else None
+
+
+def make_forward(original, settings: LossSettings):
+    """The patched forward around the model's own ``original`` forward."""
+    call = ForwardCall.of(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)
+        has_targets = call.labels(args, kwargs) is not None or kwargs.get("shift_labels") is not None
+        if skip_logits is None:
+            skip_logits = has_targets
+        elif skip_logits and not has_targets:
+            raise ValueError("skip_logits=True needs labels or shift_labels")
+        if not has_targets:
+            return original(self, *args, **kwargs)
+        interceptor = interceptor_for(self, settings, call)
+        return interceptor.run(call, self, args, kwargs, materialize=not skip_logits)
+
+    setattr(forward, FLCE_MARK, True)
+    forward.flce_original_forward = original
+    forward.flce_settings = settings
+    return forward
+
+
+def is_flce_forward(fn) -> bool:
+    return bool(getattr(getattr(fn, "__func__", fn), FLCE_MARK, False))
+
+
+def unwrap_forward(fn):
+    """The model's own forward under (possibly several) flce-patched ones."""
+    fn = getattr(fn, "__func__", fn)
+    while is_flce_forward(fn):
+        fn = fn.flce_original_forward
+    return fn

@@ -1,0 +1,44 @@
+"""Every architecture in transformers' causal-LM auto mapping: once patched, its loss and
+every parameter gradient are the stock model's (as close to float64 as stock fp32 is), or
+``apply_flce`` refuses it with a reason. Never a silently different loss.
+
+Tiny random models are built from each model type's default config (``hf_tiny``); one whose
+tiny build or stock forward/backward fails here is skipped with that error (nothing flce
+could be checked against). The README lists the outcomes (``python -m
+tests.integrations.hf_tiny`` regenerates the list); each test also checks its entry there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+
+from tests.integrations import hf_tiny  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: threads cost more than they give."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return hf_tiny.recorded_outcomes()
+
+
+@pytest.mark.parametrize("model_type", hf_tiny.model_types())
+def test_architecture_matches_stock_or_is_refused(model_type, recorded):
+    category, detail = hf_tiny.outcome(model_type)  # raises if a patched loss or gradient differs from stock
+    if recorded is not None:
+        assert recorded.get(model_type) == category, (
+            f"README lists {model_type} as {recorded.get(model_type)!r}, now {category!r} ({detail}); "
+            "regenerate the list with `python -m tests.integrations.hf_tiny`"
+        )
+    if category == hf_tiny.UNBUILDABLE:
+        pytest.skip(f"tiny {model_type} cannot be built and trained here: {detail}")
