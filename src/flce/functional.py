@@ -30,7 +30,8 @@ def fused_linear_cross_entropy_with_options(
     options: LossOptions,
 ) -> LossResult:
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
-    raise_pending()  # an earlier call's bad input, found on the device since
+    if not torch.compiler.is_compiling():
+        raise_pending()  # an earlier call's bad input, found on the device since
     compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
     hidden, vocab = input.shape[-1], weight.shape[0]
     operands = LinearOperands(
@@ -54,7 +55,8 @@ def cross_entropy_with_options(
     logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: LossOptions
 ) -> LossResult:
     """``cross_entropy`` with prebuilt options (modules and shims use this)."""
-    raise_pending()
+    if not torch.compiler.is_compiling():
+        raise_pending()
     validate_logits_inputs(logits, target, weight, options)
     vocab = logits.shape[-1]
     operands = LogitsOperands(

@@ -35,6 +35,7 @@ if HAS_DSL:
     import cutlass
     import cutlass.cute as cute
 
+    from flce.backends.cutedsl import common as cutedsl_common
     from flce.backends.cutedsl import fused_forward as ff
 
 K = 3.0
@@ -140,7 +141,7 @@ if HAS_DSL:
 def test_accumulator_row_view(bm, bn, monkeypatch):
     if not torch.cuda.is_available():
         monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
-    _trace_acc_view(ff._null_ptr(cutlass.BFloat16, 16), bm, bn)
+    _trace_acc_view(cutedsl_common.null_ptr(cutlass.BFloat16, 16), bm, bn)
 
 
 @needs_dsl
@@ -349,15 +350,15 @@ def test_combine_kernel_matches_torch_twin(with_logit_sum):
     fn = ff.compile_combine(tiles, with_logit_sum)
     args = [t.to(dev) for t in (tmax, tse, targ, tsum)]
     fn(
-        ff._ptr(args[0], cutlass.Float32, 4),
-        ff._ptr(args[1], cutlass.Float32, 4),
-        ff._ptr(args[2], cutlass.Int32, 4),
-        ff._ptr(args[3], cutlass.Float32, 4),
-        ff._ptr(out[0], cutlass.Float32, 4),
-        ff._ptr(out[1], cutlass.Int64, 8),
-        ff._ptr(out[2], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(args[0], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(args[1], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(args[2], cutlass.Int32, 4),
+        cutedsl_common.gmem_ptr(args[3], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(out[0], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(out[1], cutlass.Int64, 8),
+        cutedsl_common.gmem_ptr(out[2], cutlass.Float32, 4),
         cutlass.Int32(rows),
-        ff._stream(dev),
+        cutedsl_common.cuda_stream(dev),
     )
     assert torch.equal(out[1].cpu(), pred) and bool((pred[::5] == targ[7, ::5]).all())
     torch.testing.assert_close(out[0].cpu(), lse, rtol=0, atol=1e-5)

@@ -36,7 +36,11 @@ def loss_and_grads(model, batch):
 
 
 def assert_as_close_as_stock(stock, patched, batch):
-    exact_loss, exact = loss_and_grads(hf_tiny.clone(stock).double(), batch)
+    # The float64 truth on the CPU: some kernels stock models use on CUDA (MoE grouped GEMMs)
+    # take no float64 there.
+    cpu_batch = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
+    exact_loss, exact = loss_and_grads(hf_tiny.clone(stock).to("cpu", torch.float64), cpu_batch)
+    exact_loss, exact = exact_loss.to(DEVICE), {n: g.to(DEVICE) for n, g in exact.items()}
     stock_loss, stock_grads = loss_and_grads(stock, batch)
     flce_loss, flce_grads = loss_and_grads(patched, batch)
     pairs = [("loss", flce_loss, stock_loss, exact_loss)]

@@ -76,6 +76,11 @@ def raise_pending(wait: bool = False) -> None:
             raise ValueError(message)
 
 
+def discard_pending() -> None:
+    """Forgets the checks still pending (their calls' outputs stay NaN)."""
+    _pending.clear()
+
+
 def check_errors() -> None:
     """Waits for the checks of every earlier flce call on CUDA and raises a ``ValueError``
     for the first bad input found (their losses and gradients were NaN). Call it where a

@@ -37,6 +37,17 @@ from flce.rows.cross_entropy import (
 )
 
 
+def _block_sums(ce_weight: torch.Tensor | None, vocab: int, block: int, device: torch.device) -> torch.Tensor:
+    """(B,) fp32: each block's class-weight sum (its width without weights), made on the
+    device (filling a device tensor from host numbers one by one would sync)."""
+    if ce_weight is None:
+        starts = torch.arange(0, vocab, block, device=device, dtype=torch.float32)
+        return (vocab - starts).clamp(max=block)
+    padded = torch.zeros(-(-vocab // block) * block, dtype=torch.float32, device=device)
+    padded[:vocab] = ce_weight
+    return padded.view(-1, block).sum(dim=1)
+
+
 def run_vocab_blocks(
     input: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
@@ -62,7 +73,7 @@ def run_vocab_blocks(
     b = in_compute_dtype(bias, compute_dtype)
     smoothing = scalars.label_smoothing > 0
     valid = target != scalars.ignore_index
-    safe_target = gather_safe_target(target, valid)
+    safe_target = gather_safe_target(target, valid, vocab)
     buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device) if n_rows else None
 
     def blocks():
@@ -100,9 +111,8 @@ def run_vocab_blocks(
         argmax=torch.empty(len(block_starts), n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
     )
     owned_by = torch.zeros(len(block_starts), n_rows, dtype=torch.bool, device=device)
-    block_weight_sums = torch.empty(len(block_starts), **f32)
+    block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
     for index, (v0, v1, ce_block) in enumerate(blocks()):
-        block_weight_sums[index] = ce_block.sum() if ce_block is not None else float(v1 - v0)
         for r0, r1, x in chunks():
             local, owned = local_target(r0, r1, v0, v1)
             stats = kernels.statistics(

@@ -237,7 +237,7 @@ def _chunk(
     need_argmax = out["correct_out"] is not None or out["predicted_out"] is not None
 
     valid = target != sc.ignore_index
-    safe_target = gather_safe_target(target, valid)  # global, gather-safe
+    safe_target = gather_safe_target(target, valid, plan.vocab)  # global, gather-safe
     local_target = safe_target - v0
     owned = valid & (local_target >= 0) & (local_target < vocab_local)
 

@@ -126,9 +126,11 @@ def fp32_working_copy(logits: torch.Tensor) -> torch.Tensor:
     return z.clone() if z.data_ptr() == logits.data_ptr() else z
 
 
-def gather_safe_target(target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``target`` as int64 with ignored rows mapped to class 0, so gathers stay in bounds."""
-    return torch.where(valid, target, torch.zeros_like(target)).long()
+def gather_safe_target(target: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``target`` as int64 with ignored rows, and out-of-range targets (whose call the batch
+    statistics poison with NaN), mapped to class 0, so gathers stay in bounds."""
+    in_range = valid & (target >= 0) & (target < vocab)
+    return torch.where(in_range, target, torch.zeros_like(target)).long()
 
 
 def loss_rows(
@@ -339,7 +341,7 @@ def rows_from_statistics(
     vocabulary blocks or ranks, or reduced by a fused GEMM epilogue); returns the token
     scale (``p_y``, with ``use_token_scaling``) that the gradient needs."""
     lse = row_max + log_s
-    w_y = ce_weight[gather_safe_target(target, valid)] if ce_weight is not None else torch.ones_like(lse)
+    w_y = ce_weight[gather_safe_target(target, valid, vocab)] if ce_weight is not None else torch.ones_like(lse)
     ce, zl, token_scale = loss_rows(
         log_s, shifted_target, shifted_smooth_sum, lse, w_y, scalars, scalars.smoothing_eps(vocab)
     )

@@ -44,7 +44,7 @@ def cross_entropy_chunk(
     eps = scalars.smoothing_eps(vocab)
 
     valid = target != scalars.ignore_index  # (M,)
-    safe_target = gather_safe_target(target, valid)  # (M,) gather-safe
+    safe_target = gather_safe_target(target, valid, vocab)  # (M,) gather-safe
 
     z = fp32_working_copy(logits)  # (M, V) fp32; never aliases logits (the gradient is written there)
     z, softcap_derivative = apply_softcap(z, scalars.softcap, compute_grad)
