@@ -101,10 +101,13 @@ def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKern
     return split_rows_of(resolve_backend(backend, device))
 
 
-def gradient_scaler(device: torch.device):
-    """The first registered ``scale_unless_one`` kernel usable on ``device``, or None."""
+def device_helper(slot: str, device: torch.device):
+    """The first registered backend's optional ``slot`` (``scale_unless_one``,
+    ``batch_statistics``) usable on ``device``, or None: these helpers serve every
+    backend's calls on the device."""
     for name in BACKEND_NAMES:
         spec = get_backend(name)
-        if spec.scale_unless_one is not None and spec.availability(device)[0]:
-            return spec.scale_unless_one
+        helper = getattr(spec, slot)
+        if helper is not None and spec.availability(device)[0]:
+            return helper
     return None

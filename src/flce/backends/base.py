@@ -18,7 +18,12 @@ Slots of a ``BackendSpec``:
 - ``loss_only`` (``LossOnlyStatistics``, optional): whole-row statistics straight from
   the GEMM, for calls without gradients;
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
-  forward computed, skipped on the device when the scale is 1.
+  forward computed, skipped on the device when the scale is 1;
+- ``batch_statistics`` (optional): a call's batch statistics in one launch
+  (``flce.driver.statistics``), instead of a score of small PyTorch ops.
+
+The two device helpers serve every backend's calls on a device where the backend that
+registers them can run (``flce.dispatch.device_helper``).
 
 Ignored rows (``ignore_index``) come out exactly zero whatever their logits hold: NaN or
 Inf there must not leak out, so kernels select the zeros (or skip the row) instead of
@@ -274,6 +279,7 @@ class BackendSpec:
     split_rows: Callable[[], SplitRowKernels] | None = None
     loss_only: LossOnlyStatistics | None = None
     scale_unless_one: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    batch_statistics: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def lazy_function(module: str, name: str) -> Callable:

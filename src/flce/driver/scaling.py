@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from flce.dispatch import gradient_scaler
+from flce.dispatch import device_helper
 
 
 def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> None:
@@ -20,7 +20,7 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     present = [g for g in gradients if g is not None]
     if not present:
         return
-    scale_unless_one_ = gradient_scaler(present[0].device)
+    scale_unless_one_ = device_helper("scale_unless_one", present[0].device)
     for gradient in present:
         if scale_unless_one_ is not None and gradient.is_contiguous():
             scale_unless_one_(gradient, grad_loss)

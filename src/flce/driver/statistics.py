@@ -9,24 +9,84 @@ from dataclasses import dataclass
 
 import torch
 
+from flce.dispatch import device_helper
 from flce.driver import validation
 from flce.options import LossOptions
 from flce.rows.cross_entropy import ChunkScalars
 
+# Slots of the fp32 statistics buffer (one launch writes them all: the Triton backend's
+# ``batch_statistics`` slot, or the PyTorch ops of ``_statistics_buffers``).
+STATISTICS_LAYOUT = (
+    "n_valid",  # rows whose target is not ignore_index
+    "ce_denominator",  # the mean's divisor of the CE part: sum of w_y, or n_valid
+    "weight_sum",  # sum of ce_weight over the vocabulary (V without weights)
+    "poison",  # 1, or NaN when an input is bad (the call's outputs become NaN)
+    "accuracy_scale",  # 1 / n_valid, 0 when every row is ignored
+    "mean_ce_scale",  # ChunkScalars.scales of reduction="mean": poison / ce_denominator (0 if 0),
+    "mean_z_scale",  # poison / n_valid (0 if 0),
+    "mean_weight_sum",  # weight_sum
+    "sum_ce_scale",  # ... and of "sum" / "none": poison,
+    "sum_z_scale",  # poison,
+    "sum_weight_sum",  # weight_sum
+)
+_SLOT = {name: index for index, name in enumerate(STATISTICS_LAYOUT)}
+
 
 @dataclass(frozen=True)
 class BatchStatistics:
-    """Per-call statistics, 0-dim fp32 tensors on the call's device."""
+    """Per-call statistics: views of one fp32 buffer on the call's device (``STATISTICS_LAYOUT``)."""
 
-    n_valid: torch.Tensor  # rows whose target is not ignore_index
-    ce_denominator: torch.Tensor  # mean reduction's divisor of the CE part: sum of w_y, or n_valid
-    weight_sum: torch.Tensor  # sum of ce_weight over the vocabulary (V without weights)
-    poison: torch.Tensor  # 1, or NaN when an input is bad (the call's outputs become NaN)
+    values: torch.Tensor  # (11,) fp32
+    counts: torch.Tensor  # (2,) int64: out-of-range targets, bad class weights
 
-    @property
-    def accuracy_scale(self) -> torch.Tensor:
-        """The mean's factor of the token accuracy: ``1 / n_valid`` (0 when every row is ignored)."""
-        return _inverse_or_zero(self.n_valid)
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name in _SLOT:
+            return self.values[_SLOT[name]]
+        raise AttributeError(name)
+
+    def scales(self, reduction: str) -> torch.Tensor:
+        """(3,) ``ChunkScalars.scales`` for ``reduction``: a view, no new kernel."""
+        start = _SLOT["mean_ce_scale"] if reduction == "mean" else _SLOT["sum_ce_scale"]
+        return self.values[start : start + 3]
+
+
+def _statistics_buffers(
+    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``STATISTICS_LAYOUT`` with PyTorch ops (where no backend registers the one-launch kernel)."""
+    f32 = torch.float32
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= vocab))
+    n_valid = valid.sum(dtype=f32)
+    problems = [out_of_range.sum(), torch.zeros((), dtype=torch.int64, device=target.device)]
+    if ce_weight is None:
+        ce_denominator = n_valid
+        weight_sum = torch.full((), float(vocab), dtype=f32, device=target.device)
+    else:
+        w = ce_weight.float()
+        safe_target = torch.where(valid & ~out_of_range, target, torch.zeros_like(target)).long()
+        ce_denominator = torch.where(valid & ~out_of_range, w[safe_target], 0.0).sum()
+        weight_sum = w.sum()
+        problems[1] = ((w < 0) | ~torch.isfinite(w)).sum()
+    counts = torch.stack(problems)
+    poison = torch.where(counts.sum() > 0, float("nan"), 1.0).to(f32)
+    inv_valid, inv_denominator = _inverse_or_zero(n_valid), _inverse_or_zero(ce_denominator)
+    values = torch.stack(
+        [
+            n_valid,
+            ce_denominator,
+            weight_sum,
+            poison,
+            inv_valid,
+            inv_denominator * poison,
+            inv_valid * poison,
+            weight_sum,
+            poison,
+            poison,
+            weight_sum,
+        ]
+    )
+    return values, counts
 
 
 def _inverse_or_zero(value: torch.Tensor) -> torch.Tensor:
@@ -34,9 +94,9 @@ def _inverse_or_zero(value: torch.Tensor) -> torch.Tensor:
     return torch.where(value > 0, 1.0 / value.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
 
 
-def _describe(vocab: int, ignore_index: int, has_ce_weight: bool):
+def _describe(vocab: int, ignore_index: int):
     def describe(counts: list[int]) -> str | None:
-        bad_targets, bad_weights = counts[0], counts[1] if has_ce_weight else 0
+        bad_targets, bad_weights = counts
         if bad_targets:
             return (
                 f"target values must be in [0, {vocab}) or equal ignore_index={ignore_index}; "
@@ -52,51 +112,36 @@ def _describe(vocab: int, ignore_index: int, has_ce_weight: bool):
 def batch_statistics(
     target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
 ) -> BatchStatistics:
-    """The call's statistics, computed on the device without a host sync. Out-of-range
+    """The call's statistics, computed on the device without a host sync (one launch where
+    a backend registers the ``batch_statistics`` kernel for the device). Out-of-range
     targets and negative or non-finite class weights poison the call (NaN loss and
     gradients) and raise ``ValueError`` as ``flce.driver.validation`` describes; with
     synchronous validation the error names the first offending values, before any kernel."""
-    f32 = torch.float32
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= vocab))
-    n_valid = valid.sum(dtype=f32)
-    problems = [out_of_range.sum()]
-    if ce_weight is None:
-        ce_denominator = n_valid
-        weight_sum = torch.full((), float(vocab), dtype=f32, device=target.device)
-    else:
-        w = ce_weight.float()
-        safe_target = torch.where(valid & ~out_of_range, target, torch.zeros_like(target)).long()
-        ce_denominator = torch.where(valid, w[safe_target], 0.0).sum()
-        weight_sum = w.sum()
-        problems.append(((w < 0) | ~torch.isfinite(w)).sum())
-    counts = torch.stack(problems)  # (1 or 2,) int64
-    describe = _describe(vocab, ignore_index, ce_weight is not None)
+    # On the CPU the PyTorch ops are the fast way (Triton runs there only as its interpreter).
+    kernel = device_helper("batch_statistics", target.device) if target.device.type == "cuda" else None
+    values, counts = (kernel or _statistics_buffers)(target, ce_weight, vocab, ignore_index)
+    describe = _describe(vocab, ignore_index)
     if validation.validates_synchronously(target.device):
         message = describe(counts.tolist())  # the host read of synchronous validation
         if message is not None:
             if counts[0]:
+                valid = target != ignore_index
+                out_of_range = valid & ((target < 0) | (target >= vocab))
                 message += f" (e.g. {target[out_of_range][:3].tolist()})"
             raise ValueError(message)
     else:
         validation.defer(counts, describe)
-    poison = torch.where(counts.sum() > 0, float("nan"), 1.0).to(f32)
-    return BatchStatistics(n_valid, ce_denominator, weight_sum, poison)
+    return BatchStatistics(values, counts)
 
 
 def chunk_scalars(options: LossOptions, stats: BatchStatistics) -> ChunkScalars:
     """Kernel scalars; the mean reduction is folded into the gradient scales (on the
     device: the kernels read them from memory), and a bad input's NaN into both."""
-    if options.reduction == "mean":
-        ce_scale = _inverse_or_zero(stats.ce_denominator)
-        z_scale = _inverse_or_zero(stats.n_valid)
-    else:
-        ce_scale = z_scale = torch.ones((), dtype=torch.float32, device=stats.n_valid.device)
     return ChunkScalars(
         ignore_index=options.ignore_index,
         label_smoothing=float(options.label_smoothing),
         lse_square_scale=float(options.lse_square_scale),
         softcap=None if options.softcap is None else float(options.softcap),
         use_token_scaling=options.use_token_scaling,
-        scales=torch.stack([ce_scale * stats.poison, z_scale * stats.poison, stats.weight_sum]),
+        scales=stats.scales(options.reduction),
     )

@@ -81,4 +81,5 @@ BACKEND = BackendSpec(
     auto_priority=10,
     description="fused two-pass Triton CE kernel, in place (no fp32 workspace); CUDA GPUs",
     scale_unless_one=lazy_function("flce.backends.triton.scale", "scale_unless_one_"),
+    batch_statistics=lazy_function("flce.backends.triton.statistics", "batch_statistics_buffers"),
 )
