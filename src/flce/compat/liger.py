@@ -16,7 +16,7 @@ import math
 import torch
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import LossOptions, as_int
+from flce.options import OPTION_FIELDS, LossOptions, as_int
 from flce.output import CrossEntropyOutput
 
 __all__ = [
@@ -67,36 +67,15 @@ def _chunk_size_for(input, weight, chunk_mem_const) -> int | None:
     return _liger_chunk_size(input.shape[:-1].numel(), weight.shape[0], input.shape[-1], chunk_mem_const)
 
 
-def _fused(
-    input,
-    weight,
-    target,
-    bias,
-    ce_weight,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    reduction,
-    softcap,
-    return_z_loss,
-    accum_dtype,
-    use_token_scaling,
-    return_token_accuracy,
-    return_predicted_tokens,
-    ce_impl,
-    chunk_mem_const,
-):
-    options = LossOptions(
-        ignore_index=ignore_index,
-        lse_square_scale=lse_square_scale,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-        softcap=softcap,
-        return_z_loss=return_z_loss,
-        accum_dtype=accum_dtype,
-        use_token_scaling=use_token_scaling,
-        return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens,
+def _options(arguments: dict, **overrides) -> LossOptions:
+    """``LossOptions`` from a shim's arguments: every field of ``LossOptions`` that the
+    shim's signature (Liger's) names, nothing spelled out again here."""
+    return LossOptions(**{name: arguments[name] for name in OPTION_FIELDS if name in arguments}, **overrides)
+
+
+def _fused(input, weight, target, bias, ce_weight, arguments: dict, ce_impl=None, chunk_mem_const=1):
+    options = _options(
+        arguments,
         backend=_backend_from_ce_impl(ce_impl),
         chunk_size=_chunk_size_for(input, weight, chunk_mem_const),
     )
@@ -135,27 +114,8 @@ class LigerFusedLinearCrossEntropyFunction:
         ce_mode=None,
         chunk_mem_const: int = 1,
     ):
-        return _as_tuple(
-            _fused(
-                _input,
-                weight,
-                target,
-                bias,
-                ce_weight,
-                ignore_index,
-                lse_square_scale,
-                label_smoothing,
-                reduction,
-                softcap,
-                return_z_loss,
-                accum_dtype,
-                use_token_scaling,
-                return_token_accuracy,
-                return_predicted_tokens,
-                ce_impl,
-                chunk_mem_const,
-            )
-        )
+        arguments = locals()
+        return _as_tuple(_fused(_input, weight, target, bias, ce_weight, arguments, ce_impl, chunk_mem_const))
 
     @staticmethod
     def apply(*args, **kwargs):
@@ -181,29 +141,14 @@ def liger_fused_linear_cross_entropy(
     chunk_mem_const: int = 1,
 ):
     """Liger's functional FLCE: the bare loss, or ``CrossEntropyOutput`` when a ``return_*`` flag is set."""
-    return _fused(
-        input,
-        weight,
-        target,
-        bias,
-        ce_weight,
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        return_z_loss,
-        accum_dtype,
-        use_token_scaling,
-        return_token_accuracy,
-        return_predicted_tokens,
-        None,
-        chunk_mem_const,
-    )
+    arguments = locals()
+    return _fused(input, weight, target, bias, ce_weight, arguments, chunk_mem_const=chunk_mem_const)
 
 
 class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
-    """Liger's module: ``forward(lin_weight, _input, target, bias=None)`` (weight first)."""
+    """Liger's module: ``forward(lin_weight, _input, target, bias=None)`` (weight first). The
+    options are validated at construction (clear exceptions, where Liger asserts) and kept
+    as attributes of the same names, as Liger's module keeps them."""
 
     def __init__(
         self,
@@ -219,78 +164,21 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
+        arguments = locals()
         super().__init__()
-        # Validate now, as Liger does at construction (with clear exceptions, not asserts).
-        LossOptions(
-            ignore_index=ignore_index,
-            lse_square_scale=lse_square_scale,
-            label_smoothing=label_smoothing,
-            reduction=reduction,
-            softcap=softcap,
-            return_z_loss=return_z_loss,
-            accum_dtype=accum_dtype,
-            use_token_scaling=use_token_scaling,
-            return_token_accuracy=return_token_accuracy,
-            return_predicted_tokens=return_predicted_tokens,
-        )
         self.ce_weight = ce_weight
-        self.ignore_index = ignore_index
-        self.lse_square_scale = lse_square_scale
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.return_z_loss = return_z_loss
-        self.accum_dtype = accum_dtype
-        self.use_token_scaling = use_token_scaling
-        self.return_token_accuracy = return_token_accuracy
-        self.return_predicted_tokens = return_predicted_tokens
+        self._option_names = [name for name in OPTION_FIELDS if name in arguments]
+        options = _options(arguments)
+        for name in self._option_names:
+            setattr(self, name, getattr(options, name))
 
     def forward(self, lin_weight, _input, target, bias=None):
-        return _fused(
-            _input,
-            lin_weight,
-            target,
-            bias,
-            self.ce_weight,
-            self.ignore_index,
-            self.lse_square_scale,
-            self.label_smoothing,
-            self.reduction,
-            self.softcap,
-            self.return_z_loss,
-            self.accum_dtype,
-            self.use_token_scaling,
-            self.return_token_accuracy,
-            self.return_predicted_tokens,
-            None,
-            1,
-        )
+        arguments = {name: getattr(self, name) for name in self._option_names}
+        return _fused(_input, lin_weight, target, bias, self.ce_weight, arguments)
 
 
-def _ce(
-    input,
-    target,
-    weight,
-    ignore_index,
-    lse_square_scale,
-    label_smoothing,
-    reduction,
-    softcap,
-    return_z_loss,
-    return_token_accuracy,
-    return_predicted_tokens,
-):
-    options = LossOptions(
-        ignore_index=ignore_index,
-        lse_square_scale=lse_square_scale,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-        softcap=softcap,
-        return_z_loss=return_z_loss,
-        return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens,
-    )
-    return cross_entropy_with_options(input, target, weight, options)
+def _ce(input, target, weight, arguments: dict):
+    return cross_entropy_with_options(input, target, weight, _options(arguments))
 
 
 class LigerCrossEntropyFunction:
@@ -311,21 +199,8 @@ class LigerCrossEntropyFunction:
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        return _as_tuple(
-            _ce(
-                _input,
-                target,
-                weight,
-                ignore_index,
-                lse_square_scale,
-                label_smoothing,
-                reduction,
-                softcap,
-                return_z_loss,
-                return_token_accuracy,
-                return_predicted_tokens,
-            )
-        )
+        arguments = locals()
+        return _as_tuple(_ce(_input, target, weight, arguments))
 
     @staticmethod
     def apply(*args, **kwargs):
@@ -349,19 +224,8 @@ def liger_cross_entropy(
 ):
     """Liger's functional CE. ``size_average``/``reduce`` are PyTorch's deprecated
     placeholders: Liger ignores them, flce refuses any value but None rather than ignore it."""
+    arguments = locals()
     for name, value in (("size_average", size_average), ("reduce", reduce)):
         if value is not None:
             raise ValueError(f"{name} is a deprecated placeholder and must be None; use reduction=")
-    return _ce(
-        input,
-        target,
-        weight,
-        ignore_index,
-        lse_square_scale,
-        label_smoothing,
-        reduction,
-        softcap,
-        return_z_loss,
-        return_token_accuracy,
-        return_predicted_tokens,
-    )
+    return _ce(input, target, weight, arguments)
