@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.ce import _fp32_to_bf16_rtne
+from flce.backends.triton.common import fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.logprobs import launch_per_row, row_softmax_statistics, scaled_logits
 from flce.rows import distillation as rows
@@ -98,7 +98,7 @@ def _divergence_pass(
         if WRITE_GRADIENT:
             g = grad_coef * g
             if BF16_ROUND_BY_BITS:
-                g = _fp32_to_bf16_rtne(g)
+                g = fp32_to_bf16_rtne(g)
             tl.store(student_row_ptr + offs, g.to(student_row_ptr.dtype.element_ty), mask=mask)
     return teacher_sum, student_sum
 
@@ -125,7 +125,7 @@ def _distillation_kernel(
     HAS_TARGET: tl.constexpr,
     HAS_ROW_GRAD_SCALE: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr,
-    BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see _fp32_to_bf16_rtne
+    BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see fp32_to_bf16_rtne
     BLOCK_V: tl.constexpr,
 ):
     LN2: tl.constexpr = 0.6931471805599453

@@ -18,7 +18,7 @@ import triton.language as tl
 from flce.backends.base import gradient_destination
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.ce import _fp32_to_bf16_rtne
+from flce.backends.triton.common import fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.rows import logprobs as rows
 
@@ -142,7 +142,7 @@ def _logprobs_backward_kernel(
     inv_temperature,
     HAS_GRAD_LOGPROB: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
-    BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see _fp32_to_bf16_rtne
+    BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see fp32_to_bf16_rtne
     BLOCK_V: tl.constexpr,
 ):
     L2E: tl.constexpr = 1.4426950408889634
@@ -177,7 +177,7 @@ def _logprobs_backward_kernel(
             if HAS_GRAD_ENTROPY:
                 g -= coef_entropy * (p * (log_p + entropy))
             if BF16_ROUND_BY_BITS:
-                g = _fp32_to_bf16_rtne(g)
+                g = fp32_to_bf16_rtne(g)
             tl.store(grad_row_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
     else:
         zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)

@@ -22,7 +22,7 @@ from flce.backends.base import (
     kernel_row_vector,
     kernel_target,
 )
-from flce.backends.triton.ce import _row_statistics, _softcapped, _tanh, _write_gradient_row
+from flce.backends.triton.common import row_statistics, softcapped, tanh_fp32, write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
 
 
@@ -52,10 +52,10 @@ def _partial_statistics_kernel(
     owned = (y >= 0) & (y < V)
     z_y = tl.load(row_ptr + y, mask=owned, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        z_y = _softcapped(_tanh(z_y * inv_softcap), softcap)
+        z_y = softcapped(tanh_fp32(z_y * inv_softcap), softcap)
 
     # smooth_sum = sum_i w_i z'_i is made relative to m below, with this shard's sum of w.
-    m, s, smooth_sum, weight_sum, best_idx = _row_statistics(
+    m, s, smooth_sum, weight_sum, best_idx = row_statistics(
         row_ptr,
         weight_ptr,
         V,
@@ -117,7 +117,7 @@ def _partial_gradient_kernel(
         z_coef = 0.0
         if HAS_Z_GRAD:
             z_coef = tl.load(z_coef_ptr + row)
-        _write_gradient_row(
+        write_gradient_row(
             row_ptr,
             row_ptr,
             weight_ptr,

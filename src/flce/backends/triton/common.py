@@ -1,0 +1,165 @@
+"""Triton device functions the kernels of this backend share: fp32 tanh and its
+derivative without libdevice, the single-rounding softcap product, the interpreter's
+bf16 rounding, the online-softmax row pass and the gradient row writer of the
+cross-entropy (``ce``, ``partial``; the loss heads ``logprobs`` and ``distillation``)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh_fp32(x):
+    """fp32 tanh (see ``tanh_and_derivative``; the unused derivative is compiled away)."""
+    t, _ = tanh_and_derivative(x)
+    return t
+
+
+@triton.jit
+def tanh_and_derivative(x):
+    """(tanh(x), 1 - tanh(x)^2) in fp32, to about 1.5 ulp, without ``libdevice`` (which
+    Triton's interpreter lacks).
+
+    tanh: for |x| >= 0.625, (1 - t) / (1 + t) with t = exp(-2|x|) (no cancellation there,
+    since tanh >= 0.55); below, x + x^3 * P(x^2) with P a degree-5 polynomial fitted to
+    (tanh(x) - x) / x^3 on [0, 0.625] by relative-error weighted least squares.
+    Derivative: 4t / (1 + t)^2 where tanh saturates, since 1 - r*r from a rounded r
+    cancels there (relative error ~1e-4 at |x| = 4.7); below 0.625, 1 - r*r (r < 0.56)."""
+    ax = tl.abs(x)
+    t = tl.exp2(ax * (-2.0 * 1.4426950408889634))
+    one_plus_t = 1.0 + t
+    big = tl.fdiv(1.0 - t, one_plus_t)
+    x2 = x * x
+    poly = -0.008184662088751793 + x2 * 0.0021489840000867844
+    poly = 0.021703999489545822 + x2 * poly
+    poly = -0.05394745245575905 + x2 * poly
+    poly = 0.13333211839199066 + x2 * poly
+    poly = -0.3333333134651184 + x2 * poly
+    small = ax + ax * x2 * poly
+    is_small = ax < 0.625
+    r = tl.where(is_small, small, big)
+    derivative = tl.where(is_small, 1.0 - small * small, tl.fdiv(4.0 * t, one_plus_t * one_plus_t))
+    return tl.where(x < 0.0, -r, r), derivative
+
+
+@triton.jit
+def softcapped(t, softcap):
+    """``softcap * t`` rounded on its own, as ``fma(softcap, t, +0)``: a plain product
+    may be contracted by the compiler into a different FMA at each use (``z' - m``,
+    ``m - z'_y``, the smoothing sum), so that the max, the target logit and the exponents
+    would see differently rounded copies of one z' (on a one-class row the loss then
+    comes out as a rounding residue instead of exactly 0)."""
+    return tl.fma(softcap, t, 0.0)
+
+
+@triton.jit
+def fp32_to_bf16_rtne(x):
+    """Round-to-nearest-even fp32 -> bf16 on the bits (finite inputs). Used only under
+    Triton's interpreter, whose fp32 -> bf16 cast truncates; compiled kernels use the
+    hardware conversion, which already rounds to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF).to(tl.uint32)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def row_statistics(
+    row_ptr,  # one row of logits (V,)
+    weight_ptr,  # (V,) fp32 class weights of the row's columns (HAS_WEIGHT)
+    V,
+    softcap,
+    inv_softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    SUM_WEIGHTS: tl.constexpr,  # also sum the class weights (a shard's share of W)
+    WRITE_ARGMAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One streaming pass over a row: ``(m, s, smooth_sum, weight_sum, best_idx)`` with
+    ``m = max z'``, ``s = sum exp2((z' - m) log2 e)``, ``smooth_sum = sum w_i z'_i``
+    (HAS_SMOOTHING), ``weight_sum = sum w_i`` (SUM_WEIGHTS) and the first index of the max
+    (WRITE_ARGMAX); the quantities not asked for stay 0."""
+    L2E: tl.constexpr = 1.4426950408889634
+    offs0 = tl.arange(0, BLOCK_V)
+    m = -float("inf")
+    s = 0.0
+    smooth_sum = 0.0
+    weight_sum = 0.0
+    best_idx = 0
+    for start in range(0, V, BLOCK_V):
+        offs = start + offs0
+        mask = offs < V
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            z = softcapped(tanh_fp32(z * inv_softcap), softcap)
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+                smooth_sum += tl.sum(w * z, axis=0)
+                if SUM_WEIGHTS:
+                    weight_sum += tl.sum(w, axis=0)
+            else:
+                smooth_sum += tl.sum(z, axis=0)
+        z = tl.where(mask, z, -float("inf"))
+        block_max = tl.max(z, axis=0)
+        if WRITE_ARGMAX:
+            block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
+            # strict >: an earlier block keeps a tie (first index wins)
+            best_idx = tl.where(block_max > m, block_idx, best_idx)
+        m_new = tl.maximum(m, block_max)
+        s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
+        m = m_new
+    return m, s, smooth_sum, weight_sum, best_idx
+
+
+@triton.jit
+def write_gradient_row(
+    row_ptr,  # one row of logits (V,), read
+    out_row_ptr,  # where dL/dlogits of the row goes (V,); row_ptr itself when in place
+    weight_ptr,  # (V,) fp32 class weights of the row's columns (HAS_WEIGHT)
+    V,
+    y,  # the target's column; outside [0, V) when the row holds none
+    m,  # the row max of z' (of the whole row, where the row is split)
+    inv_s,  # 1 / sum exp(z' - m): p_i = exp(z'_i - m) * inv_s
+    onehot_coef,  # row_scale * ce_grad_scale * (1 - ls) * w_y
+    smooth_coef,  # row_scale * ce_grad_scale * eps
+    z_coef,  # row_scale * z_grad_scale * 2 s lse
+    weight_sum,  # W: sum of the class weights (V without weights)
+    softcap,
+    inv_softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_GRAD: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The grouped form of flce.backends.base, each group exact where the true value is
+    ~0 (p_y ~ 1, V = 1):
+    grad_i = (onehot_coef (p_i - [i == y]) + smooth_coef (W p_i - w_i) + z_coef p_i) dz'_i/dz_i."""
+    L2E: tl.constexpr = 1.4426950408889634
+    offs0 = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        offs = start + offs0
+        mask = offs < V
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            t, softcap_derivative = tanh_and_derivative(z * inv_softcap)
+            z = softcapped(t, softcap)
+        p = tl.exp2((z - m) * L2E) * inv_s
+        g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
+        if HAS_SMOOTHING:
+            if HAS_WEIGHT:
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+                g += smooth_coef * (weight_sum * p - w)
+            else:
+                g += smooth_coef * (weight_sum * p - 1.0)
+        if HAS_Z_GRAD:
+            g += z_coef * p
+        if HAS_SOFTCAP:
+            g = g * softcap_derivative
+        if BF16_ROUND_BY_BITS:
+            g = fp32_to_bf16_rtne(g)
+        tl.store(out_row_ptr + offs, g.to(out_row_ptr.dtype.element_ty), mask=mask)
