@@ -377,7 +377,7 @@ def vocab_parallel_fused_linear_cross_entropy(
             (PyTorch ops on an fp32 copy), or ``None``: ``FLCE_BACKEND``, else the auto
             choice of ``flce.dispatch`` (as the single-device loss). A requested backend
             that cannot run here raises ``BackendUnavailableError`` with the reason.
-        Other options: as ``flce.fused_linear_cross_entropy`` (``CONTRACT.md``).
+        Other options: as ``flce.fused_linear_cross_entropy`` (README, "Features").
 
     Returns:
         The loss (identical on every rank; fp32 scalar for mean/sum, per token for none),
