@@ -32,7 +32,7 @@ from flce.bench.cases import (
 from flce.bench.methods import Method, select_methods
 from flce.bench.registry import all_methods
 from flce.bench.runner import BenchConfig, Result, run_sweep
-from flce.cli import CommandError, progress_reporter, resolve_device
+from flce.console import CommandError, progress_reporter, resolve_device
 
 # (tokens, vocab, hidden) lists of each named sweep; explicit --tokens/--vocab/--hidden override.
 SWEEPS: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {
