@@ -18,7 +18,15 @@ Slots of a ``BackendSpec``:
 - ``loss_only`` (``LossOnlyStatistics``, optional): whole-row statistics straight from
   the GEMM, for calls without gradients;
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
-  forward computed, skipped on the device when the scale is 1.
+  forward computed, skipped on the device when the scale is 1;
+- ``logprobs`` (``LogprobsKernels``, optional): the logprobs head's chunk kernels
+  (``flce.rows.logprobs``);
+- ``distillation`` (``DistillationKernels``, optional): the distillation head's chunk
+  kernel (``flce.rows.distillation``).
+
+A backend without a head's slot is never picked for that head: auto dispatch takes the
+best usable backend that has it, and an explicit request raises naming the missing slot
+(``flce.dispatch.resolve_backend``).
 
 Ignored rows (``ignore_index``) come out exactly zero whatever their logits hold: NaN or
 Inf there must not leak out, so kernels select the zeros (or skip the row) instead of
@@ -38,6 +46,8 @@ from typing import Protocol
 import torch
 
 from flce.rows.cross_entropy import BlockStatistics, ChunkScalars
+from flce.rows.distillation import DistillationKernel
+from flce.rows.logprobs import LogprobsBackwardKernel, LogprobsForwardKernel
 
 
 class ChunkCEKernel(Protocol):
@@ -253,6 +263,31 @@ class LossOnlyStatistics:
 
 
 @dataclass(frozen=True)
+class LogprobsKernels:
+    """Optional slot: the logprobs head's chunk kernels (contracts in ``flce.rows.logprobs``).
+    ``extra_bytes_per_logit``: their fp32 workspace per logit beyond the chunk."""
+
+    forward: LogprobsForwardKernel
+    backward: LogprobsBackwardKernel
+    extra_bytes_per_logit: int
+
+
+@dataclass(frozen=True)
+class DistillationKernels:
+    """Optional slot: the distillation head's chunk kernel (contract in
+    ``flce.rows.distillation``). ``extra_bytes_per_logit``: its fp32 workspace per student
+    logit beyond the two chunks (the student's and the teacher's logits)."""
+
+    chunk: DistillationKernel
+    extra_bytes_per_logit: int
+
+
+# The optional per-head slots of ``BackendSpec``, by field name (``flce.dispatch``'s
+# ``needs`` argument takes one of them).
+HEAD_SLOTS = ("logprobs", "distillation")
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     """What a backend registers with ``flce.dispatch``.
 
@@ -263,6 +298,8 @@ class BackendSpec:
     uses it. ``auto_priority``: higher wins in auto dispatch among available backends.
     ``split_rows`` builds the backend's ``SplitRowKernels`` (every registered backend has
     them; a spec without them cannot run the vocabulary-block or vocab-parallel schemes).
+    ``logprobs`` and ``distillation`` hold the other loss heads' kernels, None where the
+    backend has none (``HEAD_SLOTS``).
     """
 
     name: str
@@ -274,6 +311,8 @@ class BackendSpec:
     split_rows: Callable[[], SplitRowKernels] | None = None
     loss_only: LossOnlyStatistics | None = None
     scale_unless_one: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    logprobs: LogprobsKernels | None = None
+    distillation: DistillationKernels | None = None
 
 
 def lazy_function(module: str, name: str) -> Callable:
@@ -295,3 +334,19 @@ def lazy_function(module: str, name: str) -> Callable:
 def lazy_chunk_kernel(module: str) -> ChunkCEKernel:
     """The ``cross_entropy_chunk`` of ``module``, imported on first use."""
     return lazy_function(module, "cross_entropy_chunk")
+
+
+def lazy_logprobs_kernels(module: str, extra_bytes_per_logit: int) -> LogprobsKernels:
+    """The ``logprobs_forward_chunk``/``logprobs_backward_chunk`` of ``module``, imported on first use."""
+    return LogprobsKernels(
+        forward=lazy_function(module, "logprobs_forward_chunk"),
+        backward=lazy_function(module, "logprobs_backward_chunk"),
+        extra_bytes_per_logit=extra_bytes_per_logit,
+    )
+
+
+def lazy_distillation_kernels(module: str, extra_bytes_per_logit: int) -> DistillationKernels:
+    """The ``distillation_chunk`` of ``module``, imported on first use."""
+    return DistillationKernels(
+        chunk=lazy_function(module, "distillation_chunk"), extra_bytes_per_logit=extra_bytes_per_logit
+    )
