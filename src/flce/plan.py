@@ -12,8 +12,11 @@ scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the oper
 
 ``forward`` and ``backward`` are the host functions around ``run``, shared by the
 autograd Function below (``LossFunction``), the no-grad path of the public functions,
-the ``torch.library`` ops (``flce.ops``) and the vocab-parallel loss (whose
-``ParallelPlan`` runs the same pair through its own ``run`` and ``finish_gradients``).
+the ``torch.library`` ops (``flce.ops``), the vocab-parallel loss (whose
+``ParallelPlan`` runs the same pair through its own ``run`` and ``finish_gradients``)
+and the other loss heads (``flce.heads``: the logprobs and distillation plans). Any
+``LossPlan`` runs through them: the cross-entropy's side of the protocol is
+``CrossEntropyPlan``.
 
 Backward of ``mean``/``sum``: the gradients are computed during the forward (the logits
 exist only there) and scaled by the upstream gradient in backward. The first backward
@@ -21,7 +24,9 @@ of the autograd Function owns them and scales them in place (``scale_gradients_`
 CUDA the pass is skipped on the device when the upstream gradient is exactly 1, with no
 host sync); the custom op, which must not modify its saved outputs, scales out of place.
 A repeated backward (``retain_graph=True``) and ``reduction="none"`` recompute the
-gradients with the upstream gradient folded into each row, so scaling never compounds.
+gradients with the upstream gradient folded into each row, so scaling never compounds;
+so does every backward of a plan whose gradients depend on per-token upstream gradients
+(``defers_gradients``: the logprobs head).
 """
 
 from __future__ import annotations
