@@ -300,11 +300,13 @@ def test_cutedsl_is_refused_by_name_and_auto_falls_back(monkeypatch):
     monkeypatch.setenv("FLCE_BACKEND", "cutedsl")
     with pytest.raises(BackendUnavailableError, match="FLCE_BACKEND"):
         flce.fused_linear_logprobs(x, w, t)
-    dispatch._auto_backend.cache_clear()
+    monkeypatch.delenv("FLCE_BACKEND")
+    cuda = torch.device("cuda", 0)  # auto's choice on a GPU, asked of the registry (no tensor made)
+    dispatch._auto_backend.cache_clear()  # auto's choice is cached per device: forget the real one
     try:
-        picked = dispatch._auto_backend("cuda", 0, "logprobs")
+        picked = dispatch.resolve_backend(None, cuda, needs="logprobs")
         assert picked.logprobs is not None and picked.name != "cutedsl"
-        assert dispatch._auto_backend("cuda", 0, None).name == "cutedsl"  # the CE keeps its best
+        assert dispatch.resolve_backend(None, cuda).name == "cutedsl"  # the CE keeps its best
     finally:
         dispatch._auto_backend.cache_clear()
 
