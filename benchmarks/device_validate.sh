@@ -23,12 +23,14 @@
 #   kernel         the CE kernel alone and the host overhead per call     -> ce-kernel/
 #   fused-forward  the fused forward GEMM alone against torch.mm          -> fused-forward.log
 #   tp             vocab-parallel over 2, 4, 8 GPUs (those present) + tests -> vocab-parallel/
+#   heads          the logprobs and distillation heads: GPU tests, then
+#                  `flce bench --loss logprobs|distill` at V=128256, 151936 -> heads-tests.log, heads/
 #
 # LIMIT_SCALE=2 doubles every time limit (a slower GPU). OUTDIR/steps.txt gets one line per
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward tp]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward tp heads]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -160,6 +162,14 @@ step_tp() {
   run tp-tests 150 "$python" -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_gpu_vocab_parallel.py tests/parallel
 }
 
+step_heads() {
+  run heads-tests 240 "$python" -m pytest -q -p no:cacheprovider -rfE --durations=10 -m gpu tests/heads
+  run heads-logprobs 200 "$python" -m flce.cli bench --loss logprobs --rounds 5 --warmup 2 \
+    --methods flce,torch --out "$out/heads"
+  run heads-distill 240 "$python" -m flce.cli bench --loss distill --rounds 5 --warmup 2 \
+    --methods flce,torch,liger --out "$out/heads"
+}
+
 for step in "${steps[@]}"; do
   if ! declare -F "step_${step//-/_}" >/dev/null; then
     echo "unknown step '$step'" >&2
@@ -171,7 +181,7 @@ for step in "${steps[@]}"; do
 done
 echo "== steps"
 cat "$out/steps.txt"
-for log in "$out"/tests-*.log "$out"/tp-tests.log; do
+for log in "$out"/tests-*.log "$out"/tp-tests.log "$out"/heads-tests.log; do
   [ -e "$log" ] || continue
   summary=$(grep -E '[0-9]+ (passed|failed|errors?|deselected)|no tests ran' "$log" | tail -1)
   echo "$(basename "$log"): ${summary:-no pytest summary (cut by its time limit?)}"

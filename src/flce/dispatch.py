@@ -3,10 +3,17 @@
 
 Each backend lives in ``flce.backends.<name>`` and exposes ``BACKEND`` (a
 ``flce.backends.base.BackendSpec``: its chunk kernels, split-row kernels and optional
-fused hooks). Importing a backend package never fails for a missing optional
-dependency: its ``availability`` says why it cannot run instead. Every scheme (token
-chunks, vocabulary blocks, vocab parallelism, fused statistics) takes its kernels from
-the backend this module resolves.
+fused hooks, and the optional kernels of the other loss heads). Importing a backend
+package never fails for a missing optional dependency: its ``availability`` says why it
+cannot run instead. Every scheme (token chunks, vocabulary blocks, vocab parallelism,
+fused statistics) and every loss head takes its kernels from the backend this module
+resolves.
+
+A loss head whose kernels fill an optional slot (``flce.backends.base.HEAD_SLOTS``)
+resolves with ``needs=<slot>``: auto dispatch then picks the best usable backend that
+has the slot (by the same ``auto_priority``), and an explicit request for a backend
+without it raises ``BackendUnavailableError`` naming the slot and the backends that
+have it.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from functools import cache
 
 import torch
 
-from flce.backends.base import BackendSpec, SplitRowKernels
+from flce.backends.base import HEAD_SLOTS, BackendSpec, SplitRowKernels
 
 BACKEND_NAMES = ("torch", "triton", "cutedsl")
 ENV_VAR = "FLCE_BACKEND"
@@ -65,27 +72,41 @@ def requested_backend(backend: str | None) -> str | None:
     return None if name == AUTO else name
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> BackendSpec:
+def resolve_backend(backend: str | None, device: torch.device, needs: str | None = None) -> BackendSpec:
     """The backend to run: an explicit request must be usable (else a clear error);
-    auto picks the usable backend with the highest ``auto_priority`` (torch always is)."""
+    auto picks the usable backend with the highest ``auto_priority`` (torch always is).
+    ``needs``: the optional slot a loss head runs on (one of ``HEAD_SLOTS``), which the
+    backend must fill; None for the cross-entropy, which every backend has."""
+    if needs is not None and needs not in HEAD_SLOTS:
+        raise ValueError(f"needs must be one of {HEAD_SLOTS} or None, got {needs!r}")
     name = requested_backend(backend)
     if name is not None:
         spec = get_backend(name)
         ok, why = spec.availability(device)
         if not ok:
             raise BackendUnavailableError(f"backend {name!r} cannot run on {device}: {why}")
+        if needs is not None and getattr(spec, needs) is None:
+            having = [n for n in BACKEND_NAMES if getattr(get_backend(n), needs) is not None]
+            raise BackendUnavailableError(
+                f"backend {name!r} (from backend= or {ENV_VAR}) has no {needs} kernels; pass backend= one "
+                f"of {having}, or 'auto' for the best one usable on {device}"
+            )
         return spec
-    return _auto_backend(device.type, device.index)
+    return _auto_backend(device.type, device.index, needs)
 
 
 @cache
-def _auto_backend(device_type: str, device_index: int | None) -> BackendSpec:
+def _auto_backend(device_type: str, device_index: int | None, needs: str | None = None) -> BackendSpec:
     if device_type != "cuda":
         # Off the GPU the torch backend is the default: Triton there is only its
         # interpreter (for tests), far slower than PyTorch's CPU kernels.
         return get_backend("torch")
     device = torch.device(device_type, device_index) if device_index is not None else torch.device(device_type)
-    usable = [get_backend(n) for n in BACKEND_NAMES if get_backend(n).availability(device)[0]]
+    usable = [
+        spec
+        for spec in map(get_backend, BACKEND_NAMES)
+        if (needs is None or getattr(spec, needs) is not None) and spec.availability(device)[0]
+    ]
     return max(usable, key=lambda spec: spec.auto_priority)
 
 

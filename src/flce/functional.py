@@ -1,9 +1,10 @@
-"""The public loss functions: ``fused_linear_cross_entropy`` and ``cross_entropy``.
+"""The public loss functions: ``fused_linear_cross_entropy`` and ``cross_entropy``, and
+the RL and distillation heads ``fused_linear_logprobs`` and ``fused_linear_distillation``.
 
-Each builds its options (``flce.options.LossOptions``, validated once), checks its
-tensors at the boundary, and runs the call's plan (``flce.plan``): through the custom
-ops of ``flce.ops`` under ``torch.compile``, else through the shared autograd Function,
-or the forward alone when nothing needs a gradient.
+Each builds its options (``flce.options``: one frozen dataclass per head, validated
+once), checks its tensors at the boundary, and runs the call's plan (``flce.plan``,
+``flce.heads``): through the custom ops of ``flce.ops`` under ``torch.compile``, else
+through the shared autograd Function, or the forward alone when nothing needs a gradient.
 """
 
 from __future__ import annotations
@@ -11,8 +12,19 @@ from __future__ import annotations
 import torch
 
 from flce.driver.validation import raise_pending
-from flce.options import LossOptions, validate_fused_inputs, validate_logits_inputs
-from flce.output import LossResult, package_result
+from flce.heads.distillation import DistillationOperands, make_distillation_plan
+from flce.heads.logprobs import LogprobsOperands, make_logprobs_plan
+from flce.options import (
+    DistillationOptions,
+    HeadNames,
+    LogprobsOptions,
+    LossOptions,
+    validate_fused_inputs,
+    validate_head_target,
+    validate_linear_head,
+    validate_logits_inputs,
+)
+from flce.output import LogprobsOutput, LossResult, package_result
 from flce.plan import LinearOperands, LogitsOperands, make_plan, run_loss
 
 
@@ -174,3 +186,225 @@ def cross_entropy(
         backend=backend,
     )
     return cross_entropy_with_options(logits, target, weight, options)
+
+
+# ------------------------------------------------------------ RL and distillation
+
+
+def index_target(target: torch.Tensor) -> torch.Tensor:
+    """A validated target as the heads' kernels take it: (N,), int32 or int64."""
+    flat = target.reshape(-1)
+    return flat if flat.dtype in (torch.int32, torch.int64) else flat.long()
+
+
+def _check_target_type(target) -> None:
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+
+
+def fused_linear_logprobs_with_options(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    options: LogprobsOptions,
+) -> LogprobsOutput:
+    """``fused_linear_logprobs`` with prebuilt options."""
+    if not torch.compiler.is_compiling():
+        raise_pending()
+    _check_target_type(target)
+    compute_dtype = validate_linear_head(input, weight, bias)
+    validate_head_target(target, input)
+    operands = LogprobsOperands(
+        input=input.reshape(input.shape[:-1].numel(), input.shape[-1]),
+        weight=weight,
+        bias=bias,
+        target=index_target(target),
+    )
+    if torch.compiler.is_compiling():
+        from flce import ops  # registers the ops on first use
+
+        logprobs, entropy = ops.compiled_logprobs(operands, options, compute_dtype)
+    else:
+        plan = make_logprobs_plan(options, input.device, operands.target, weight.shape[0], compute_dtype)
+        logprobs, entropy = run_loss(plan, operands)
+    return LogprobsOutput(
+        logprobs=logprobs.view(target.shape),
+        entropy=entropy.view(target.shape) if options.return_entropy else None,
+    )
+
+
+def fused_linear_logprobs(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = -100,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+) -> LogprobsOutput:
+    """Per-token log-probabilities of ``target`` (and entropies) under
+    ``softmax((input @ weight.T + bias) / temperature)``, without materializing the logits.
+
+    Args:
+        input: ``(N, H)`` or ``(B, T, H)`` hidden states (fp16/bf16/fp32).
+        weight: ``(V, H)`` LM-head weight, same dtype as ``input`` outside ``torch.autocast``.
+        target: ``(N,)`` or ``(B, T)`` integer token ids in ``[0, V)`` or ``ignore_index``
+            (the sampled tokens).
+        bias: optional ``(V,)``.
+        temperature: > 0; the logits are divided by it (the sampler's temperature).
+        return_entropy: also return each token's entropy ``-sum_i p_i log p_i``.
+        ignore_index: target value whose tokens get logprob 0, entropy 0 and no gradient.
+        backend: ``"torch"``, ``"triton"`` or ``None`` (``FLCE_BACKEND``, then the best
+            backend with logprobs kernels); ``"cutedsl"`` has none and is refused.
+        chunk_size: rows per chunk; ``None`` sizes chunks from the memory budget.
+
+    Returns:
+        A ``LogprobsOutput``: ``logprobs`` and ``entropy`` (None without
+        ``return_entropy``), fp32, shaped like ``target``, differentiable with any upstream
+        gradients (e.g. ``exp(logprobs - old_logprobs) * advantages`` and an entropy
+        bonus). The backward recomputes the logits chunk by chunk (4 GEMMs in all).
+    """
+    options = LogprobsOptions(
+        temperature=temperature,
+        return_entropy=return_entropy,
+        ignore_index=ignore_index,
+        backend=backend,
+        chunk_size=chunk_size,
+    )
+    return fused_linear_logprobs_with_options(input, weight, target, bias, options)
+
+
+STUDENT = HeadNames("student_input", "student_weight", "student_bias")
+TEACHER = HeadNames("teacher_input", "teacher_weight", "teacher_bias")
+
+
+def _validate_distillation_inputs(
+    student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target
+) -> tuple[torch.dtype, torch.dtype]:
+    """The student's and the teacher's LM heads, and the target; returns their compute dtypes."""
+    compute_dtype = validate_linear_head(student_input, student_weight, student_bias, STUDENT)
+    teacher_dtype = validate_linear_head(teacher_input, teacher_weight, teacher_bias, TEACHER)
+    if teacher_input.device != student_input.device:
+        raise ValueError(
+            f"teacher_input is on {teacher_input.device} but student_input is on {student_input.device}; "
+            "all tensors must share a device"
+        )
+    if teacher_input.shape[:-1] != student_input.shape[:-1]:
+        raise ValueError(
+            f"teacher_input must have one row per row of student_input: leading shape "
+            f"{tuple(student_input.shape[:-1])}, got shape {tuple(teacher_input.shape)}"
+        )
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(
+            f"the teacher's and the student's vocabularies must match: teacher_weight has V = "
+            f"{teacher_weight.shape[0]} rows, student_weight has {student_weight.shape[0]}"
+        )
+    if target is not None:
+        _check_target_type(target)
+        validate_head_target(target, student_input, "student_input")
+    return compute_dtype, teacher_dtype
+
+
+def _detached(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+def fused_linear_distillation_with_options(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None,
+    student_bias: torch.Tensor | None,
+    teacher_bias: torch.Tensor | None,
+    options: DistillationOptions,
+) -> torch.Tensor:
+    """``fused_linear_distillation`` with prebuilt options (the Liger shims use this)."""
+    if not torch.compiler.is_compiling():
+        raise_pending()
+    compute_dtype, teacher_dtype = _validate_distillation_inputs(
+        student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target
+    )
+    n_rows = student_input.shape[:-1].numel()
+    operands = DistillationOperands(
+        input=student_input.reshape(n_rows, student_input.shape[-1]),
+        weight=student_weight,
+        bias=student_bias,
+        # The teacher is a constant: no gradient reaches it (as in Liger's).
+        teacher_input=teacher_input.detach().reshape(n_rows, teacher_input.shape[-1]),
+        teacher_weight=teacher_weight.detach(),
+        teacher_bias=_detached(teacher_bias),
+        target=None if target is None else index_target(target),
+    )
+    if torch.compiler.is_compiling():
+        from flce import ops  # registers the ops on first use
+
+        (loss,) = ops.compiled_distillation(operands, options, compute_dtype, teacher_dtype)
+    else:
+        plan = make_distillation_plan(
+            options,
+            student_input.device,
+            operands.target,
+            n_rows,
+            student_weight.shape[0],
+            compute_dtype,
+            teacher_dtype,
+        )
+        (loss,) = run_loss(plan, operands)
+    return loss.view(student_input.shape[:-1]) if options.reduction == "none" else loss
+
+
+def fused_linear_distillation(
+    student_input: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_input: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Liger's generalized Jensen-Shannon divergence between the teacher's and the
+    student's next-token distributions, from their LM heads, without materializing
+    either logits tensor. With ``q = softmax(z_student / T)``, ``p = softmax(z_teacher / T)``
+    and ``M = beta p + (1 - beta) q``, per token ``beta KL(p || M) + (1 - beta) KL(q || M)``;
+    ``beta = 0`` is the forward KL(p || q), ``beta = 1`` the reverse KL(q || p).
+
+    Args:
+        student_input: ``(N, H)`` or ``(B, T, H)``; student_weight: ``(V, H)``.
+        teacher_input: the same leading shape, ``(.., H_t)``; teacher_weight: ``(V, H_t)``
+            (the vocabularies must match, the hidden sizes may differ).
+        target: optional ``(N,)`` or ``(B, T)`` token ids; tokens whose target equals
+            ``ignore_index`` get loss 0 and no gradient (without a target none is ignored).
+        beta: in ``[0, 1]``. temperature: > 0, divides both models' logits (no ``T**2``
+            factor, as Liger).
+        reduction: ``"mean"`` over the tokens not ignored (0 when every token is),
+            ``"sum"``, or ``"none"`` (per token, shaped like the inputs' leading dims).
+        student_bias / teacher_bias: optional ``(V,)``.
+        backend, chunk_size: as ``fused_linear_logprobs``.
+
+    Returns:
+        The fp32 loss. Gradients reach ``student_input``, ``student_weight`` and
+        ``student_bias`` only: the teacher's tensors are treated as constants.
+    """
+    options = DistillationOptions(
+        beta=beta,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        backend=backend,
+        chunk_size=chunk_size,
+    )
+    return fused_linear_distillation_with_options(
+        student_input, student_weight, teacher_input, teacher_weight, target, student_bias, teacher_bias, options
+    )

@@ -1,15 +1,17 @@
 """``torch.library`` custom ops, so ``torch.compile(..., fullgraph=True)`` traces through flce.
 
-Under compilation the public functions call ``compiled_loss`` instead of the eager
-autograd Function. Each op is opaque to the compiler (the plan, the chunk loop and the
-kernels stay inside), has a fake implementation giving output shapes, and registered
-autograd; all of them run ``flce.plan``'s one forward/backward pair. The options travel
-field by field, in a schema derived from ``LossOptions`` (``flce.options.options_schema``).
+Under compilation the public functions call ``compiled_loss`` (``compiled_logprobs``,
+``compiled_distillation``) instead of the eager autograd Function. Each op is opaque to
+the compiler (the plan, the chunk loop and the kernels stay inside), has a fake
+implementation giving output shapes, and registered autograd; all of them run
+``flce.plan``'s one forward/backward pair. The options travel field by field, in a
+schema derived from the head's options dataclass (``flce.options.options_schema``).
 
 The forward op returns the gradients it computed as extra outputs (empty when not
 requested or deferred); backward scales them out of place (an op must not modify its
-saved outputs), so a repeated backward never compounds. ``reduction="none"`` recomputes
-in a backward op with the per-token upstream gradient.
+saved outputs), so a repeated backward never compounds. ``reduction="none"`` (and the
+logprobs head, always) recomputes in a backward op with the per-token upstream
+gradients; the logprobs forward op returns the float64 lse the backward op needs.
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flce.driver.chunks import Gradients, GradRequest
+from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest
 from flce.driver.scaling import scaled_gradients
+from flce.heads.distillation import DistillationOperands, make_distillation_plan
+from flce.heads.logprobs import LogprobsOperands, make_logprobs_plan
 from flce.options import (
     OPTION_FIELDS,
+    DistillationOptions,
+    LogprobsOptions,
     LossOptions,
+    option_fields,
     option_values,
     options_from_values,
     options_schema,
@@ -43,10 +50,11 @@ def _define(name: str, arguments: str, returns: str, impl, fake):
     return op
 
 
-def _split(args: tuple, n_tensors: int) -> tuple[tuple, LossOptions, tuple]:
+def _split(args: tuple, n_tensors: int, options_type: type = LossOptions) -> tuple[tuple, object, tuple]:
     """(tensors, options, the remaining arguments) of an op's positional arguments."""
-    options = options_from_values(args[n_tensors : n_tensors + _N_OPTIONS])
-    return args[:n_tensors], options, args[n_tensors + _N_OPTIONS :]
+    n_options = len(option_fields(options_type))
+    options = options_from_values(args[n_tensors : n_tensors + n_options], options_type)
+    return args[:n_tensors], options, args[n_tensors + n_options :]
 
 
 def _or_empty(t: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -119,7 +127,7 @@ def _linear_forward(*args):
     request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
     result = forward(_plan_for(operands, options, compute_dtype), operands, request)
     grads = result.gradients or Gradients(None, None, None)
-    return _reduced_outputs(result.reduced, input) + _gradient_outputs(grads, input, weight)
+    return _reduced_outputs(result.outputs, input) + _gradient_outputs(grads, input, weight)
 
 
 def _linear_forward_fake(*args):
@@ -137,8 +145,8 @@ def _linear_backward(*args):
     operands = LinearOperands(input, weight, bias, target, ce_weight)
     request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
     plan = _plan_for(operands, options, compute_dtype)
-    grads = backward(plan, operands, request, grad_loss, None, owned=False)
-    return _gradient_outputs(grads, input, weight)
+    grads = backward(plan, operands, request, (grad_loss,), (), None, owned=False)
+    return _gradient_outputs(grads or Gradients(None, None, None), input, weight)
 
 
 def _linear_backward_fake(*args):
@@ -202,7 +210,7 @@ def _logits_forward(*args):
     operands = LogitsOperands(logits, target, ce_weight)
     result = forward(_plan_for(operands, options, logits.dtype), operands, GradRequest(input=grad_logits))
     grads = result.gradients or Gradients(None, None, None)
-    return _reduced_outputs(result.reduced, logits) + (_or_empty(grads.input, logits, logits.dtype),)
+    return _reduced_outputs(result.outputs, logits) + (_or_empty(grads.input, logits, logits.dtype),)
 
 
 def _logits_forward_fake(*args):
@@ -216,7 +224,7 @@ def _logits_backward(*args):
     (grad_loss, logits, target, ce_weight), options, () = _split(args, 4)
     operands = LogitsOperands(logits, target, ce_weight)
     plan = _plan_for(operands, options, logits.dtype)
-    return backward(plan, operands, GradRequest(input=True), grad_loss, None, owned=False).input
+    return backward(plan, operands, GradRequest(input=True), (grad_loss,), (), None, owned=False).input
 
 
 def _logits_backward_fake(*args):
@@ -260,24 +268,241 @@ def _logits_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _grad):
 cross_entropy_fwd.register_autograd(_logits_backward_autograd, setup_context=_logits_setup_context)
 
 
-# ----------------------------------------------------------------- entry point
+# ------------------------------------------------------------------- logprobs
+# Arguments: input (N, H), weight (V, H), bias (V,)?, target (N,), the options, compute_dtype.
+_LOGPROBS = "Tensor input, Tensor weight, Tensor? bias, Tensor target"
+_LOGPROBS_OPTIONS = options_schema(LogprobsOptions)
+
+
+def _logprobs_plan(operands: LogprobsOperands, options: LogprobsOptions, compute_dtype: torch.dtype):
+    return make_logprobs_plan(options, operands.input.device, operands.target, operands.weight.shape[0], compute_dtype)
+
+
+def _logprobs_forward(*args):
+    """-> (logprobs, entropy (empty without return_entropy), lse (N,) float64 for the backward op)."""
+    tensors, options, (compute_dtype,) = _split(args, 4, LogprobsOptions)
+    operands = LogprobsOperands(*tensors)
+    result = forward(_logprobs_plan(operands, options, compute_dtype), operands, NO_GRADIENTS)
+    logprobs, entropy = result.outputs.as_tuple()
+    lse, _ = result.residuals
+    return logprobs, _or_empty(entropy, logprobs, torch.float32), lse
+
+
+def _logprobs_forward_fake(*args):
+    (input, *_), options, _ = _split(args, 4, LogprobsOptions)
+    rows = (input.shape[0],)
+    return (
+        input.new_empty(rows, dtype=torch.float32),
+        input.new_empty(rows if options.return_entropy else _EMPTY, dtype=torch.float32),
+        input.new_empty(rows, dtype=torch.float64),
+    )
+
+
+def _logprobs_backward(*args):
+    """Recomputes the chunks with the upstream gradients of the logprobs and the entropy
+    folded into each row -> (dX, dW, db), empty where not requested."""
+    tensors, options, (compute_dtype, *flags) = _split(args, 8, LogprobsOptions)
+    grad_logprobs, grad_entropy, input, weight, bias, target, lse, entropy = tensors
+    operands = LogprobsOperands(input, weight, bias, target)
+    request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
+    plan = _logprobs_plan(operands, options, compute_dtype)
+    residuals = (lse, entropy if options.return_entropy else None)
+    grads = backward(plan, operands, request, (grad_logprobs, grad_entropy), residuals, None, owned=False)
+    return _gradient_outputs(grads or Gradients(None, None, None), input, weight)
+
+
+def _logprobs_backward_fake(*args):
+    tensors, _, (_, grad_input, grad_weight, grad_bias) = _split(args, 8, LogprobsOptions)
+    _, _, input, weight, bias, *_ = tensors
+    return _fake_gradients(input, weight, bias, grad_input, grad_weight, grad_bias)
+
+
+fused_linear_logprobs_fwd = _define(
+    "fused_linear_logprobs_fwd",
+    f"{_LOGPROBS}, {_LOGPROBS_OPTIONS}, ScalarType compute_dtype",
+    "Tensor logprobs, Tensor entropy, Tensor lse",
+    _logprobs_forward,
+    _logprobs_forward_fake,
+)
+fused_linear_logprobs_bwd = _define(
+    "fused_linear_logprobs_bwd",
+    f"Tensor? grad_logprobs, Tensor? grad_entropy, {_LOGPROBS}, Tensor lse, Tensor entropy, {_LOGPROBS_OPTIONS}, "
+    "ScalarType compute_dtype, bool grad_input, bool grad_weight, bool grad_bias",
+    "Tensor grad_input, Tensor grad_weight, Tensor grad_bias",
+    _logprobs_backward,
+    _logprobs_backward_fake,
+)
+
+
+def _logprobs_setup_context(ctx, inputs, output):
+    tensors, options, _ = _split(inputs, 4, LogprobsOptions)
+    ctx.arguments = inputs[4:]  # the options and compute_dtype, for the backward op
+    ctx.return_entropy = options.return_entropy
+    ctx.has_bias = tensors[2] is not None
+    _, entropy, lse = output
+    ctx.save_for_backward(*tensors, lse, entropy)
+
+
+def _logprobs_backward_autograd(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    refuse_create_graph("flce.fused_linear_logprobs (compiled)")
+    grad_input, grad_weight, grad_bias = ctx.needs_input_grad[:3]
+    grad_bias = grad_bias and ctx.has_bias
+    unused = (None,) * (4 + len(ctx.arguments))
+    if not (grad_input or grad_weight or grad_bias):
+        return unused
+    if not ctx.return_entropy:
+        grad_entropy = None  # the entropy output is an empty placeholder
+    dx, dw, db = fused_linear_logprobs_bwd(
+        grad_logprobs, grad_entropy, *ctx.saved_tensors, *ctx.arguments, grad_input, grad_weight, grad_bias
+    )
+    return (dx if grad_input else None, dw if grad_weight else None, db if grad_bias else None) + unused[3:]
+
+
+fused_linear_logprobs_fwd.register_autograd(_logprobs_backward_autograd, setup_context=_logprobs_setup_context)
+
+
+# --------------------------------------------------------------- distillation
+# Arguments: the student's input (N, H), weight (V, H), bias (V,)?, the teacher's
+# input (N, H_t), weight (V, H_t), bias (V,)?, target (N,)?, the options, both compute
+# dtypes, grad_input, grad_weight, grad_bias.
+_DISTILLATION = (
+    "Tensor input, Tensor weight, Tensor? bias, Tensor teacher_input, Tensor teacher_weight, "
+    "Tensor? teacher_bias, Tensor? target"
+)
+_DISTILLATION_OPTIONS = options_schema(DistillationOptions)
+_DISTILLATION_REST = (
+    "ScalarType compute_dtype, ScalarType teacher_dtype, bool grad_input, bool grad_weight, bool grad_bias"
+)
+
+
+def _distillation_plan(operands: DistillationOperands, options: DistillationOptions, compute_dtype, teacher_dtype):
+    o = operands
+    return make_distillation_plan(
+        options, o.input.device, o.target, o.n_rows, o.weight.shape[0], compute_dtype, teacher_dtype
+    )
+
+
+def _distillation_forward(*args):
+    """-> (loss, grad_input, grad_weight, grad_bias); gradients not requested (or deferred
+    to backward) are empty (0,) tensors."""
+    tensors, options, (compute_dtype, teacher_dtype, *flags) = _split(args, 7, DistillationOptions)
+    operands = DistillationOperands(*tensors)
+    request = GradRequest(flags[0], flags[1], flags[2] and operands.bias is not None)
+    result = forward(_distillation_plan(operands, options, compute_dtype, teacher_dtype), operands, request)
+    grads = result.gradients or Gradients(None, None, None)
+    return result.outputs.as_tuple() + _gradient_outputs(grads, operands.input, operands.weight)
+
+
+def _distillation_forward_fake(*args):
+    (input, weight, bias, *_), options, (_, _, grad_input, grad_weight, grad_bias) = _split(
+        args, 7, DistillationOptions
+    )
+    deferred = options.reduction == "none"
+    loss = input.new_empty((input.shape[0],) if deferred else (), dtype=torch.float32)
+    now = not deferred
+    return (loss,) + _fake_gradients(input, weight, bias, grad_input and now, grad_weight and now, grad_bias and now)
+
+
+def _distillation_backward(*args):
+    """Recomputes the chunks with the upstream gradient (first argument) folded into each
+    row -> (dX, dW, db), empty where not requested."""
+    (grad_loss, *tensors), options, (compute_dtype, teacher_dtype, *flags) = _split(args, 8, DistillationOptions)
+    operands = DistillationOperands(*tensors)
+    request = GradRequest(flags[0], flags[1], flags[2] and operands.bias is not None)
+    plan = _distillation_plan(operands, options, compute_dtype, teacher_dtype)
+    grads = backward(plan, operands, request, (grad_loss,), (), None, owned=False)
+    return _gradient_outputs(grads or Gradients(None, None, None), operands.input, operands.weight)
+
+
+def _distillation_backward_fake(*args):
+    (_, input, weight, bias, *_), _, (_, _, grad_input, grad_weight, grad_bias) = _split(args, 8, DistillationOptions)
+    return _fake_gradients(input, weight, bias, grad_input, grad_weight, grad_bias)
+
+
+fused_linear_distillation_fwd = _define(
+    "fused_linear_distillation_fwd",
+    f"{_DISTILLATION}, {_DISTILLATION_OPTIONS}, {_DISTILLATION_REST}",
+    "Tensor loss, Tensor grad_input, Tensor grad_weight, Tensor grad_bias",
+    _distillation_forward,
+    _distillation_forward_fake,
+)
+fused_linear_distillation_bwd = _define(
+    "fused_linear_distillation_bwd",
+    f"Tensor grad_loss, {_DISTILLATION}, {_DISTILLATION_OPTIONS}, {_DISTILLATION_REST}",
+    "Tensor grad_input, Tensor grad_weight, Tensor grad_bias",
+    _distillation_backward,
+    _distillation_backward_fake,
+)
+
+
+def _distillation_setup_context(ctx, inputs, output):
+    tensors, options, rest = _split(inputs, 7, DistillationOptions)
+    ctx.arguments = inputs[7:]  # the options and the rest, for the backward op
+    ctx.flags = rest[2:]
+    ctx.has_bias = tensors[2] is not None
+    ctx.deferred = options.reduction == "none"
+    ctx.save_for_backward(*(tensors if ctx.deferred else output[1:]))
+
+
+def _distillation_backward_autograd(ctx, grad_loss, _dx, _dw, _db):
+    refuse_create_graph("flce.fused_linear_distillation (compiled)")
+    grad_input, grad_weight, grad_bias = ctx.flags
+    if ctx.deferred:
+        dx, dw, db = fused_linear_distillation_bwd(grad_loss, *ctx.saved_tensors, *ctx.arguments)
+    else:
+        dx, dw, db = scaled_gradients(ctx.saved_tensors, grad_loss)
+    return (
+        dx if grad_input else None,
+        dw if grad_weight else None,
+        db if grad_bias and ctx.has_bias else None,
+    ) + (None,) * (4 + len(ctx.arguments))
+
+
+fused_linear_distillation_fwd.register_autograd(
+    _distillation_backward_autograd, setup_context=_distillation_setup_context
+)
+
+
+# ----------------------------------------------------------------- entry points
+
+
+def _wants_grad(t: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and t is not None and t.requires_grad
 
 
 def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch.dtype) -> tuple:
     """The reduced outputs of a call under ``torch.compile``, through the ops above."""
-    grad_enabled = torch.is_grad_enabled()
-
-    def wants(t: Tensor | None) -> bool:
-        return grad_enabled and t is not None and t.requires_grad
-
     values = option_values(options)
     if isinstance(operands, LogitsOperands):
         o = operands
-        outputs = cross_entropy_fwd(o.logits, o.target, o.ce_weight, *values, wants(o.logits))
+        outputs = cross_entropy_fwd(o.logits, o.target, o.ce_weight, *values, _wants_grad(o.logits))
     else:
         o = operands
         outputs = fused_linear_cross_entropy_fwd(
             o.input, o.weight, o.target, o.bias, o.ce_weight, *values, compute_dtype,
-            wants(o.input), wants(o.weight), wants(o.bias),
+            _wants_grad(o.input), _wants_grad(o.weight), _wants_grad(o.bias),
         )  # fmt: skip
     return outputs[:4]
+
+
+def compiled_logprobs(operands: LogprobsOperands, options: LogprobsOptions, compute_dtype: torch.dtype) -> tuple:
+    """``(logprobs, entropy)`` of a call under ``torch.compile`` (entropy an empty
+    placeholder without ``return_entropy``)."""
+    o = operands
+    logprobs, entropy, _ = fused_linear_logprobs_fwd(
+        o.input, o.weight, o.bias, o.target, *option_values(options), compute_dtype
+    )
+    return logprobs, entropy
+
+
+def compiled_distillation(
+    operands: DistillationOperands, options: DistillationOptions, compute_dtype: torch.dtype, teacher_dtype
+) -> tuple:
+    """``(loss,)`` of a call under ``torch.compile``."""
+    o = operands
+    outputs = fused_linear_distillation_fwd(
+        o.input, o.weight, o.bias, o.teacher_input, o.teacher_weight, o.teacher_bias, o.target,
+        *option_values(options), compute_dtype, teacher_dtype,
+        _wants_grad(o.input), _wants_grad(o.weight), _wants_grad(o.bias),
+    )  # fmt: skip
+    return outputs[:1]

@@ -1,8 +1,11 @@
-"""Loss options: one frozen dataclass, built and validated once at the API boundary.
+"""Loss options: one frozen dataclass per loss head, built and validated once at the API
+boundary (``LossOptions`` for the cross-entropy, ``LogprobsOptions``,
+``DistillationOptions``); the custom-op schemas derive from their fields
+(``options_schema``).
 
 Every check here runs before any kernel, names the offending argument and says what
-was expected. Tensor checks that need the data (target range) run in the driver as
-one batched device-to-host read (``flce.driver.batch_statistics``).
+was expected. Tensor checks that need the data (target range) run in the driver on the
+device (``flce.driver.statistics.batch_statistics``).
 """
 
 from __future__ import annotations
@@ -48,9 +51,7 @@ class LossOptions:
     def __post_init__(self) -> None:
         # Integral and real options are stored as Python ints and floats (NumPy scalars
         # are accepted and converted), so op schemas, kernels and repr() see one type.
-        self._set("ignore_index", as_int("ignore_index", self.ignore_index))
-        if not INT64_MIN <= self.ignore_index <= INT64_MAX:
-            raise ValueError(f"ignore_index must fit in int64 (the kernels compare it as one), got {self.ignore_index}")
+        self._set("ignore_index", as_ignore_index(self.ignore_index))
         self._set("lse_square_scale", as_float("lse_square_scale", self.lse_square_scale))
         if self.lse_square_scale < 0:
             raise ValueError(f"lse_square_scale must be >= 0, got {self.lse_square_scale}")
@@ -68,15 +69,11 @@ class LossOptions:
         if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
             raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {self.accum_dtype!r}")
         for name in ("chunk_size", "vocab_chunk_size"):
-            value = getattr(self, name)
-            if value is not None:
-                self._set(name, as_int(name, value))
-                if getattr(self, name) <= 0:
-                    raise ValueError(f"{name} must be a positive int or None, got {value}")
+            self._set(name, as_positive_int_or_none(name, getattr(self, name)))
         self._set("backend", backend_name(self.backend))
 
     def _set(self, name: str, value) -> None:
-        object.__setattr__(self, name, value)  # normalising a field of the frozen dataclass
+        _set_field(self, name, value)
 
     @property
     def needs_z_loss_rows(self) -> bool:
@@ -88,10 +85,74 @@ class LossOptions:
         return self.return_z_loss or self.return_token_accuracy or self.return_predicted_tokens
 
 
+@dataclass(frozen=True)
+class LogprobsOptions:
+    """Options of one ``flce.fused_linear_logprobs`` call (everything but the tensors);
+    numbers normalised as in ``LossOptions``. Logits are ``(x W^T + b) / temperature``."""
+
+    temperature: float = 1.0
+    return_entropy: bool = False
+    ignore_index: int = -100
+    backend: str | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _set_field(self, "temperature", as_temperature(self.temperature))
+        _set_field(self, "return_entropy", as_bool("return_entropy", self.return_entropy))
+        _set_field(self, "ignore_index", as_ignore_index(self.ignore_index))
+        _set_field(self, "backend", backend_name(self.backend))
+        _set_field(self, "chunk_size", as_positive_int_or_none("chunk_size", self.chunk_size))
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
+
+@dataclass(frozen=True)
+class DistillationOptions:
+    """Options of one ``flce.fused_linear_distillation`` call (everything but the tensors):
+    ``beta`` in [0, 1] (0: forward KL(teacher || student), 1: reverse KL), the softmax
+    ``temperature`` of both models, and the reduction over the tokens not ignored."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    reduction: str = "mean"
+    backend: str | None = None
+    chunk_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _set_field(self, "beta", as_float("beta", self.beta))
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {self.beta}")
+        _set_field(self, "temperature", as_temperature(self.temperature))
+        _set_field(self, "ignore_index", as_ignore_index(self.ignore_index))
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        _set_field(self, "backend", backend_name(self.backend))
+        _set_field(self, "chunk_size", as_positive_int_or_none("chunk_size", self.chunk_size))
+
+    @property
+    def inv_temperature(self) -> float:
+        return 1.0 / self.temperature
+
+
+def _set_field(options, name: str, value) -> None:
+    object.__setattr__(options, name, value)  # normalising a field of a frozen options dataclass
+
+
 # ------------------------------------------- the options as custom-op arguments
 
-OPTION_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(LossOptions))
-# Annotation (as written in LossOptions) -> torch.library schema type.
+Options = LossOptions | LogprobsOptions | DistillationOptions
+
+
+def option_fields(options_type: type = LossOptions) -> tuple[str, ...]:
+    """The field names of an options dataclass, in declaration order (the ops' order)."""
+    return tuple(f.name for f in fields(options_type))
+
+
+OPTION_FIELDS: tuple[str, ...] = option_fields(LossOptions)
+# Annotation (as written in the options dataclasses) -> torch.library schema type.
 _SCHEMA_TYPES = {"int": "int", "float": "float", "str": "str", "bool": "bool", "torch.dtype": "ScalarType"}
 
 
@@ -100,21 +161,21 @@ def _schema_type(annotation: str) -> str:
     return _SCHEMA_TYPES[base] + ("?" if optional else "")
 
 
-def options_schema() -> str:
-    """``LossOptions``' fields as a ``torch.library`` schema fragment (``"int ignore_index,
-    float lse_square_scale, ..."``): the custom ops take the options field by field
-    without spelling them out."""
-    return ", ".join(f"{_schema_type(f.type)} {f.name}" for f in fields(LossOptions))
+def options_schema(options_type: type = LossOptions) -> str:
+    """An options dataclass's fields as a ``torch.library`` schema fragment (``"int
+    ignore_index, float lse_square_scale, ..."`` for ``LossOptions``): the custom ops take
+    the options field by field without spelling them out."""
+    return ", ".join(f"{_schema_type(f.type)} {f.name}" for f in fields(options_type))
 
 
-def option_values(options: LossOptions) -> tuple:
-    """The field values in ``OPTION_FIELDS`` order (normalised to the schema's Python
-    types by ``LossOptions``' validation)."""
-    return tuple(getattr(options, name) for name in OPTION_FIELDS)
+def option_values(options: Options) -> tuple:
+    """The field values in declaration order (normalised to the schema's Python types by
+    the dataclass's validation)."""
+    return tuple(getattr(options, f.name) for f in fields(options))  # of the instance: traceable
 
 
-def options_from_values(values) -> LossOptions:
-    return LossOptions(**dict(zip(OPTION_FIELDS, values, strict=True)))
+def options_from_values(values, options_type: type = LossOptions) -> Options:
+    return options_type(**dict(zip(option_fields(options_type), values, strict=True)))
 
 
 def _is_tensor_or_bool(value) -> bool:
@@ -144,6 +205,32 @@ def as_float(name: str, value) -> float:
         return float(value)
     hint = "; pass float(t)" if isinstance(value, torch.Tensor) else ""
     raise TypeError(f"{name} must be a finite float, got {value!r}{hint}")
+
+
+def as_ignore_index(value) -> int:
+    """``ignore_index`` as a Python int that fits in int64 (the kernels compare it as one)."""
+    value = as_int("ignore_index", value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"ignore_index must fit in int64 (the kernels compare it as one), got {value}")
+    return value
+
+
+def as_positive_int_or_none(name: str, value) -> int | None:
+    """A size option (``chunk_size``, ...): a positive int, or None for the default."""
+    if value is None:
+        return None
+    number = as_int(name, value)
+    if number <= 0:
+        raise ValueError(f"{name} must be a positive int or None, got {value}")
+    return number
+
+
+def as_temperature(value) -> float:
+    """The softmax temperature: a finite float > 0 (the logits are divided by it)."""
+    value = as_float("temperature", value)
+    if not value > 0:
+        raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {value}")
+    return value
 
 
 def as_bool(name: str, value) -> bool:
@@ -236,6 +323,61 @@ def resolve_compute_dtype(device: torch.device, *tensors: torch.Tensor | None, n
     return first.dtype
 
 
+@dataclass(frozen=True)
+class HeadNames:
+    """The argument names of one LM head's tensors, for the errors that name them."""
+
+    input: str = "input"
+    weight: str = "weight"
+    bias: str = "bias"
+
+
+def validate_linear_head(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, names: HeadNames = HeadNames()
+) -> torch.dtype:
+    """``input`` (N, H) or (B, T, H), ``weight`` (V, H) with V >= 1 and ``bias`` (V,) or
+    None, on one device, not meta, not DTensors; returns their compute dtype
+    (``resolve_compute_dtype``)."""
+    for name, t in ((names.input, input), (names.weight, weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{names.bias} must be a tensor of shape (V,) or None, got {type(bias).__name__}")
+    for name, t in ((names.input, input), (names.weight, weight), (names.bias, bias)):
+        _refuse_dtensor(name, t)
+    if input.dim() not in (2, 3):
+        raise ValueError(f"{names.input} must be (N, H) or (B, T, H), got shape {tuple(input.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{names.weight} must be (V, H), got shape {tuple(weight.shape)}")
+    hidden = input.shape[-1]
+    if weight.shape[1] != hidden:
+        raise ValueError(
+            f"{names.weight} must be (V, H) with H = {names.input}.shape[-1] = {hidden}, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    vocab = weight.shape[0]
+    if vocab == 0:
+        raise ValueError(f"{names.weight} must have at least one row (V >= 1)")
+    refuse_meta(names.input, input)
+    for name, t in ((names.weight, weight), (names.bias, bias)):
+        if t is not None and t.device != input.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {names.input} is on {input.device}; all tensors must share a device"
+            )
+    if bias is not None and bias.shape != (vocab,):
+        raise ValueError(f"{names.bias} must have shape ({vocab},) = (V,), got {tuple(bias.shape)}")
+    return resolve_compute_dtype(input.device, input, weight, bias, names=(names.input, names.weight, names.bias))
+
+
+def validate_head_target(target: torch.Tensor, input: torch.Tensor, input_name: str = "input") -> None:
+    """``target`` holds one class index per row of ``input`` (``validate_target``), on its device."""
+    validate_target(target, input.shape[:-1], input_name)
+    if target.device != input.device:
+        raise ValueError(
+            f"target is on {target.device} but {input_name} is on {input.device}; all tensors must share a device"
+        )
+
+
 def validate_fused_inputs(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -245,33 +387,11 @@ def validate_fused_inputs(
     options: LossOptions,
 ) -> torch.dtype:
     """Shape/dtype/device checks for the fused linear + CE; returns the compute dtype."""
-    for name, t in (("input", input), ("weight", weight), ("target", target)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias must be a tensor of shape (V,) or None, got {type(bias).__name__}")
-    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
-        _refuse_dtensor(name, t)
-    if input.dim() not in (2, 3):
-        raise ValueError(f"input must be (N, H) or (B, T, H), got shape {tuple(input.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be (V, H), got shape {tuple(weight.shape)}")
-    hidden = input.shape[-1]
-    if weight.shape[1] != hidden:
-        raise ValueError(f"weight must be (V, H) with H = input.shape[-1] = {hidden}, got shape {tuple(weight.shape)}")
-    vocab = weight.shape[0]
-    if vocab == 0:
-        raise ValueError("weight must have at least one row (V >= 1)")
-    validate_target(target, input.shape[:-1], "input")
-    refuse_meta("input", input)
-    device = input.device
-    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
-        if t is not None and t.device != device:
-            raise ValueError(f"{name} is on {t.device} but input is on {device}; all tensors must share a device")
-    if bias is not None and bias.shape != (vocab,):
-        raise ValueError(f"bias must have shape ({vocab},) = (V,), got {tuple(bias.shape)}")
-    validate_ce_weight(ce_weight, vocab, device, "ce_weight")
-    dtype = resolve_compute_dtype(device, input, weight, bias, names=("input", "weight", "bias"))
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    dtype = validate_linear_head(input, weight, bias)
+    validate_head_target(target, input)
+    validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight")
     _check_accum_dtype(options, weight.dtype)
     return dtype
 

@@ -1,5 +1,5 @@
 """The public results: a bare loss tensor, or a ``CrossEntropyOutput`` when a ``return_*``
-flag is set (same fields as Liger's)."""
+flag is set (same fields as Liger's); ``LogprobsOutput`` for ``fused_linear_logprobs``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,15 @@ class CrossEntropyOutput:
 
 
 LossResult = torch.Tensor | CrossEntropyOutput
+
+
+@dataclass
+class LogprobsOutput:
+    """Per-token results of ``flce.fused_linear_logprobs``, shaped like the target, fp32,
+    0 at ignored tokens, both differentiable."""
+
+    logprobs: torch.Tensor  # log softmax(z)_y, z = (x W^T + b) / temperature
+    entropy: torch.Tensor | None = None  # -sum_i p_i log p_i, with return_entropy
 
 
 def package_result(

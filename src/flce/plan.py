@@ -12,8 +12,11 @@ scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the oper
 
 ``forward`` and ``backward`` are the host functions around ``run``, shared by the
 autograd Function below (``LossFunction``), the no-grad path of the public functions,
-the ``torch.library`` ops (``flce.ops``) and the vocab-parallel loss (whose
-``ParallelPlan`` runs the same pair through its own ``run`` and ``finish_gradients``).
+the ``torch.library`` ops (``flce.ops``), the vocab-parallel loss (whose
+``ParallelPlan`` runs the same pair through its own ``run`` and ``finish_gradients``)
+and the other loss heads (``flce.heads``: the logprobs and distillation plans). Any
+``LossPlan`` runs through them: the cross-entropy's side of the protocol is
+``CrossEntropyPlan``.
 
 Backward of ``mean``/``sum``: the gradients are computed during the forward (the logits
 exist only there) and scaled by the upstream gradient in backward. The first backward
@@ -21,7 +24,9 @@ of the autograd Function owns them and scales them in place (``scale_gradients_`
 CUDA the pass is skipped on the device when the upstream gradient is exactly 1, with no
 host sync); the custom op, which must not modify its saved outputs, scales out of place.
 A repeated backward (``retain_graph=True``) and ``reduction="none"`` recompute the
-gradients with the upstream gradient folded into each row, so scaling never compounds.
+gradients with the upstream gradient folded into each row, so scaling never compounds;
+so does every backward of a plan whose gradients depend on per-token upstream gradients
+(``defers_gradients``: the logprobs head).
 """
 
 from __future__ import annotations
@@ -64,9 +69,12 @@ class LinearOperands:
         """The autograd inputs, differentiable ones first."""
         return self.input, self.weight, self.bias, self.target, self.ce_weight
 
-    @staticmethod
-    def request(needs_grad: tuple[bool, ...], has_bias: bool) -> GradRequest:
-        return GradRequest(input=needs_grad[0], weight=needs_grad[1], bias=has_bias and needs_grad[2])
+    def differentiable(self) -> tuple:
+        return self.input, self.weight, self.bias
+
+    def request(self, needs_grad: tuple[bool, ...]) -> GradRequest:
+        """The gradients to compute, from autograd's ``needs_input_grad`` of ``tensors()``."""
+        return GradRequest(input=needs_grad[0], weight=needs_grad[1], bias=self.bias is not None and needs_grad[2])
 
     @staticmethod
     def gradient_tuple(grads: Gradients) -> tuple:
@@ -90,8 +98,10 @@ class LogitsOperands:
     def tensors(self) -> tuple:
         return self.logits, self.target, self.ce_weight
 
-    @staticmethod
-    def request(needs_grad: tuple[bool, ...], has_bias: bool = False) -> GradRequest:
+    def differentiable(self) -> tuple:
+        return (self.logits,)
+
+    def request(self, needs_grad: tuple[bool, ...]) -> GradRequest:
         return GradRequest(input=needs_grad[0])
 
     @staticmethod
@@ -105,23 +115,68 @@ Operands = LinearOperands | LogitsOperands
 # --------------------------------------------------------------------- plans
 
 
+class Outputs(Protocol):
+    """A plan's public outputs of a call (``Reduced`` for the cross-entropy)."""
+
+    def as_tuple(self) -> tuple: ...
+
+    def non_differentiable(self) -> list[torch.Tensor]: ...
+
+
 class LossPlan(Protocol):
-    """What ``forward``/``backward`` run a call through (``Plan``, ``flce.parallel``'s plan)."""
+    """What ``forward``/``backward`` run a call through: ``Plan`` and ``flce.parallel``'s
+    plan for the cross-entropy, ``flce.heads``' plans for the other loss heads.
 
-    options: LossOptions
+    ``defers_gradients``: whether the gradients wait for the upstream gradients of the
+    outputs (``reduction="none"``, the logprobs) instead of being computed in the
+    forward and scaled by the upstream scalar. ``upstream`` turns the outputs' upstream
+    gradients and the forward's ``residuals`` into what ``run`` folds into each row (the
+    CE's per-row upstream gradient); None when no gradient flows.
+    """
 
-    def run(
-        self, operands: Operands, request: GradRequest, row_grad_scale: torch.Tensor | None = None
-    ) -> tuple[RowOutputs, Gradients]: ...
+    @property
+    def defers_gradients(self) -> bool: ...
 
-    def reduce(self, rows: RowOutputs) -> Reduced: ...
+    def run(self, operands, request: GradRequest, upstream=None) -> tuple[object, Gradients]: ...
+
+    def reduce(self, rows) -> Outputs: ...
+
+    def residuals(self, rows) -> tuple: ...
+
+    def upstream(self, grad_outputs: tuple, residuals: tuple, n_rows: int): ...
 
     def finish_gradients(self, grads: Gradients) -> None: ...
 
 
+class CrossEntropyPlan:
+    """The cross-entropy's side of ``LossPlan``, shared by ``Plan`` and ``flce.parallel``'s
+    plan (each holds ``options``, ``scalars`` and ``stats``)."""
+
+    @property
+    def defers_gradients(self) -> bool:
+        return self.options.reduction == "none"
+
+    def reduce(self, rows: RowOutputs) -> Reduced:
+        o = self.options
+        return reduce_rows(
+            rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, self.stats.accuracy_scale
+        )
+
+    def residuals(self, rows: RowOutputs) -> tuple:
+        return ()  # backward recomputes from the operands alone
+
+    def upstream(self, grad_outputs: tuple, residuals: tuple, n_rows: int) -> torch.Tensor | None:
+        """The loss's upstream gradient folded into each row: ``row_grad_scale`` (N,) fp32."""
+        grad_loss = grad_outputs[0]  # () for mean/sum, (N,) for "none"; the other outputs have none
+        return None if grad_loss is None else grad_loss.float().expand(n_rows).contiguous()
+
+    def finish_gradients(self, grads: Gradients) -> None:
+        """Nothing to finish on one device (the parallel plan all-reduces dX here)."""
+
+
 @dataclass(frozen=True)
-class Plan:
-    """Everything one single-device call decided before its first kernel."""
+class Plan(CrossEntropyPlan):
+    """Everything one single-device cross-entropy call decided before its first kernel."""
 
     options: LossOptions
     backend: BackendSpec
@@ -193,15 +248,6 @@ class Plan:
         )
         return applicable
 
-    def reduce(self, rows: RowOutputs) -> Reduced:
-        o = self.options
-        return reduce_rows(
-            rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, self.stats.accuracy_scale
-        )
-
-    def finish_gradients(self, grads: Gradients) -> None:
-        """Nothing to finish on one device (the parallel plan all-reduces dX here)."""
-
 
 def make_plan(
     options: LossOptions,
@@ -227,84 +273,94 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def _device(operands: Operands) -> torch.device:
+def _device(operands) -> torch.device:
     return operands.tensors()[0].device
 
 
 @dataclass
 class ForwardResult:
-    reduced: Reduced
+    outputs: Outputs
+    residuals: tuple  # what backward needs besides the operands (the logprobs' lse)
     gradients: Gradients | None  # computed in the forward (mean/sum); None: recomputed in backward
 
 
-def forward(plan: LossPlan, operands: Operands, request: GradRequest) -> ForwardResult:
-    """The loss of a call, and the gradients of ``request`` where the forward computes them
-    (``mean``/``sum``; ``reduction="none"`` computes them in ``backward``)."""
-    deferred = plan.options.reduction == "none"
+def forward(plan: LossPlan, operands, request: GradRequest) -> ForwardResult:
+    """The outputs of a call, and the gradients of ``request`` where the forward computes
+    them (``defers_gradients`` false: the CE's and the distillation's ``mean``/``sum``)."""
+    deferred = plan.defers_gradients
     with _no_autocast(_device(operands)):
         rows, grads = plan.run(operands, NO_GRADIENTS if deferred else request)
-    return ForwardResult(plan.reduce(rows), None if deferred or not request.any else grads)
+    gradients = None if deferred or not request.any else grads
+    return ForwardResult(plan.reduce(rows), plan.residuals(rows), gradients)
 
 
 def backward(
     plan: LossPlan,
-    operands: Operands,
+    operands,
     request: GradRequest,
-    grad_loss: torch.Tensor,  # () for mean/sum, (N,) for "none"
+    grad_outputs: tuple,  # the outputs' upstream gradients (None where none flows)
+    residuals: tuple,  # the forward's ForwardResult.residuals
     saved: Gradients | None,  # forward's gradients, or None to recompute
     owned: bool,  # whether ``saved`` may be scaled in place
-) -> Gradients:
-    """The gradients of ``request`` times the upstream gradient."""
+) -> Gradients | None:
+    """The gradients of ``request`` times the upstream gradients; None when none flows."""
     if saved is not None:
+        grad_loss = grad_outputs[0]  # () the loss's: gradients are computed in the forward of scalar losses only
+        if grad_loss is None:
+            return None
         if owned:
             scale_gradients_((saved.input, saved.weight, saved.bias), grad_loss)
             grads = saved
         else:
             grads = Gradients(*scaled_gradients((saved.input, saved.weight, saved.bias), grad_loss))
     else:
-        # reduction="none", or a repeated backward: recompute with the upstream gradient
-        # folded into each row before the dW/db sums.
-        row_grad_scale = grad_loss.float().expand(operands.n_rows).contiguous()
+        # Deferred gradients, or a repeated backward: recompute with the upstream
+        # gradients folded into each row before the dW/db sums.
+        upstream = plan.upstream(grad_outputs, residuals, operands.n_rows)
+        if upstream is None:
+            return None
         with _no_autocast(_device(operands)):
-            _, grads = plan.run(operands, request, row_grad_scale)
+            _, grads = plan.run(operands, request, upstream)
     plan.finish_gradients(grads)
     return grads
 
 
 class LossFunction(torch.autograd.Function):
     """The autograd of every loss call: ``apply(plan, operands_type, *operands.tensors())``
-    -> (loss, z_loss, token_accuracy, predicted_tokens), the unused ones None."""
+    -> the plan's outputs (``Outputs.as_tuple()``: for the cross-entropy ``(loss, z_loss,
+    token_accuracy, predicted_tokens)``, the unused ones None)."""
 
     @staticmethod
     def forward(ctx, plan: LossPlan, operands_type: type, *tensors):
         operands = operands_type(*tensors)
-        request = operands_type.request(ctx.needs_input_grad[2:], tensors[2] is not None)
+        request = operands.request(ctx.needs_input_grad[2:])
         result = forward(plan, operands, request)
         ctx.plan, ctx.operands_type, ctx.request = plan, operands_type, request
         ctx.gradients = result.gradients
-        ctx.save_for_backward(*tensors)
-        reduced = result.reduced
-        extras = [t for t in (reduced.z_loss, reduced.token_accuracy, reduced.predicted_tokens) if t is not None]
+        ctx.n_tensors = len(tensors)
+        ctx.save_for_backward(*tensors, *result.residuals)
+        extras = result.outputs.non_differentiable()
         if extras:
             ctx.mark_non_differentiable(*extras)
-        return reduced.as_tuple()
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no work for it
+        return result.outputs.as_tuple()
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_z_loss, _grad_accuracy, _grad_predicted):
+    def backward(ctx, *grad_outputs):
         refuse_create_graph(ctx.operands_type.entry)
-        tensors = ctx.saved_tensors
-        if grad_loss is None:
-            return (None, None) + (None,) * len(tensors)
+        saved_tensors = ctx.saved_tensors
+        tensors, residuals = saved_tensors[: ctx.n_tensors], saved_tensors[ctx.n_tensors :]
         saved, ctx.gradients = ctx.gradients, None
-        grads = backward(ctx.plan, ctx.operands_type(*tensors), ctx.request, grad_loss, saved, owned=True)
+        operands = ctx.operands_type(*tensors)
+        grads = backward(ctx.plan, operands, ctx.request, grad_outputs, residuals, saved, owned=True)
+        if grads is None:
+            return (None, None) + (None,) * len(tensors)
         return (None, None) + ctx.operands_type.gradient_tuple(grads)
 
 
-def run_loss(plan: LossPlan, operands: Operands) -> tuple:
+def run_loss(plan: LossPlan, operands) -> tuple:
     """A call through autograd when a differentiable operand requires grad (and grad mode
-    is on), else the forward alone with no gradient work: the reduced outputs as a tuple."""
-    tensors = operands.tensors()
-    n_differentiable = 3 if isinstance(operands, LinearOperands) else 1
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors[:n_differentiable]):
-        return LossFunction.apply(plan, type(operands), *tensors)
-    return forward(plan, operands, NO_GRADIENTS).reduced.as_tuple()
+    is on), else the forward alone with no gradient work: the outputs as a tuple."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands.differentiable()):
+        return LossFunction.apply(plan, type(operands), *operands.tensors())
+    return forward(plan, operands, NO_GRADIENTS).outputs.as_tuple()

@@ -20,10 +20,19 @@ Slots of a ``BackendSpec``:
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
   forward computed, skipped on the device when the scale is 1;
 - ``batch_statistics`` (optional): a call's batch statistics in one launch
-  (``flce.driver.statistics``), instead of a score of small PyTorch ops.
+  (``flce.driver.statistics``), instead of a score of small PyTorch ops;
+- ``logprobs`` (``LogprobsKernels``, optional): the logprobs head's chunk kernels
+  (``flce.rows.logprobs``);
+- ``distillation`` (``DistillationKernels``, optional): the distillation head's chunk
+  kernel (``flce.rows.distillation``).
 
-The two device helpers serve every backend's calls on a device where the backend that
-registers them can run (``flce.dispatch.device_helper``).
+A backend without a head's slot is never picked for that head: auto dispatch takes the
+best usable backend that has it, and an explicit request raises naming the missing slot
+(``flce.dispatch.resolve_backend``).
+
+The two device helpers (``scale_unless_one``, ``batch_statistics``) serve every backend's
+calls on a device where the backend that registers them can run
+(``flce.dispatch.device_helper``).
 
 Ignored rows (``ignore_index``) come out exactly zero whatever their logits hold: NaN or
 Inf there must not leak out, so kernels select the zeros (or skip the row) instead of
@@ -43,6 +52,8 @@ from typing import Protocol
 import torch
 
 from flce.rows.cross_entropy import BlockStatistics, ChunkScalars
+from flce.rows.distillation import DistillationKernel
+from flce.rows.logprobs import LogprobsBackwardKernel, LogprobsForwardKernel
 
 
 class ChunkCEKernel(Protocol):
@@ -258,6 +269,31 @@ class LossOnlyStatistics:
 
 
 @dataclass(frozen=True)
+class LogprobsKernels:
+    """Optional slot: the logprobs head's chunk kernels (contracts in ``flce.rows.logprobs``).
+    ``extra_bytes_per_logit``: their fp32 workspace per logit beyond the chunk."""
+
+    forward: LogprobsForwardKernel
+    backward: LogprobsBackwardKernel
+    extra_bytes_per_logit: int
+
+
+@dataclass(frozen=True)
+class DistillationKernels:
+    """Optional slot: the distillation head's chunk kernel (contract in
+    ``flce.rows.distillation``). ``extra_bytes_per_logit``: its fp32 workspace per student
+    logit beyond the two chunks (the student's and the teacher's logits)."""
+
+    chunk: DistillationKernel
+    extra_bytes_per_logit: int
+
+
+# The optional per-head slots of ``BackendSpec``, by field name (``flce.dispatch``'s
+# ``needs`` argument takes one of them).
+HEAD_SLOTS = ("logprobs", "distillation")
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     """What a backend registers with ``flce.dispatch``.
 
@@ -268,6 +304,8 @@ class BackendSpec:
     uses it. ``auto_priority``: higher wins in auto dispatch among available backends.
     ``split_rows`` builds the backend's ``SplitRowKernels`` (every registered backend has
     them; a spec without them cannot run the vocabulary-block or vocab-parallel schemes).
+    ``logprobs`` and ``distillation`` hold the other loss heads' kernels, None where the
+    backend has none (``HEAD_SLOTS``).
     """
 
     name: str
@@ -280,6 +318,8 @@ class BackendSpec:
     loss_only: LossOnlyStatistics | None = None
     scale_unless_one: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     batch_statistics: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    logprobs: LogprobsKernels | None = None
+    distillation: DistillationKernels | None = None
 
 
 def lazy_function(module: str, name: str) -> Callable:
@@ -301,3 +341,19 @@ def lazy_function(module: str, name: str) -> Callable:
 def lazy_chunk_kernel(module: str) -> ChunkCEKernel:
     """The ``cross_entropy_chunk`` of ``module``, imported on first use."""
     return lazy_function(module, "cross_entropy_chunk")
+
+
+def lazy_logprobs_kernels(module: str, extra_bytes_per_logit: int) -> LogprobsKernels:
+    """The ``logprobs_forward_chunk``/``logprobs_backward_chunk`` of ``module``, imported on first use."""
+    return LogprobsKernels(
+        forward=lazy_function(module, "logprobs_forward_chunk"),
+        backward=lazy_function(module, "logprobs_backward_chunk"),
+        extra_bytes_per_logit=extra_bytes_per_logit,
+    )
+
+
+def lazy_distillation_kernels(module: str, extra_bytes_per_logit: int) -> DistillationKernels:
+    """The ``distillation_chunk`` of ``module``, imported on first use."""
+    return DistillationKernels(
+        chunk=lazy_function(module, "distillation_chunk"), extra_bytes_per_logit=extra_bytes_per_logit
+    )

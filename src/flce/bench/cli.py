@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flce.bench import ce_kernel, host_overhead, report
+from flce.bench import ce_kernel, heads, host_overhead, report
 from flce.bench.cases import (
     DTYPES,
     FEATURES,
@@ -85,6 +85,15 @@ def _chunk_list(text: str) -> tuple[int | None, ...]:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``flce bench`` options to ``parser``."""
     g = parser.add_argument_group("what to run")
+    g.add_argument(
+        "--loss",
+        choices=("ce", *heads.HEAD_LOSSES),
+        default="ce",
+        help="ce: the fused cross-entropy (default); logprobs: flce.fused_linear_logprobs with the entropy "
+        "(N=8192, H=4096, V=128256 and 151936 by default on a GPU; floor: the CE's 3 GEMMs); distill: "
+        "flce.fused_linear_distillation against a teacher (floor: 2 logits GEMMs + dX + dW), with Liger's "
+        "fused linear JSD",
+    )
     g.add_argument(
         "--mode",
         choices=MODES,
@@ -325,6 +334,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return _usage_error(ValueError("--overhead-calls applies to --kernel ce only"))
     if args.tp is not None:
         return run_tensor_parallel(args, device)
+    if args.loss != "ce":
+        return run_head_bench(args, device)
     try:
         config = resolve_config(args, device)
         methods = resolve_methods(args, config.device)
@@ -358,6 +369,38 @@ def run_bench(args: argparse.Namespace) -> int:
     _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
+
+
+# ----------------------------------------------------------------------------- --loss logprobs|distill
+
+
+def run_head_bench(args: argparse.Namespace, device: torch.device) -> int:
+    """``flce bench --loss logprobs|distill`` (``flce.bench.heads``): the same sweep, table
+    and files as the cross-entropy's, with the head's methods and floor."""
+    try:
+        config, methods = heads.resolve_head_run(args, resolve_config(args, device))
+    except ValueError as exc:
+        return _usage_error(exc)
+    if args.list_methods:
+        for m in heads.head_methods(args.loss):
+            print(f"{m.name:28s} {m.label}")
+        return 0
+    env = report.environment(config.device)
+    env["gpu_state_before"] = report.gpu_state(config.device)
+    with progress_reporter(len(config.shapes) * config.steps_per_case(len(methods))) as tick:
+        results = run_sweep(config, methods, tick)
+    env["gpu_state_after"] = report.gpu_state(config.device)
+    payload = heads.head_payload(args, config, methods, results, env, command_line())
+    title = f"flce bench --loss {args.loss}: {report.MODE_TEXT[config.mode]}, {dtype_name(config.dtype)} on " + (
+        env.get("gpu") or str(config.device)
+    )
+    report.print_table(payload["results"], title)
+    written = []
+    if args.out is not None:
+        stem = f"bench-{args.loss}-{args.mode}-{payload['config']['dtype']}"
+        written = write_outputs(args.out, stem, payload, not args.no_plots, title)
+    _saved_or_how(args.out, written)
+    return 0 if any(r.ok and not r.is_floor for r in results) else 1
 
 
 # ----------------------------------------------------------------------------- --kernel ce

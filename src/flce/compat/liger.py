@@ -7,6 +7,13 @@ returns the weight gradient, repeated backward does not compound the upstream sc
 out-of-range targets raise, and the caller's logits are never overwritten by the
 standalone cross-entropy. ``ce_mode`` is accepted and ignored; ``ce_impl`` selects an
 flce backend ("torch", "triton", "cutedsl"; Liger's "nvidia-cutedsl" means "cutedsl").
+
+The fused linear JSD (``LigerFusedLinearJSD``, ``liger_fused_linear_jsd``,
+``LigerFusedLinearJSDFunction``) runs ``flce.fused_linear_distillation`` with
+``reduction="mean"``: the same loss, the mean over the tokens whose label is not
+``ignore_index``; unlike Liger's, it never materializes a chunk's fp32 log-probabilities
+beside the logits, returns 0 (not NaN) when every token is ignored, refuses bad
+arguments with exceptions instead of asserts, and takes (B, T, H) inputs too.
 """
 
 from __future__ import annotations
@@ -15,8 +22,12 @@ import math
 
 import torch
 
-from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import OPTION_FIELDS, LossOptions, as_int
+from flce.functional import (
+    cross_entropy_with_options,
+    fused_linear_cross_entropy_with_options,
+    fused_linear_distillation_with_options,
+)
+from flce.options import OPTION_FIELDS, DistillationOptions, LossOptions, as_int
 from flce.output import CrossEntropyOutput
 
 __all__ = [
@@ -24,8 +35,11 @@ __all__ = [
     "LigerCrossEntropyFunction",
     "LigerFusedLinearCrossEntropyFunction",
     "LigerFusedLinearCrossEntropyLoss",
+    "LigerFusedLinearJSD",
+    "LigerFusedLinearJSDFunction",
     "liger_cross_entropy",
     "liger_fused_linear_cross_entropy",
+    "liger_fused_linear_jsd",
 ]
 
 _LIGER_IMPL_ALIASES = {"nvidia-cutedsl": "cutedsl", "cutedsl": "cutedsl", "triton": "triton", "torch": "torch"}

@@ -1,9 +1,13 @@
-"""The token-chunk scheme: one control flow for every backend's chunk CE kernel.
+"""The token-chunk scheme: one control flow for every backend's chunk kernels and every
+loss head.
 
-For a block of ``C`` token rows at a time, ``run_chunks`` runs the logits GEMM into a
-reused ``(C, V)`` buffer, calls the backend's chunk CE kernel (loss statistics, and the
-gradient written in place over the logits), then the dX GEMM and the dW/db
-accumulation. The full ``(N, V)`` logits never exist. ``C`` comes from
+For a block of ``C`` token rows at a time, ``run_token_chunks`` runs the logits GEMM into
+a reused ``(C, V)`` buffer (and, for a head with a constant second LM head such as a
+distillation teacher, that head's GEMM into a second one), calls the loss head's chunk
+kernel (per-row outputs, and the gradient written in place over the logits), then the dX
+GEMM and the dW/db accumulation. The full ``(N, V)`` logits never exist. ``run_chunks``
+is the cross-entropy on it (the backend's chunk CE kernel); ``flce.heads`` run the
+logprobs and distillation heads on it. ``C`` comes from
 ``flce.driver.sizing``; dW and db are accumulated in fp32 unless ``accum_dtype`` equals
 a low-precision weight dtype (then in that dtype: less memory, rounding per chunk, the
 user's choice), or written by one GEMM when one chunk holds every row
@@ -16,7 +20,9 @@ gradient goes to a separate buffer so the caller's logits are never modified.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -73,38 +79,77 @@ def in_compute_dtype(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.T
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
-def run_chunks(
-    input: torch.Tensor,  # (N, H) any float dtype (cast to compute_dtype per chunk)
-    weight: torch.Tensor,  # (V, H)
-    target: torch.Tensor,  # (N,)
-    bias: torch.Tensor | None,  # (V,)
-    ce_weight: torch.Tensor | None,  # (V,) fp32
-    options: LossOptions,
-    backend: BackendSpec,
-    compute_dtype: torch.dtype,
-    scalars: ChunkScalars,
+@dataclass(frozen=True)
+class LinearHead:
+    """An LM head whose logits the token-chunk loop forms chunk by chunk:
+    ``logits = input @ weight.T + bias``, in ``compute_dtype``."""
+
+    input: torch.Tensor  # (N, H) any float dtype (cast to compute_dtype per chunk)
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None  # (V,)
+    compute_dtype: torch.dtype
+
+
+class TokenChunkKernel(Protocol):
+    """What ``run_token_chunks`` calls for each chunk of rows ``[start, end)``: the loss
+    head's per-row outputs of those rows from their ``logits`` (C, V) and, with
+    ``compute_grad``, dL/dlogits written over ``logits`` (same dtype). ``constant_logits``
+    holds the chunk's logits of each constant head (a teacher), only to be read."""
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        start: int,
+        end: int,
+        compute_grad: bool,
+        constant_logits: tuple[torch.Tensor, ...],
+    ) -> None: ...
+
+
+def _logits_into(out: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding)."""
+    if b is None:
+        return torch.mm(x, w_t, out=out)
+    return torch.addmm(b, x, w_t, out=out)
+
+
+def run_token_chunks(
+    head: LinearHead,
+    kernel: TokenChunkKernel,
     request: GradRequest,
-    row_grad_scale: torch.Tensor | None = None,  # (N,) fp32 per-row upstream gradient
-) -> tuple[RowOutputs, Gradients]:
-    """Runs every chunk; returns per-row outputs and the requested gradients."""
+    *,
+    chunk_size: int | None,  # rows per chunk; None: from the memory budget (flce.driver.sizing)
+    accum_dtype: torch.dtype | None,  # LossOptions.accum_dtype
+    extra_bytes_per_logit: int,  # the kernel's fp32 workspace per logit
+    constant_heads: Sequence[LinearHead] = (),  # same N and V; no gradient (a teacher)
+) -> Gradients:
+    """The loop of every loss head: per chunk, the logits GEMM of ``head`` (and of each
+    constant head) into reused buffers, ``kernel``, then dX and the dW/db accumulation of
+    the requested gradients from the dL/dlogits it wrote in place."""
+    input, weight, bias, compute_dtype = head.input, head.weight, head.bias, head.compute_dtype
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
     device = input.device
-    rows = allocate_rows(n_rows, options, device)
 
     w = in_compute_dtype(weight, compute_dtype)
     b = in_compute_dtype(bias, compute_dtype)
     w_t = w.t()  # (H, V) view: logits = x @ W^T
+    constants = [
+        (c, in_compute_dtype(c.weight, c.compute_dtype).t(), in_compute_dtype(c.bias, c.compute_dtype))
+        for c in constant_heads
+    ]
+    # The constant heads' chunk buffers count as workspace per logit of the chunk.
+    extra_bytes = extra_bytes_per_logit + sum(c.compute_dtype.itemsize for c in constant_heads)
 
     dx = torch.empty_like(input) if request.input else None
-    accumulator_dtype = weight_accumulator_dtype(options.accum_dtype, weight.dtype) if request.weight else None
-    chunk = options.chunk_size or whole_row_chunk_size(
+    accumulator_dtype = weight_accumulator_dtype(accum_dtype, weight.dtype) if request.weight else None
+    chunk = chunk_size or whole_row_chunk_size(
         n_rows,
         vocab,
         hidden,
         compute_dtype,
         weight.dtype,
-        backend.extra_bytes_per_logit,
+        extra_bytes,
         accumulator_dtype == torch.float32,
     )
     chunk = max(1, min(chunk, n_rows))
@@ -120,24 +165,20 @@ def run_chunks(
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if request.bias else None
 
     logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if n_rows else None
+    constant_buffers = [
+        torch.empty(chunk, vocab, dtype=c.compute_dtype, device=device) for c in constant_heads if n_rows
+    ]
 
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         x = in_compute_dtype(input[start:end], compute_dtype)
-        logits = logits_buffer[: end - start]  # (C, V)
-        if b is None:
-            torch.mm(x, w_t, out=logits)
-        else:
-            torch.addmm(b, x, w_t, out=logits)
-        backend.cross_entropy_chunk(
-            logits,
-            target[start:end],
-            ce_weight,
-            scalars,
-            **rows.chunk_kwargs(start, end),
-            row_grad_scale=None if row_grad_scale is None else row_grad_scale[start:end],
-            compute_grad=request.any,
+        logits = _logits_into(logits_buffer[: end - start], x, w_t, b)  # (C, V)
+        constant_logits = tuple(
+            _logits_into(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
+            for buffer, (c, c_w_t, c_b) in zip(constant_buffers, constants, strict=True)
         )
+        kernel(logits, start, end, request.any, constant_logits)
+        constant_logits = None
         if not request.any:
             continue
         grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
@@ -154,10 +195,10 @@ def run_chunks(
         if db_acc is not None:
             db_acc += grad_logits.sum(dim=0, dtype=torch.float32)
 
-    # Free the chunk buffer (the loop's views of it too) before the fp32 -> weight-dtype
-    # cast below, so the chunk and the cast's output never coexist.
+    # Free the chunk buffers (the loop's views of them too) before the fp32 -> weight-dtype
+    # cast below, so the chunks and the cast's output never coexist.
     logits = grad_logits = x = None
-    del logits_buffer
+    del logits_buffer, constant_buffers
     dw = None
     if dw_acc is not None:
         if n_rows == 0:  # no chunk ran: the gradient is zero
@@ -165,7 +206,46 @@ def run_chunks(
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
         del dw_acc
     db = None if db_acc is None else db_acc.to(bias.dtype)
-    return rows, Gradients(dx, dw, db)
+    return Gradients(dx, dw, db)
+
+
+def run_chunks(
+    input: torch.Tensor,  # (N, H) any float dtype (cast to compute_dtype per chunk)
+    weight: torch.Tensor,  # (V, H)
+    target: torch.Tensor,  # (N,)
+    bias: torch.Tensor | None,  # (V,)
+    ce_weight: torch.Tensor | None,  # (V,) fp32
+    options: LossOptions,
+    backend: BackendSpec,
+    compute_dtype: torch.dtype,
+    scalars: ChunkScalars,
+    request: GradRequest,
+    row_grad_scale: torch.Tensor | None = None,  # (N,) fp32 per-row upstream gradient
+) -> tuple[RowOutputs, Gradients]:
+    """The cross-entropy through ``run_token_chunks`` with the backend's chunk CE kernel;
+    returns per-row outputs and the requested gradients."""
+    rows = allocate_rows(input.shape[0], options, input.device)
+
+    def cross_entropy_kernel(logits, start, end, compute_grad, _constant_logits) -> None:
+        backend.cross_entropy_chunk(
+            logits,
+            target[start:end],
+            ce_weight,
+            scalars,
+            **rows.chunk_kwargs(start, end),
+            row_grad_scale=None if row_grad_scale is None else row_grad_scale[start:end],
+            compute_grad=compute_grad,
+        )
+
+    grads = run_token_chunks(
+        LinearHead(input, weight, bias, compute_dtype),
+        cross_entropy_kernel,
+        request,
+        chunk_size=options.chunk_size,
+        accum_dtype=options.accum_dtype,
+        extra_bytes_per_logit=backend.extra_bytes_per_logit,
+    )
+    return rows, grads
 
 
 def run_logits_chunks(

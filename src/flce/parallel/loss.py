@@ -63,13 +63,11 @@ from flce.options import LossOptions, as_int, validate_ce_weight, validate_fused
 from flce.output import LossResult, package_result
 from flce.parallel.dtensor import unwrap_dtensors
 from flce.parallel.handshake import agree_on_call, gather_class_weights, resolve_group
-from flce.plan import LinearOperands, Operands, run_loss
+from flce.plan import CrossEntropyPlan, LinearOperands, Operands, run_loss
 from flce.rows.cross_entropy import (
     ChunkScalars,
-    Reduced,
     RowOutputs,
     gather_safe_target,
-    reduce_rows,
     row_scale,
     rows_from_statistics,
 )
@@ -81,7 +79,7 @@ __all__ = ["VocabParallelFusedLinearCrossEntropyLoss", "vocab_parallel_fused_lin
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelPlan(CrossEntropyPlan):
     """Everything one call decided before its first chunk (identical on every rank
     except ``vocab_start``); runs through ``flce.plan``'s forward/backward pair."""
 
@@ -133,12 +131,6 @@ class ParallelPlan:
             self.scalars,
             request,
             row_grad_scale,
-        )
-
-    def reduce(self, rows: RowOutputs) -> Reduced:
-        o = self.options
-        return reduce_rows(
-            rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, self.stats.accuracy_scale
         )
 
     def finish_gradients(self, grads: Gradients) -> None:

@@ -292,6 +292,10 @@ class Reduced:
     def as_tuple(self) -> tuple:
         return self.loss, self.z_loss, self.token_accuracy, self.predicted_tokens
 
+    def non_differentiable(self) -> list[torch.Tensor]:
+        """The outputs without a gradient (only the loss has one)."""
+        return [t for t in (self.z_loss, self.token_accuracy, self.predicted_tokens) if t is not None]
+
 
 def reduce_rows(
     rows: RowOutputs,

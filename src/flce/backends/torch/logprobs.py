@@ -7,6 +7,7 @@ import torch
 
 from flce.backends.base import gradient_destination
 from flce.rows import logprobs as rows
+from flce.rows.cross_entropy import gather_safe_target
 
 # fp32 temporaries per logit beyond the chunk itself, at most three (M, V) tensors at
 # once: z, then in backward log p (in z's storage), p and the gradient.
@@ -33,7 +34,8 @@ def logprobs_forward_chunk(
     if logits.shape[0] == 0:
         return
     valid = target != ignore_index  # (M,)
-    safe_target = torch.where(valid, target, torch.zeros_like(target)).long()  # (M,) gather-safe
+    # An out-of-range target (whose call the batch statistics poison) reads class 0: never out of bounds.
+    safe_target = gather_safe_target(target, valid, logits.shape[1])  # (M,) int64
     z = _scaled_fp32(logits, inv_temperature)
     target_logit = z.gather(1, safe_target[:, None]).squeeze(1)  # (M,)
     values = rows.row_values(rows.block_statistics(z, with_spread=entropy_out is not None), target_logit)
@@ -60,7 +62,7 @@ def logprobs_backward_chunk(
         return
     destination = gradient_destination(logits, grad_out, True)
     valid = target != ignore_index  # (M,)
-    safe_target = torch.where(valid, target, torch.zeros_like(target)).long()
+    safe_target = gather_safe_target(target, valid, logits.shape[1])  # (M,) int64, in bounds
     # dL/dlogits = dL/dz / temperature, folded into the row coefficients
     coef_logprob = None if grad_logprob is None else grad_logprob * inv_temperature
     coef_entropy = None if grad_entropy is None else grad_entropy * inv_temperature

@@ -1,7 +1,9 @@
-"""The ``triton`` backend: a fused two-pass chunk CE kernel written in Triton.
+"""The ``triton`` backend: a fused two-pass chunk CE kernel written in Triton, and the
+logprobs and distillation heads' chunk kernels.
 
-Importing this package never imports Triton: the kernel module (``.ce``) is loaded on
-the first call, so a missing or broken Triton shows up in ``availability`` instead.
+Importing this package never imports Triton: the kernel modules (``.ce``, ``.logprobs``,
+``.distillation``) are loaded on the first call, so a missing or broken Triton shows up
+in ``availability`` instead.
 """
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ from functools import cache
 
 import torch
 
-from flce.backends.base import BackendSpec, InPlaceSplitRowKernels, lazy_chunk_kernel, lazy_function
+from flce.backends.base import (
+    BackendSpec,
+    InPlaceSplitRowKernels,
+    lazy_chunk_kernel,
+    lazy_distillation_kernels,
+    lazy_function,
+    lazy_logprobs_kernels,
+)
 
 _INSTALL_HINT = "pip install 'flce[triton]'"
 
@@ -82,4 +91,7 @@ BACKEND = BackendSpec(
     description="fused two-pass Triton CE kernel, in place (no fp32 workspace); CUDA GPUs",
     scale_unless_one=lazy_function("flce.backends.triton.scale", "scale_unless_one_"),
     batch_statistics=lazy_function("flce.backends.triton.statistics", "batch_statistics_buffers"),
+    # In place, like the CE kernel: no fp32 workspace.
+    logprobs=lazy_logprobs_kernels("flce.backends.triton.logprobs", extra_bytes_per_logit=0),
+    distillation=lazy_distillation_kernels("flce.backends.triton.distillation", extra_bytes_per_logit=0),
 )

@@ -1,0 +1,173 @@
+"""The distillation head's plan: Liger's generalized Jensen-Shannon divergence between a
+teacher's and a student's next-token distributions, from both LM heads' hidden states,
+without materializing either logits tensor (row math: ``flce.rows.distillation``).
+
+Per token chunk, two GEMMs: the student's logits into the loop's reused buffer and the
+teacher's into a second one (``flce.driver.chunks.run_token_chunks``'s constant head);
+then the backend's ``distillation_chunk`` (per-row loss and, with gradients, dL/dlogits
+of the student written over its logits), dX and dW/db of the student. The teacher is a
+constant: its tensors are detached and get no gradient.
+
+The reduction is folded into a per-row gradient scale held on the device (no host
+sync): ``1 / count`` of the rows not ignored for ``"mean"`` (every row without a
+target; 0 when there is none), 1 for ``"sum"``; so ``mean``/``sum`` compute the gradients
+in the forward and scale them by the upstream scalar in backward, as the cross-entropy
+does, and ``"none"`` recomputes them in backward with each row's upstream gradient.
+
+Targets only mark the ignored rows, but a target outside ``[0, V)`` (and not
+``ignore_index``) is refused as everywhere in flce (``flce.driver.validation``): NaN
+loss and gradients, and ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flce.backends.base import BackendSpec
+from flce.dispatch import resolve_backend
+from flce.driver.chunks import Gradients, GradRequest, LinearHead, run_token_chunks
+from flce.driver.statistics import batch_statistics
+from flce.options import DistillationOptions
+
+
+@dataclass(frozen=True)
+class DistillationOperands:
+    """``flce.fused_linear_distillation``'s tensors, validated and flattened; the
+    teacher's detached."""
+
+    entry = "flce.fused_linear_distillation"
+
+    input: torch.Tensor  # (N, H) the student's
+    weight: torch.Tensor  # (V, H)
+    bias: torch.Tensor | None  # (V,)
+    teacher_input: torch.Tensor  # (N, H_t)
+    teacher_weight: torch.Tensor  # (V, H_t)
+    teacher_bias: torch.Tensor | None  # (V,)
+    target: torch.Tensor | None  # (N,) int32/int64; None: no row ignored
+
+    @property
+    def n_rows(self) -> int:
+        return self.input.shape[0]
+
+    def tensors(self) -> tuple:
+        """The autograd inputs, differentiable ones (the student's) first."""
+        return (
+            self.input,
+            self.weight,
+            self.bias,
+            self.teacher_input,
+            self.teacher_weight,
+            self.teacher_bias,
+            self.target,
+        )
+
+    def differentiable(self) -> tuple:
+        return self.input, self.weight, self.bias
+
+    def request(self, needs_grad: tuple[bool, ...]) -> GradRequest:
+        return GradRequest(input=needs_grad[0], weight=needs_grad[1], bias=self.bias is not None and needs_grad[2])
+
+    @staticmethod
+    def gradient_tuple(grads: Gradients) -> tuple:
+        return grads.input, grads.weight, grads.bias, None, None, None, None
+
+
+@dataclass
+class DistillationOutputs:
+    loss: torch.Tensor  # () fp32 for mean/sum, (N,) for "none"
+
+    def as_tuple(self) -> tuple:
+        return (self.loss,)
+
+    def non_differentiable(self) -> list[torch.Tensor]:
+        return []
+
+
+@dataclass(frozen=True)
+class DistillationPlan:
+    """Everything one ``fused_linear_distillation`` call decided before its first kernel."""
+
+    options: DistillationOptions
+    backend: BackendSpec  # one with a ``distillation`` slot
+    compute_dtype: torch.dtype  # the student's GEMMs
+    teacher_dtype: torch.dtype  # the teacher's GEMM
+    row_scale: torch.Tensor  # () fp32 on the device: the reduction's scale of each row, NaN for bad targets
+
+    @property
+    def defers_gradients(self) -> bool:
+        return self.options.reduction == "none"
+
+    def run(
+        self, operands: DistillationOperands, request: GradRequest, upstream: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Gradients]:
+        """Per-row losses (N,) fp32, and the requested gradients with ``upstream`` (N,)
+        (the per-row upstream gradient times the reduction's scale) or, without it, the
+        reduction's scale folded into each row."""
+        o, options, kernels = operands, self.options, self.backend.distillation
+        losses = torch.empty(o.n_rows, dtype=torch.float32, device=o.input.device)
+        row_grad_scale = self.row_scale.expand(o.n_rows) if upstream is None else upstream
+
+        def kernel(logits, start, end, compute_grad, constant_logits) -> None:
+            (teacher_logits,) = constant_logits
+            kernels.chunk(
+                logits,
+                teacher_logits,
+                None if o.target is None else o.target[start:end],
+                beta=options.beta,
+                inv_temperature=options.inv_temperature,
+                ignore_index=options.ignore_index,
+                loss_out=losses[start:end],
+                row_grad_scale=row_grad_scale[start:end],
+                compute_grad=compute_grad,
+            )
+
+        grads = run_token_chunks(
+            LinearHead(o.input, o.weight, o.bias, self.compute_dtype),
+            kernel,
+            request,
+            chunk_size=options.chunk_size,
+            accum_dtype=None,
+            extra_bytes_per_logit=kernels.extra_bytes_per_logit,
+            constant_heads=(LinearHead(o.teacher_input, o.teacher_weight, o.teacher_bias, self.teacher_dtype),),
+        )
+        return losses, grads
+
+    def reduce(self, losses: torch.Tensor) -> DistillationOutputs:
+        if self.options.reduction == "none":
+            return DistillationOutputs(losses * self.row_scale)  # the scale is 1, or NaN for bad targets
+        return DistillationOutputs(losses.sum() * self.row_scale)
+
+    def residuals(self, losses: torch.Tensor) -> tuple:
+        return ()
+
+    def upstream(self, grad_outputs: tuple, residuals: tuple, n_rows: int) -> torch.Tensor | None:
+        """The loss's upstream gradient (() or (N,)) times the reduction's scale, per row."""
+        grad_loss = grad_outputs[0]
+        return None if grad_loss is None else (grad_loss.float() * self.row_scale).expand(n_rows).contiguous()
+
+    def finish_gradients(self, grads: Gradients) -> None:
+        """Nothing to finish on one device."""
+
+
+def make_distillation_plan(
+    options: DistillationOptions,
+    device: torch.device,
+    target: torch.Tensor | None,  # (N,)
+    n_rows: int,
+    vocab: int,
+    compute_dtype: torch.dtype,
+    teacher_dtype: torch.dtype,
+) -> DistillationPlan:
+    """The backend (the best one with a distillation kernel, or the requested one) and
+    the reduction's per-row scale, computed on the device."""
+    backend = resolve_backend(options.backend, device, needs="distillation")
+    if target is None:
+        count_scale = torch.full((), 1.0 / n_rows if n_rows else 0.0, dtype=torch.float32, device=device)
+        poison = torch.ones((), dtype=torch.float32, device=device)
+    else:
+        stats = batch_statistics(target, None, vocab, options.ignore_index)
+        count_scale, poison = stats.accuracy_scale, stats.poison  # 1 / n_valid (0 when none is valid)
+    row_scale = count_scale * poison if options.reduction == "mean" else poison
+    return DistillationPlan(options, backend, compute_dtype, teacher_dtype, row_scale)

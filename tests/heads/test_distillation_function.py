@@ -1,0 +1,313 @@
+"""``flce.fused_linear_distillation`` end to end (the plan, the token-chunk driver with the
+teacher's GEMM, the backend's kernel, autograd, the custom ops) against the float64
+reference, with eager PyTorch's error in the same dtype as the yardstick (end_to_end.py).
+
+On CPU the Triton kernel runs through Triton's interpreter (tests/conftest.py sets it);
+the tests marked ``gpu`` need CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flce
+from flce.dispatch import BackendUnavailableError
+from flce.reference import distillation_from_logits_reference
+
+from .end_to_end import Head, assert_gradients, assert_parity, make_head, make_target
+from .harness import BACKENDS, DEVICE, DTYPES, requires_cuda, requires_triton
+
+gpu = pytest.mark.gpu
+# 300 classes: two tiles of the CPU launch heuristic, the second ragged; 11 rows in
+# chunks of 4 (a ragged last chunk); the teacher's hidden size differs from the student's.
+LEADING, HIDDEN, TEACHER_HIDDEN, VOCAB, CHUNK = (11,), 24, 17, 300, 4
+BETAS = [0.0, 0.5, 1.0]  # forward KL, the mixture, reverse KL: the kernels' three formulas
+
+
+def make_teacher(student: Head, dtype: torch.dtype, seed: int, hidden: int = TEACHER_HIDDEN) -> Head:
+    """A teacher whose distributions are independent of the student's on some rows and
+    close to them on others (the divergence then nearly cancels)."""
+    leading, vocab = student.input.shape[:-1], student.weight.shape[0]
+    teacher = make_head(tuple(leading), hidden, vocab, torch.float32, seed + 100)
+    # Rows 1, 4, 7, ...: the teacher's input chosen so that its logits follow the student's.
+    x_s = student.input.detach().float().cpu().reshape(-1, student.input.shape[-1])
+    w_s, w_t = student.weight.detach().float().cpu(), teacher.weight.float().cpu()
+    b_s = 0 if student.bias is None else student.bias.detach().float().cpu()
+    b_t = teacher.bias.float().cpu()
+    follow = torch.linalg.lstsq(w_t, (x_s @ w_s.T + b_s - b_t).T).solution.T  # (N, H_t)
+    x_t = teacher.input.float().cpu().reshape(-1, hidden)
+    rows = torch.arange(x_t.shape[0]) % 3 == 1
+    x_t[rows] = follow[rows]
+
+    def put(t):
+        return t.to(device=DEVICE, dtype=dtype)
+
+    return Head(put(x_t.reshape(*leading, hidden)), put(w_t), put(b_t))
+
+
+def reference_run(student: Head, teacher: Head, target, options, upstream, dtype, math_dtype):
+    """The reference on student leaves of ``dtype`` (logits in it; the teacher's in its
+    own dtype, float64 for the truth) with the math in ``math_dtype``: (student with
+    gradients, loss, dL/dlogits)."""
+    leaves = student.leaves(dtype)
+    logits = F.linear(leaves.input, leaves.weight, leaves.bias)
+    logits.retain_grad()
+    vocab = student.weight.shape[0]
+    t = teacher.leaves(torch.float64 if dtype == torch.float64 else teacher.weight.dtype, requires_grad=False)
+    loss = distillation_from_logits_reference(
+        logits.reshape(-1, vocab),
+        F.linear(t.input, t.weight, t.bias).reshape(-1, vocab),
+        None if target is None else target.reshape(-1),
+        math_dtype=math_dtype,
+        **options,
+    )
+    (loss * upstream.reshape(loss.shape).to(loss.dtype)).sum().backward()
+    return leaves, loss.detach(), logits.grad.reshape(-1, vocab)
+
+
+def check_parity(
+    backend,
+    dtype,
+    beta,
+    reduction,
+    *,
+    temperature=1.0,
+    leading=LEADING,
+    vocab=VOCAB,
+    chunk_size=CHUNK,
+    with_target=True,
+    teacher_dtype=None,
+    seed=0,
+):
+    student = make_head(leading, HIDDEN, vocab, dtype, seed)
+    teacher = make_teacher(student, teacher_dtype or dtype, seed)
+    target = make_target(student, seed) if with_target else None
+    options = dict(beta=beta, temperature=temperature, reduction=reduction)
+    g = torch.Generator().manual_seed(seed + 3)
+    upstream = (torch.randn(leading, generator=g) if reduction == "none" else torch.tensor(1.5)).to(DEVICE)
+    ours = student.leaves(dtype)
+    loss = flce.fused_linear_distillation(
+        ours.input,
+        ours.weight,
+        teacher.input,
+        teacher.weight,
+        target,
+        student_bias=ours.bias,
+        teacher_bias=teacher.bias,
+        backend=backend,
+        chunk_size=chunk_size,
+        **options,
+    )
+    assert loss.dtype == torch.float32
+    assert loss.shape == (leading if reduction == "none" else ())
+    (loss * upstream).sum().backward()
+    truth, truth_loss, grad_logits = reference_run(
+        student, teacher, target, options, upstream, torch.float64, torch.float64
+    )
+    eager, eager_loss, _ = reference_run(student, teacher, target, options, upstream, dtype, torch.float32)
+    assert_parity("loss", loss.reshape(truth_loss.shape), truth_loss, eager_loss, torch.float32)
+    assert_gradients(ours, truth, eager, grad_logits, dtype)
+    if reduction == "none" and target is not None:
+        assert torch.all(loss[target == -100] == 0)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_reference(backend, dtype, beta):
+    check_parity(backend, dtype, beta, "mean", temperature=0.8)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reductions(backend, beta, reduction):
+    check_parity(backend, torch.float32, beta, reduction, temperature=2.0, seed=1)
+
+
+# (B, T) inputs in one chunk; no target (no row ignored); a bf16 teacher for an fp32
+# student (each LM head's GEMM in its own dtype).
+@pytest.mark.parametrize(
+    "leading,chunk_size,with_target,teacher_dtype",
+    [((3, 4), None, True, None), ((11,), 4, False, None), ((11,), 4, True, torch.bfloat16)],
+    ids=["batched-one-chunk", "no-target", "bf16-teacher"],
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shapes_targets_and_teacher_dtype(backend, leading, chunk_size, with_target, teacher_dtype):
+    check_parity(
+        backend,
+        torch.float32,
+        0.5,
+        "none" if len(leading) > 1 else "mean",
+        leading=leading,
+        chunk_size=chunk_size,
+        with_target=with_target,
+        teacher_dtype=teacher_dtype,
+        seed=2,
+    )
+
+
+def _heads(seed, leading=(6,), vocab=VOCAB):
+    student = make_head(leading, HIDDEN, vocab, torch.float32, seed)
+    return student.leaves(torch.float32), make_teacher(student, torch.float32, seed)
+
+
+def _call(student: Head, teacher: Head, target, **kwargs):
+    return flce.fused_linear_distillation(
+        student.input,
+        student.weight,
+        teacher.input,
+        teacher.weight,
+        target,
+        student_bias=student.bias,
+        teacher_bias=teacher.bias,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_tokens_ignored(backend, reduction):
+    """Loss 0 (no division by a count of 0) and exact zero gradients."""
+    student, teacher = _heads(3)
+    target = torch.full((6,), -100, device=DEVICE)
+    loss = _call(student, teacher, target, reduction=reduction, backend=backend)
+    loss.sum().backward()
+    assert torch.all(loss == 0)
+    for leaf in student.tensors():
+        assert torch.all(leaf.grad == 0)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocabulary_of_one(backend, beta):
+    """V = 1: both distributions are 1, the divergence and every gradient exactly 0."""
+    student, teacher = _heads(4, vocab=1)
+    loss = _call(student, teacher, None, beta=beta, backend=backend)
+    loss.backward()
+    assert loss == 0
+    for leaf in student.tensors():
+        assert torch.all(leaf.grad == 0)
+
+
+def test_teacher_gets_no_gradient_and_no_grad_path_agrees():
+    student, teacher = _heads(5)
+    teacher = teacher.leaves(torch.float32)  # the teacher's tensors requiring grad
+    target = make_target(student, seed=5)
+    loss = _call(student, teacher, target, beta=0.3)
+    loss.backward()
+    assert all(t.grad is None for t in teacher.tensors())
+    with torch.no_grad():
+        again = _call(student, teacher, target, beta=0.3)
+    torch.testing.assert_close(again, loss.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_repeated_backward_does_not_compound(reduction):
+    student, teacher = _heads(6)
+    loss = _call(student, teacher, make_target(student, seed=6), reduction=reduction)
+    upstream = torch.full_like(loss, 3.0)
+    loss.backward(upstream, retain_graph=True)
+    first = [leaf.grad.clone() for leaf in student.tensors()]
+    loss.backward(upstream)
+    for leaf, grad in zip(student.tensors(), first, strict=True):
+        torch.testing.assert_close(leaf.grad, 2 * grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_target_raises(backend):
+    student, teacher = _heads(7)
+    target = make_target(student, seed=7)
+    target[2] = -5
+    with pytest.raises(ValueError, match=r"target values must be in \[0, 300\)"):
+        _call(student, teacher, target, backend=backend)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiled_fullgraph_matches_eager(reduction):
+    student = make_head((2, 5), HIDDEN, 37, torch.float32, seed=8)
+    teacher = make_teacher(student, torch.float32, seed=8)
+    target = make_target(student, seed=8)
+
+    def step(x, w, b):
+        loss = flce.fused_linear_distillation(
+            torch.tanh(x), w, teacher.input, teacher.weight, target, beta=0.3, reduction=reduction, student_bias=b
+        )
+        return (loss * torch.linspace(0.5, 2.0, 5)).sum() if reduction == "none" else loss * 1.5
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (step, compiled):
+        leaves = student.leaves(torch.float32)
+        loss = fn(leaves.input, leaves.weight, leaves.bias)
+        loss.backward()
+        results.append([loss.detach(), *(leaf.grad for leaf in leaves.tensors())])
+    for expected, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, expected)
+
+
+def test_create_graph_is_refused():
+    student, teacher = _heads(9)
+    loss = _call(student, teacher, None)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(loss, student.input, create_graph=True)
+
+
+def _bad_inputs():
+    """(arguments to change, expected exception, message)."""
+    x, w, xt, wt = torch.randn(3, 4), torch.randn(7, 4), torch.randn(3, 5), torch.randn(7, 5)
+    return {
+        "vocabularies differ": (dict(teacher_weight=torch.randn(8, 5)), ValueError, "vocabularies must match"),
+        "rows differ": (dict(teacher_input=torch.randn(4, 5)), ValueError, "one row per row of student_input"),
+        "teacher hidden": (dict(teacher_weight=torch.randn(7, 6)), ValueError, r"teacher_weight must be \(V, H\)"),
+        "teacher dtypes": (dict(teacher_weight=wt.half()), TypeError, "teacher_weight has dtype"),
+        "student bias": (dict(student_bias=torch.randn(6)), ValueError, r"student_bias must have shape \(7,\)"),
+        "target rows": (dict(target=torch.tensor([0, 1])), ValueError, "one class index per row of student_input"),
+        "target type": (dict(target=[0, 1, 2]), TypeError, "target must be a torch.Tensor"),
+        "beta": (dict(beta=1.5), ValueError, r"beta must be in \[0, 1\]"),
+        "temperature": (dict(temperature=-1.0), ValueError, "temperature must be > 0"),
+        "reduction": (dict(reduction="batchmean"), ValueError, "reduction must be one of"),
+        "ignore_index": (dict(ignore_index=True), TypeError, "ignore_index must be an int"),
+    }, dict(student_input=x, student_weight=w, teacher_input=xt, teacher_weight=wt)
+
+
+BAD_INPUTS, GOOD_INPUTS = _bad_inputs()
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_raise_at_the_boundary(case):
+    change, error, message = BAD_INPUTS[case]
+    arguments = {**GOOD_INPUTS, **change}
+    tensors = [arguments.pop(k) for k in ("student_input", "student_weight", "teacher_input", "teacher_weight")]
+    with pytest.raises(error, match=message):
+        flce.fused_linear_distillation(*tensors, **arguments)
+
+
+def test_cutedsl_is_refused_by_name():
+    """cutedsl has no distillation kernel: on a machine where it cannot run the reason
+    is its availability, on Hopper the missing slot; never a silent fallback."""
+    with pytest.raises(BackendUnavailableError, match="cutedsl"):
+        flce.fused_linear_distillation(*GOOD_INPUTS.values(), backend="cutedsl")
+
+
+@gpu
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("backend", ["triton", None], ids=["triton", "auto"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_gpu_matches_reference(backend, dtype, beta):
+    """On the GPU: the Triton kernel, and auto dispatch (triton on Hopper, where the
+    cutedsl backend has no distillation kernel), at a vocabulary of several launch tiles."""
+    check_parity(backend, dtype, beta, "mean", temperature=0.9, leading=(4, 64), vocab=32003, chunk_size=100, seed=21)
+
+
+@gpu
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_gpu_large_vocabulary_bf16(reduction):
+    check_parity("triton", torch.bfloat16, 0.5, reduction, leading=(512,), vocab=151936, chunk_size=None, seed=22)
