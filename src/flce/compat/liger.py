@@ -243,3 +243,82 @@ def liger_cross_entropy(
         if value is not None:
             raise ValueError(f"{name} is a deprecated placeholder and must be None; use reduction=")
     return _ce(input, target, weight, arguments)
+
+
+# --------------------------------------------------------------- fused linear JSD
+
+
+def _jsd_options(jsd_beta, ignore_index, temperature) -> DistillationOptions:
+    return DistillationOptions(beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean")
+
+
+def _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options: DistillationOptions):
+    return fused_linear_distillation_with_options(
+        student_input, student_weight, teacher_input, teacher_weight, shift_labels, None, None, options
+    )
+
+
+class LigerFusedLinearJSDFunction:
+    """``LigerFusedLinearJSDFunction.apply(student_input, student_weight, teacher_input,
+    teacher_weight, shift_labels=None, jsd_beta=0.5, ignore_index=-100, temperature=1.0)``
+    -> the loss, as Liger's autograd function."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        student_input: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_input: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        shift_labels: torch.Tensor | None = None,
+        jsd_beta: float = 0.5,
+        ignore_index: int = -100,
+        temperature: float = 1.0,
+    ):
+        options = _jsd_options(jsd_beta, ignore_index, temperature)
+        return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
+
+    @staticmethod
+    def apply(*args, **kwargs):
+        return LigerFusedLinearJSDFunction.forward(None, *args, **kwargs)
+
+
+def liger_fused_linear_jsd(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    shift_labels=None,
+    jsd_beta: float = 0.5,
+    ignore_index: int = -100,
+    temperature: float = 1.0,
+):
+    """Liger's functional fused linear JSD: the generalized JSD of the student's and the
+    teacher's LM heads (``flce.fused_linear_distillation``), mean over the tokens kept."""
+    options = _jsd_options(jsd_beta, ignore_index, temperature)
+    return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
+
+
+class LigerFusedLinearJSD(torch.nn.Module):
+    """Liger's module: ``LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0)``,
+    ``forward(student_input, student_weight, teacher_input, teacher_weight, shift_labels)``."""
+
+    def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0):
+        super().__init__()
+        # Validated now, as Liger asserts at construction (with clear exceptions, not asserts).
+        _jsd_options(jsd_beta, ignore_index, temperature)
+        self.jsd_beta = jsd_beta
+        self.temperature = temperature
+        self.ignore_index = ignore_index
+
+    def forward(
+        self,
+        student_input: torch.Tensor,
+        student_weight: torch.Tensor,
+        teacher_input: torch.Tensor,
+        teacher_weight: torch.Tensor,
+        shift_labels: torch.LongTensor | None,
+    ):
+        # From the attributes on each call, as Liger's forward reads them.
+        options = _jsd_options(self.jsd_beta, self.ignore_index, self.temperature)
+        return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
