@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flce.bench.cli import bench_parser, run_bench
+from flce.bench.runner import HOST_CUDA_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny but not trivial: V and H are not powers of two, so no path relies on
@@ -46,6 +47,9 @@ def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: 
             # Off the GPU the GEMMs are no floor: neither TFLOP/s nor a ratio is recorded.
             assert row["tflops"] is None and row["ratio_to_floor"] is None
             assert row["peak_extra_bytes"] is None  # not tracked off CUDA
+            # The host side of a call is measured on CUDA only, and the row says so.
+            assert row["host_ms"] is None and row["host_syncs"] is None and row["host_reason"] == HOST_CUDA_ONLY
+    assert payload["config"]["host"] == HOST_CUDA_ONLY and payload["config"]["graph"] is False
     # Both losses are the same function of the same inputs.
     for flce_row, eager_row in zip(_rows(payload, "flce:torch"), _rows(payload, "torch:eager"), strict=False):
         assert flce_row["loss"] == pytest.approx(eager_row["loss"], rel=1e-4)
@@ -55,6 +59,8 @@ def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: 
     with csv_path.open() as f:
         csv_rows = list(csv.DictReader(f))
     assert {r["method"] for r in csv_rows} == {"floor:gemm", "flce:torch", "torch:eager", "liger:triton"}
+    measured_csv = [r for r in csv_rows if r["status"] == "ok"]
+    assert all(r["host_ms"] == r["host_syncs"] == "" and r["host_reason"] == HOST_CUDA_ONLY for r in measured_csv)
     assert all(float(r["median_ms"]) > 0 for r in csv_rows if r["method"] == "flce:torch")
 
     out = capsys.readouterr().out
@@ -66,14 +72,16 @@ def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: 
 
 def test_cpu_table_leaves_out_what_means_nothing_there(capsys: pytest.CaptureFixture) -> None:
     """On the CPU: no TFLOP/s, × floor or memory column (they were 0.0, below 1 and n/a),
-    a note saying why, and how to save the results when ``--out`` is not given."""
+    no host time or syncs column (CUDA only), a note saying why for each, and how to save
+    the results when ``--out`` is not given."""
     args = bench_parser().parse_args([*TINY, "--tokens", "32", "--methods", "flce:torch"])
     assert run_bench(args) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "median ms" in line)
-    for column in ("TFLOP/s", "× floor", "peak extra GiB"):
+    for column in ("TFLOP/s", "× floor", "peak extra GiB", "host ms", "syncs"):
         assert column not in header, column
     assert "TFLOP/s and × floor are left out off the GPU" in out
+    assert "syncs (synchronizing CUDA operations per call) are measured on CUDA devices only" in out
     assert "peak extra memory is tracked on CUDA devices only" in out
     assert "results not saved: add --out DIR" in out
 

@@ -143,6 +143,8 @@ class BenchCase:
     mode: str
     loss: BenchLossSettings
     device: torch.device
+    # Captured once in a CUDA graph and timed as replays (``--graph``).
+    graph: bool = False
 
 
 @dataclass

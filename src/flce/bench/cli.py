@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flce.bench import ce_kernel, heads, host_overhead, report
+from flce.bench import ce_kernel, heads, host_overhead, report, runner
 from flce.bench.cases import (
     DTYPES,
     FEATURES,
@@ -29,7 +29,8 @@ from flce.bench.cases import (
     Shape,
     dtype_name,
 )
-from flce.bench.methods import Method, select_methods
+from flce.bench.graph import GRAPH_WARMUP_CALLS
+from flce.bench.methods import GRAPH_MODES, Method, select_methods
 from flce.bench.registry import all_methods
 from flce.bench.runner import BenchConfig, Result, run_sweep
 from flce.console import CommandError, progress_reporter, resolve_device
@@ -143,6 +144,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "steady power draw whatever ran before it (default 100 on a GPU; 0 turns it off)",
     )
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--graph",
+        action="store_true",
+        help="capture each method's call (fwd+bwd; the forward with --mode fwd) once in a CUDA graph, "
+        "on the shared inputs, and time its replays; a method that cannot be captured is skipped with "
+        "the error's first line (CUDA only: skipped, with the reason, elsewhere)",
+    )
     p = parser.add_argument_group("tensor parallelism")
     p.add_argument(
         "--tp",
@@ -205,7 +213,10 @@ def resolve_config(args: argparse.Namespace, device: torch.device) -> BenchConfi
     on_gpu = device.type == "cuda"
     chosen_dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     rounds, warmup = _rounds_and_warmup(args, DEFAULT_ROUNDS[not on_gpu], DEFAULT_WARMUP[not on_gpu])
+    if args.graph and args.mode not in GRAPH_MODES:
+        raise ValueError(f"--graph captures --mode {' or '.join(GRAPH_MODES)}, not --mode {args.mode}")
     return BenchConfig(
+        graph=args.graph,
         mode=args.mode,
         dtype=DTYPES[chosen_dtype],
         shapes=resolve_shapes(args, device),
@@ -237,6 +248,15 @@ def command_line() -> str:
     return " ".join([prog, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
+# How the results JSON describes the graph capture and the host measurement.
+GRAPH_CAPTURE_TEXT = f"after {GRAPH_WARMUP_CALLS} warm-up calls on a side stream; memory measured over the capture"
+HOST_MEASUREMENT_TEXT = {
+    "syncs": 'synchronizing CUDA operations of one call after the warm-up (torch.cuda.set_sync_debug_mode("warn"))',
+    "time": f"time.perf_counter until the call returns, median of {runner.HOST_CALLS} calls, each queued behind "
+    f"a GPU spin of max({runner.MIN_BUSY_MS:g} ms, {runner.BUSY_FACTOR:g} x the call's wall time)",
+}
+
+
 def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence[Method]) -> dict[str, Any]:
     return {
         "mode": config.mode,
@@ -247,13 +267,17 @@ def config_dict(config: BenchConfig, args: argparse.Namespace, methods: Sequence
         "sweep": args.sweep,
         "chunk_sizes": list(args.chunk_size) if args.chunk_size else None,
         "methods": [m.name for m in methods],
+        "graph": config.graph,
+        "graph_capture": GRAPH_CAPTURE_TEXT if config.graph else None,
+        "host": HOST_MEASUREMENT_TEXT if config.measures_host else runner.HOST_CUDA_ONLY,
     }
 
 
 def _title(config: BenchConfig, env: dict[str, Any]) -> str:
     where = env.get("gpu") or str(config.device)
     features = ",".join(config.loss.enabled()) or "no features"
-    return f"flce bench: {report.MODE_TEXT[config.mode]}, {dtype_name(config.dtype)}, {features} on {where}"
+    graph = ", replayed from a CUDA graph" if config.graph else ""
+    return f"flce bench: {report.MODE_TEXT[config.mode]}{graph}, {dtype_name(config.dtype)}, {features} on {where}"
 
 
 def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, title: str) -> list[Path]:
@@ -333,6 +357,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.overhead_calls is not None:
         return _usage_error(ValueError("--overhead-calls applies to --kernel ce only"))
     if args.tp is not None:
+        if args.graph:
+            return _usage_error(ValueError("--graph applies to the single-device fused loss, not --tp"))
         return run_tensor_parallel(args, device)
     if args.loss != "ce":
         return run_head_bench(args, device)
@@ -344,6 +370,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.list_methods:
         for m in all_methods(args.chunk_size or (None,)):
             print(f"{m.name:28s} {m.label}")
+        return 0
+    if config.graph and config.device.type != "cuda":
+        # A skip, not an error (exit code 0), so that a script can ask for it on any machine.
+        print(f"flce bench --graph: skipped: CUDA graphs need a CUDA device (this run's device is {config.device})")
         return 0
     env = report.environment(config.device)
     title = _title(config, env)
@@ -364,7 +394,11 @@ def run_bench(args: argparse.Namespace) -> int:
     report.print_table(payload["results"], title)
     written = []
     if args.out is not None:
-        stem = f"bench-{args.mode}-{payload['config']['dtype']}" + (f"-{args.sweep}" if args.sweep else "")
+        stem = (
+            f"bench-{args.mode}-{payload['config']['dtype']}"
+            + (f"-{args.sweep}" if args.sweep else "")
+            + ("-graph" if config.graph else "")
+        )
         written = write_outputs(args.out, stem, payload, not args.no_plots, title)
     _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
@@ -415,6 +449,7 @@ def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
             ("--hidden", args.hidden is not None),
             ("--chunk-size", args.chunk_size is not None),
             ("--tp", args.tp is not None),
+            ("--graph", args.graph),
             ("--no-plots", args.no_plots),
             ("--features bias (the logits are given: there is no LM head)", "bias" in args.features),
         )

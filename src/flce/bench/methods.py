@@ -17,9 +17,13 @@ from typing import Any
 import torch
 
 from flce.bench.cases import MODES, BenchCase, Inputs
+from flce.bench.graph import GraphStep, capture
 from flce.bench.timing import Workload
 
 FLOOR = "floor:gemm"
+# The modes ``--graph`` captures: bwd alone has no call to capture (its forward would run
+# outside the graph, and a replay would read the saved tensors of a freed autograd graph).
+GRAPH_MODES = ("fwd", "full")
 
 LossFn = Callable[[], torch.Tensor]
 CheckFn = Callable[[BenchCase], "str | None"]
@@ -45,11 +49,24 @@ class Method:
         return self.base or self.name
 
     def workload(self, case: BenchCase, inputs: Inputs) -> Workload:
-        """The timed unit of work of this method in ``case.mode``."""
+        """The timed unit of work of this method in ``case.mode``; with ``case.graph``, the
+        call captured once in a CUDA graph and replayed."""
+        if case.graph:
+            return capture(self.graph_step(case, inputs), case.device)
         if self.is_floor:
             return floor_workload(case, inputs)
         assert self.make_loss is not None
         return loss_workload(self.make_loss(case, inputs), inputs, case.mode)
+
+    def graph_step(self, case: BenchCase, inputs: Inputs) -> GraphStep:
+        """The call ``--graph`` captures (fwd, or fwd+bwd with ``--mode full``)."""
+        if case.mode not in GRAPH_MODES:
+            raise ValueError(f"a CUDA graph captures the modes {GRAPH_MODES}, not {case.mode!r}")
+        if self.is_floor:
+            floor_run = floor_workload(case, inputs).run
+            return lambda: (floor_run(None),)
+        assert self.make_loss is not None
+        return loss_graph_step(self.make_loss(case, inputs), inputs, case.mode)
 
 
 def always(case: Any) -> str | None:
@@ -102,6 +119,28 @@ def loss_workload(loss_fn: LossFn, inputs: Inputs, mode: str) -> Workload:
 
         return Workload(setup=loss_fn, run=run_bwd, teardown=drop_grads)
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def loss_graph_step(loss_fn: LossFn, inputs: Inputs, mode: str) -> GraphStep:
+    """The call of ``loss_workload`` as a graph captures it: the forward under no_grad, or
+    the forward and the gradients of the parameters, returned (rather than accumulated in
+    ``.grad``) so that they stay at the addresses the graph writes on every replay."""
+    if mode == "fwd":
+
+        def forward() -> tuple[torch.Tensor]:
+            with torch.no_grad():
+                return (loss_fn().detach(),)
+
+        return forward
+    if mode == "full":
+        params = inputs.params()
+
+        def forward_backward() -> tuple[torch.Tensor, ...]:
+            loss = loss_fn()
+            return (loss.detach(), *torch.autograd.grad(loss, params))
+
+        return forward_backward
+    raise ValueError(f"a CUDA graph captures the modes {GRAPH_MODES}, not {mode!r}")
 
 
 def floor_workload(case: BenchCase, inputs: Inputs) -> Workload:

@@ -37,6 +37,9 @@ CSV_FIELDS = (
     "median_ms",
     "min_ms",
     "max_ms",
+    "host_ms",
+    "host_syncs",
+    "host_reason",
     "peak_extra_bytes",
     "peak_extra_gib",
     "tflops",
@@ -125,6 +128,10 @@ def result_row(r: Result) -> dict[str, Any]:
         "min_ms": t.min_ms if t else None,
         "max_ms": t.max_ms if t else None,
         "times_ms": list(t.times_ms) if t else None,
+        "host_ms": r.host_timing.median_ms if r.host_timing else None,
+        "host_times_ms": list(r.host_timing.times_ms) if r.host_timing else None,
+        "host_syncs": r.host_syncs,
+        "host_reason": r.host_reason,
         "peak_extra_bytes": r.peak_extra_bytes,
         "peak_extra_gib": None if r.peak_extra_bytes is None else r.peak_extra_bytes / GIB,
         "tflops": r.tflops,
@@ -171,11 +178,15 @@ TABLE_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any], str], ...] = (
     ("method", lambda row: row["method"], "s"),
     ("median ms", lambda row: row["median_ms"], ".3f"),
     ("min–max ms", spread_text, "s"),
+    ("host ms", lambda row: row.get("host_ms"), ".3f"),
+    ("syncs", lambda row: row.get("host_syncs"), "d"),
     ("peak extra GiB", lambda row: row["peak_extra_gib"], ".3f"),
     ("TFLOP/s", lambda row: row["tflops"], ".1f"),
     ("× floor", lambda row: row["ratio_to_floor"], ".3f"),
 )
 LEFT_OUT = {
+    "host ms": "host ms (until a call returns to Python, the GPU kept busy) and syncs (synchronizing "
+    "CUDA operations per call) are measured on CUDA devices only",
     "peak extra GiB": "peak extra memory is tracked on CUDA devices only",
     "TFLOP/s": "TFLOP/s and × floor are left out off the GPU: there the GEMMs alone are no floor "
     "for the loss (small CPU runs time host work and PyTorch's CPU kernels)",
@@ -428,6 +439,7 @@ def config_text(config: dict[str, Any]) -> str:
         f"reduction {config['reduction']}, features: {features}; "
         f"median of {config['rounds']} interleaved rounds after {config['warmup']} warm-up"
         + (f", {config['heat_ms']:g} ms of GEMMs before each timed call" if config.get("heat_ms") else "")
+        + (", each call replayed from a CUDA graph captured once" if config.get("graph") else "")
     )
 
 
@@ -459,9 +471,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
         f"{config_text(payload['config'])}.  ",
         f"Command: `{portable_command(payload['command'])}`",
         "",
-        "| N × V × H | method | median ms (min–max) | peak extra GiB | × floor |",
-        "|---|---|---:|---:|---:|",
     ]
+    # The host columns where the run measured them (CUDA, and results files that have them).
+    host = any(row.get("host_ms") is not None for row in payload["results"] if row["status"] == "ok")
+    header = ["N × V × H", "method", "median ms (min–max)", *(["host ms", "syncs"] if host else []), "peak extra GiB"]
+    header.append("× floor")
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|---|---|" + "---:|" * (len(header) - 2))
     reasons: dict[str, int] = {}
     last = None
     for row in payload["results"]:
@@ -470,13 +486,13 @@ def render_markdown(payload: dict[str, Any]) -> str:
         last = shape
         if row["status"] != "ok":
             number = reasons.setdefault(row["reason"] or "no reason given", len(reasons) + 1)
-            lines.append(f"| {first} | {row['method']} | skipped ({number}) | | |")
+            lines.append(f"| {first} | {row['method']} | skipped ({number}) |" + " |" * (len(header) - 3))
             continue
-        ms = f"{row['median_ms']:.2f} ({spread_text(row)})"
-        lines.append(
-            f"| {first} | {row['method']} | {ms} | {fmt(row['peak_extra_gib'], '.2f')} "
-            f"| {fmt(row['ratio_to_floor'], '.3f')} |"
-        )
+        cells = [first, row["method"], f"{row['median_ms']:.2f} ({spread_text(row)})"]
+        if host:
+            cells += [fmt(row.get("host_ms"), ".2f"), fmt(row.get("host_syncs"), "d")]
+        cells += [fmt(row["peak_extra_gib"], ".2f"), fmt(row["ratio_to_floor"], ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
     if reasons:
         lines.append("")
         lines.extend(f"({number}) {_md_escape(reason)}  " for reason, number in reasons.items())
@@ -488,7 +504,9 @@ def render_sections(payloads: Iterable[dict[str, Any]]) -> str:
     body = "\n".join(render_markdown(p) for p in payloads)
     intro = (
         "Peak extra memory is what one call allocates beyond its inputs (gradients included); "
-        "× floor is the time over the cuBLAS GEMMs alone (6NVH fwd+bwd, 2NVH forward, 4NVH backward).\n"
+        "× floor is the time over the cuBLAS GEMMs alone (6NVH fwd+bwd, 2NVH forward, 4NVH backward); "
+        "host ms is the time until a call returns to Python with the GPU kept busy, and syncs the "
+        "synchronizing CUDA operations of one call (CUDA runs).\n"
     )
     return f"## Performance\n\n{intro}\n{body}"
 

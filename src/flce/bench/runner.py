@@ -1,5 +1,6 @@
 """The sweep: for each shape, every method warmed up, measured for memory, then
-timed round-robin (each round runs each method once, the order rotated).
+timed round-robin (each round runs each method once, the order rotated); on CUDA,
+then the host side of its calls (syncs, host time with the GPU kept busy).
 
 A method that cannot run a case, or fails while running it (an error, out of
 memory), becomes a skipped result with the reason; the sweep goes on.
@@ -15,17 +16,34 @@ from typing import Any
 import torch
 
 from flce.bench.cases import BenchCase, BenchLossSettings, Inputs, Shape, make_inputs
+from flce.bench.graph import NotCapturable, first_line
 from flce.bench.methods import Method
 from flce.bench.timing import (
+    GpuBusy,
     Heater,
     TimingStats,
     Workload,
     call_once,
+    count_host_syncs,
     free_memory,
+    host_time_once,
     peak_extra_bytes,
     rotated,
     time_once,
+    wall_time_once,
 )
+
+# Host-timed calls per method; their median is the host time reported.
+HOST_CALLS = 5
+# Calls of the host measurement per method: one counting syncs, one wall-clock estimate,
+# then the host-timed ones.
+HOST_STEPS = 2 + HOST_CALLS
+# The spin queued on the GPU before each host-timed call: this many times the call's whole
+# wall time on an idle GPU (more than the host time of a call that does not synchronize),
+# and at least MIN_BUSY_MS.
+BUSY_FACTOR = 2.0
+MIN_BUSY_MS = 20.0
+HOST_CUDA_ONLY = "host syncs and host time per call are measured on CUDA devices only"
 
 
 @dataclass(frozen=True)
@@ -67,9 +85,21 @@ class BenchConfig(SweepSettings):
     mode: str
     dtype: torch.dtype
     shapes: tuple[Shape, ...]
+    graph: bool = False
 
     def case(self, shape: Shape) -> BenchCase:
-        return BenchCase(shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device)
+        return BenchCase(
+            shape=shape, dtype=self.dtype, mode=self.mode, loss=self.loss, device=self.device, graph=self.graph
+        )
+
+    @property
+    def measures_host(self) -> bool:
+        """Whether the host side of the calls is measured (CUDA only: ``HOST_CUDA_ONLY``)."""
+        return self.device.type == "cuda"
+
+    def steps_per_case(self, n_methods: int) -> int:
+        """The sweep's calls per case, then the host measurement's."""
+        return super().steps_per_case(n_methods) + (n_methods * HOST_STEPS if self.measures_host else 0)
 
 
 @dataclass(frozen=True)
@@ -88,6 +118,11 @@ class Result:
     ratio_to_floor: float | None = None
     loss: float | None = None
     notes: tuple[str, ...] = ()
+    # The host side of a call: synchronizing CUDA operations in one call, the time until a
+    # call returns to Python with the GPU busy, or why they were not measured.
+    host_syncs: int | None = None
+    host_timing: TimingStats | None = None
+    host_reason: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -106,6 +141,9 @@ class Running:
     loss: float | None = None
     notes: list[str] = field(default_factory=list)
     failure: str | None = None
+    host_syncs: int | None = None
+    host_times_ms: list[float] = field(default_factory=list)
+    host_reason: str | None = None
 
 
 Progress = Callable[[int, str], None]
@@ -115,10 +153,10 @@ def skip_reason(exc: BaseException) -> str:
     """A one-line skip reason for an exception raised by a method."""
     if isinstance(exc, torch.cuda.OutOfMemoryError):
         return "out of memory"
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
+    if isinstance(exc, NotCapturable):
+        return str(exc)
     kind = "unsupported" if isinstance(exc, (NotImplementedError, ValueError, TypeError)) else "error"
-    return f"{kind}: {type(exc).__name__}: {first}"[:300]
+    return f"{kind}: {first_line(exc)}"[:300]
 
 
 def _scalar(value: Any) -> float | None:
@@ -190,6 +228,39 @@ def measure_runs(
             progress(1, f"{label} round {r + 1}/{config.rounds}")
 
 
+def measure_host(config: BenchConfig, label: str, runs: Sequence[Running], progress: Progress) -> None:
+    """The host side of each run's calls, on CUDA (``config.measures_host``): the syncs of
+    one call, then the host time of ``HOST_CALLS`` calls, each queued behind a spin on
+    the GPU so that only a sync makes the host wait. A failure here leaves the method's
+    timing alone and becomes its ``host_reason``."""
+    if not config.measures_host:
+        return
+    device = config.device
+    busy = GpuBusy(device)
+    for run in runs:
+        if run.failure is None:
+            try:
+                run.host_syncs = count_host_syncs(run.workload, device)
+                busy_ms = max(MIN_BUSY_MS, BUSY_FACTOR * wall_time_once(run.workload, device))
+                waits = 0
+                for _ in range(HOST_CALLS):
+                    elapsed, waited = host_time_once(run.workload, device, busy, busy_ms)
+                    run.host_times_ms.append(elapsed)
+                    waits += waited
+                if waits:
+                    run.notes.append(
+                        f"the GPU had run out of queued work before the call returned in {waits} of {HOST_CALLS} "
+                        f"host-timed calls ({busy_ms:.0f} ms of spin queued before each): the call waits for the GPU"
+                    )
+            except Exception as exc:  # noqa: BLE001 - the timing stands without the host side
+                run.host_syncs = None
+                run.host_times_ms.clear()
+                run.host_reason = skip_reason(exc)
+                run.notes.append(f"host syncs and host time not measured: {run.host_reason}")
+                free_memory(device)
+        progress(HOST_STEPS, f"{label} host {run.method.name}")
+
+
 # Devices on which the GEMMs alone are a floor for the loss's time, so that TFLOP/s and the
 # ratio to the floor mean something. On the CPU the small default case times host work and
 # PyTorch's CPU kernels: the loss was seen faster than its own GEMMs (a ratio below 1).
@@ -216,6 +287,9 @@ def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[
                 tflops=shape.flops(config.mode) / (timing.median_ms * 1e-3) / 1e12 if has_floor else None,
                 loss=run.loss,
                 notes=tuple(run.notes),
+                host_syncs=run.host_syncs,
+                host_timing=TimingStats.from_times(run.host_times_ms) if run.host_times_ms else None,
+                host_reason=run.host_reason if config.measures_host else HOST_CUDA_ONLY,
             )
         )
     floor = next((r for r in results if r.is_floor and r.ok), None)
@@ -257,6 +331,7 @@ def run_shape(
             skipped[m.name] = skip_reason(exc)
     progress(config.steps_per_case(len(methods) - len(runs)), f"{shape.label()} skipped")
     measure_runs(config, shape.label(), runs, progress)
+    measure_host(config, shape.label(), runs, progress)
     measured = {r.method: r for r in _finish(config, shape, runs)}
     del runs, inputs
     free_memory(config.device)

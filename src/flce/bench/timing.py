@@ -4,6 +4,11 @@ A ``Workload`` splits one call into an untimed ``setup`` (zeroing gradients, or
 running the forward in ``bwd`` mode) and a timed ``run``. On CUDA the run is
 timed with events and its peak memory read from the caching allocator; on the
 CPU the host clock is used and memory is not reported.
+
+On CUDA the host side of a call is measured too: the synchronizing CUDA operations
+one ``run`` makes (``count_host_syncs``), and the time until it returns to Python
+while the GPU is still busy with earlier work (``host_time_once``), which is what lets
+a training loop queue the next kernels while the GPU computes.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +42,9 @@ class Workload:
     setup: SetupFn
     run: RunFn
     teardown: Callable[[], None] = _nothing
+    # The peak extra memory when it is known from how the workload was built: a call
+    # replayed from a CUDA graph allocates nothing, its memory was taken at capture.
+    known_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,8 @@ def peak_extra_bytes(workload: Workload, device: torch.device) -> int | None:
     """
     if device.type != "cuda":
         return None
+    if workload.known_peak_bytes is not None:
+        return workload.known_peak_bytes
     synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -164,3 +175,95 @@ def free_memory(device: torch.device) -> None:
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- the host side of a call
+
+# What PyTorch's sync debug mode warns with, once per synchronizing CUDA operation.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def count_host_syncs(workload: Workload, device: torch.device) -> int:
+    """Synchronizing CUDA operations of one ``run`` (a call's timed part), as PyTorch's
+    sync debug mode sees them: ``torch.cuda.set_sync_debug_mode("warn")`` warns once per
+    operation that waits for a stream (``.item()``, a copy to the host, a data-dependent
+    shape such as ``nonzero``), and autograd replays the warnings of the backward's device
+    threads on this one. PyTorch calls the mode partial (not every synchronizing call
+    warns), and a library that synchronizes through its own CUDA calls is not seen.
+    CUDA only."""
+    state = workload.setup()
+    synchronize(device)
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every operation, not once per source line
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = workload.run(state)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    synchronize(device)
+    del out, state
+    workload.teardown()
+    return sum(SYNC_WARNING in str(w.message) for w in caught)
+
+
+class GpuBusy:
+    """Keeps the GPU busy for a given time with a spin kernel (``torch.cuda._sleep``,
+    which PyTorch's own stream tests use), so that the work a call enqueues waits behind
+    it and the host never waits for the GPU unless the call synchronizes.
+
+    The spin counts SM clock cycles, whose rate is measured once here; a clock that
+    moves later changes the spin's length, and ``host_time_once`` says when the spin
+    ended before the call returned.
+    """
+
+    CALIBRATION_CYCLES = 20_000_000  # ~10 ms at 2 GHz: long against the timer's resolution
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        torch.cuda._sleep(1000)  # loads the kernel
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(self.CALIBRATION_CYCLES)
+        end.record()
+        end.synchronize()
+        self.cycles_per_ms = self.CALIBRATION_CYCLES / max(start.elapsed_time(end), 1e-3)
+
+    def __call__(self, ms: float) -> torch.cuda.Event:
+        """Queue ``ms`` of spinning; the returned event completes when it ends."""
+        torch.cuda._sleep(max(1, int(ms * self.cycles_per_ms)))
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+
+def wall_time_once(workload: Workload, device: torch.device) -> float:
+    """Milliseconds of one ``run`` until the device has finished it (host clock): an upper
+    bound of the host time of a call that does not synchronize."""
+    state = workload.setup()
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = workload.run(state)
+    synchronize(device)
+    elapsed = (time.perf_counter() - t0) * 1e3
+    del out, state
+    workload.teardown()
+    return elapsed
+
+
+def host_time_once(workload: Workload, device: torch.device, busy: GpuBusy, busy_ms: float) -> tuple[float, bool]:
+    """Milliseconds until one ``run`` returns to Python with ``busy_ms`` of spinning queued
+    before it on the GPU, and whether the spin had ended by then: the call waited for the
+    GPU (a host sync; its time then holds the spin too), or outlasted the spin."""
+    state = workload.setup()
+    synchronize(device)
+    spun = busy(busy_ms)
+    t0 = time.perf_counter()
+    out = workload.run(state)
+    elapsed = (time.perf_counter() - t0) * 1e3
+    waited = spun.query()
+    synchronize(device)
+    del out, state
+    workload.teardown()
+    return float(elapsed), bool(waited)
