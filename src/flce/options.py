@@ -44,6 +44,7 @@ class LossOptions:
     backend: str | None = None
     chunk_size: int | None = None
     vocab_chunk_size: int | None = None
+    memory_budget: int | None = None  # bytes of workspace (flce.driver.sizing)
 
     def __post_init__(self) -> None:
         # Integral and real options are stored as Python ints and floats (NumPy scalars
@@ -73,6 +74,10 @@ class LossOptions:
                 self._set(name, as_int(name, value))
                 if getattr(self, name) <= 0:
                     raise ValueError(f"{name} must be a positive int or None, got {value}")
+        if self.memory_budget is not None:
+            self._set("memory_budget", as_int("memory_budget", self.memory_budget))
+            if self.memory_budget <= 0:
+                raise ValueError(f"memory_budget must be a positive number of bytes or None, got {self.memory_budget}")
         self._set("backend", backend_name(self.backend))
 
     def _set(self, name: str, value) -> None:
@@ -312,6 +317,8 @@ def validate_logits_inputs(
         raise ValueError("accum_dtype applies to the fused linear loss only; pass None for cross_entropy")
     if options.vocab_chunk_size is not None:
         raise ValueError("vocab_chunk_size applies to the fused linear loss only; pass None for cross_entropy")
+    if options.memory_budget is not None:
+        raise ValueError("memory_budget applies to the fused linear loss only; pass None for cross_entropy")
 
 
 def _check_accum_dtype(options: LossOptions, param_dtype: torch.dtype) -> None:
