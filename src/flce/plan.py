@@ -37,7 +37,7 @@ from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics
 from flce.driver.scaling import scale_gradients_, scaled_gradients
-from flce.driver.schemes import Scheme, describe_call, options_for_scheme, scheme_for_call
+from flce.driver.schemes import Scheme, options_for_scheme, scheme_of_call
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.vocab_blocks import run_vocab_blocks
 from flce.options import LossOptions, refuse_create_graph
@@ -186,10 +186,9 @@ class Plan:
 
     def scheme(self, o: LinearOperands, request: GradRequest) -> Scheme:
         """Token chunks or vocabulary blocks, sized by the memory budget (``flce.driver.schemes``)."""
-        call = describe_call(
+        return scheme_of_call(
             o.input, o.weight, o.bias, request, self.options, self.compute_dtype, self.backend, self.split_kernels
         )
-        return scheme_for_call(call, self.options, o.input.device)
 
     def _loss_only_applies(self, o: LinearOperands) -> bool:
         hook = self.backend.loss_only

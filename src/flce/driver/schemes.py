@@ -59,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,7 @@ from flce.driver.sizing import (
     BLOCK_ARGMAX_BYTES,
     BLOCK_SMOOTHING_BYTES,
     BLOCK_STATISTICS_BYTES,
+    CHUNK_BUDGET_ENV_VAR,
     MEMORY_BUDGET_ENV_VAR,
     CallShape,
     Memory,
@@ -288,25 +290,97 @@ def describe_call(
     split_kernels: SplitRowKernels | None,
 ) -> CallShape:
     """The ``CallShape`` of a fused-loss call."""
+    return _call_shape(*_call_key(input, weight, bias, request, options, compute_dtype, backend, split_kernels))
+
+
+def scheme_of_call(
+    input: torch.Tensor,  # (N, H)
+    weight: torch.Tensor,  # (V, H)
+    bias: torch.Tensor | None,  # (V,)
+    request: GradRequest,
+    options: LossOptions,
+    compute_dtype: torch.dtype,
+    backend: BackendSpec,
+    split_kernels: SplitRowKernels | None,
+) -> Scheme:
+    """``scheme_for_call(describe_call(...))``. The plan asks before every call, and a
+    training loop asks with the same shapes call after call: the answer is cached on what
+    decides it, the variables' values included (a bad value raises, and is not cached)."""
+    key = _call_key(input, weight, bias, request, options, compute_dtype, backend, split_kernels)
+    environment = os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
+    return _cached_scheme(key, options, environment)
+
+
+def _call_key(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    request: GradRequest,
+    options: LossOptions,
+    compute_dtype: torch.dtype,
+    backend: BackendSpec,
+    split_kernels: SplitRowKernels | None,
+) -> tuple:
+    """``_call_shape``'s arguments: what of a call its ``CallShape`` depends on, hashable."""
+    return (
+        input.shape[0],
+        weight.shape[0],
+        input.shape[1],
+        input.dtype,
+        weight.dtype,
+        compute_dtype,
+        weight_accumulator_dtype(options.accum_dtype, weight.dtype),
+        request,
+        bias.dtype if request.bias and bias is not None else None,
+        backend.extra_bytes_per_logit,
+        None if split_kernels is None else split_kernels.extra_bytes_per_logit,
+        options.label_smoothing > 0,
+        options.return_token_accuracy or options.return_predicted_tokens,
+        input.device,
+    )
+
+
+def _call_shape(
+    n_rows: int,
+    vocab: int,
+    hidden: int,
+    input_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    accumulator_dtype: torch.dtype,
+    request: GradRequest,
+    bias_dtype: torch.dtype | None,
+    chunk_extra: int,
+    block_extra: int | None,
+    with_smoothing: bool,
+    with_argmax: bool,
+    device: torch.device,
+) -> CallShape:
     statistics = BLOCK_STATISTICS_BYTES
-    statistics += BLOCK_SMOOTHING_BYTES if options.label_smoothing > 0 else 0
-    statistics += BLOCK_ARGMAX_BYTES if options.return_token_accuracy or options.return_predicted_tokens else 0
+    statistics += BLOCK_SMOOTHING_BYTES if with_smoothing else 0
+    statistics += BLOCK_ARGMAX_BYTES if with_argmax else 0
     return CallShape(
-        n_rows=input.shape[0],
-        vocab=weight.shape[0],
-        hidden=input.shape[1],
-        input_dtype=input.dtype,
-        weight_dtype=weight.dtype,
+        n_rows=n_rows,
+        vocab=vocab,
+        hidden=hidden,
+        input_dtype=input_dtype,
+        weight_dtype=weight_dtype,
         compute_dtype=compute_dtype,
-        accumulator_dtype=weight_accumulator_dtype(options.accum_dtype, weight.dtype),
+        accumulator_dtype=accumulator_dtype,
         grad_input=request.input,
         grad_weight=request.weight,
-        bias_dtype=bias.dtype if request.bias and bias is not None else None,
-        chunk_extra_bytes_per_logit=backend.extra_bytes_per_logit,
-        block_extra_bytes_per_logit=None if split_kernels is None else split_kernels.extra_bytes_per_logit,
+        bias_dtype=bias_dtype,
+        chunk_extra_bytes_per_logit=chunk_extra,
+        block_extra_bytes_per_logit=block_extra,
         block_statistics_bytes=statistics,
-        upcast_operands=not fp32_output_gemm_supported(input.device),
+        upcast_operands=not fp32_output_gemm_supported(device),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_scheme(key: tuple, options: LossOptions, environment: tuple) -> Scheme:
+    del environment  # a key only: scheme_for_call reads the variables themselves
+    return scheme_for_call(_call_shape(*key), options, key[-1])
 
 
 def _budget(call: CallShape, options: LossOptions, device: torch.device) -> tuple[int, str | None]:
