@@ -66,6 +66,41 @@ def test_chunk_budget_env_var(monkeypatch):
         sizing.chunk_budget_bytes()
 
 
+def test_memory_budget_env_var(monkeypatch):
+    monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
+    assert sizing.env_memory_budget_bytes() is None
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", "1.5")
+    assert sizing.env_memory_budget_bytes() == 3 * 2**19
+    for bad in ("0", "-1", "nan", "inf", "1 GiB"):
+        monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", bad)
+        with pytest.raises(ValueError, match="FLCE_MEMORY_BUDGET_MIB must be a positive number of MiB"):
+            sizing.env_memory_budget_bytes()
+
+
+def test_default_memory_budget_rule():
+    v, h = 128256, 4096
+    # dW of a bf16 weight accumulated in fp32: the accumulator's size, V*H*4 (2 GiB here) ...
+    assert sizing.default_memory_budget(v, h, True, None) == v * h * 4
+    # ... at least 512 MiB (a small head), and nothing more without that accumulator.
+    assert sizing.default_memory_budget(1000, 64, True, None) == 512 * 2**20
+    assert sizing.default_memory_budget(v, h, False, None) == 512 * 2**20
+    # Never above 1/16 of the device: 1.5 GiB on a 24 GiB GPU, not binding on an 80 GB one.
+    assert sizing.default_memory_budget(v, h, True, 24 * 2**30) == 3 * 2**29
+    assert sizing.default_memory_budget(v, h, True, 80 * 10**9) == v * h * 4
+
+
+def test_whole_row_chunk_size_is_the_default_budgets_choice(monkeypatch):
+    """run_chunks' own fallback and the plan's chooser agree under the default budget."""
+    from flce.driver.schemes import scheme_for_call
+    from flce.options import LossOptions
+
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    for n, v, extra, accumulator in ((8192, 128256, 0, torch.float32), (16384, 32000, 12, torch.float32)):
+        call = sizing.CallShape(n, v, 4096, accumulator_dtype=accumulator, chunk_extra_bytes_per_logit=extra)
+        rows = sizing.whole_row_chunk_size(n, v, 4096, torch.bfloat16, torch.bfloat16, extra, True)
+        assert scheme_for_call(call, LossOptions(), torch.device("cpu")).rows == rows
+
+
 def _record_run_chunks(monkeypatch):
     calls = []
     original = chunks.run_chunks

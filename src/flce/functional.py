@@ -104,6 +104,7 @@ def fused_linear_cross_entropy(
     backend: str | None = None,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    memory_budget: int | None = None,
 ) -> LossResult:
     """Cross-entropy of ``input @ weight.T + bias`` against ``target`` without materializing the logits.
 
@@ -130,7 +131,12 @@ def fused_linear_cross_entropy(
         vocab_chunk_size: also split the vocabulary into blocks of this many classes
             (``flce.driver.vocab_blocks``): dW and dX are accumulated exactly in fp32
             with only a block of fp32 dW alive, at the price of computing the logits twice
-            (8NVH instead of 6NVH FLOPs). ``None`` (default): whole rows per chunk.
+            (8NVH instead of 6NVH FLOPs). ``None`` (default): the memory budget decides.
+        memory_budget: bytes of workspace the call may use beyond its inputs and the
+            gradients it returns; the fastest scheme that fits runs (``flce.driver.schemes``),
+            or ``ValueError`` names the least it needs. ``None``: ``FLCE_MEMORY_BUDGET_MIB``,
+            else the default rule (``flce.driver.sizing``). ``chunk_size`` and
+            ``vocab_chunk_size`` given explicitly win over it.
 
     Returns:
         The fp32 loss (scalar for mean/sum, per token for none), or a ``CrossEntropyOutput``
@@ -150,6 +156,7 @@ def fused_linear_cross_entropy(
         backend=backend,
         chunk_size=chunk_size,
         vocab_chunk_size=vocab_chunk_size,
+        memory_budget=memory_budget,
     )
     return fused_linear_cross_entropy_with_options(input, weight, target, bias, ce_weight, options)
 

@@ -47,6 +47,7 @@ class LossOptions:
     backend: str | None = None
     chunk_size: int | None = None
     vocab_chunk_size: int | None = None
+    memory_budget: int | None = None  # bytes of workspace (flce.driver.sizing)
 
     def __post_init__(self) -> None:
         # Integral and real options are stored as Python ints and floats (NumPy scalars
@@ -68,7 +69,7 @@ class LossOptions:
             self._set(flag, as_bool(flag, getattr(self, flag)))
         if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
             raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {self.accum_dtype!r}")
-        for name in ("chunk_size", "vocab_chunk_size"):
+        for name in ("chunk_size", "vocab_chunk_size", "memory_budget"):
             self._set(name, as_positive_int_or_none(name, getattr(self, name)))
         self._set("backend", backend_name(self.backend))
 
@@ -432,6 +433,8 @@ def validate_logits_inputs(
         raise ValueError("accum_dtype applies to the fused linear loss only; pass None for cross_entropy")
     if options.vocab_chunk_size is not None:
         raise ValueError("vocab_chunk_size applies to the fused linear loss only; pass None for cross_entropy")
+    if options.memory_budget is not None:
+        raise ValueError("memory_budget applies to the fused linear loss only; pass None for cross_entropy")
 
 
 def _check_accum_dtype(options: LossOptions, param_dtype: torch.dtype) -> None:

@@ -7,8 +7,9 @@ scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the oper
 - given logits (``LogitsOperands``, ``flce.cross_entropy``): the chunk kernel over them;
 - a call without gradients, where the backend has a ``loss_only`` slot that applies:
   whole-row statistics from one fused GEMM, no logits buffer (``flce.driver.fused``);
-- ``vocab_chunk_size``: token chunks x vocabulary blocks (``flce.driver.vocab_blocks``);
-- otherwise token chunks (``flce.driver.chunks``).
+- otherwise token chunks (``flce.driver.chunks``) or token chunks x vocabulary blocks
+  (``flce.driver.vocab_blocks``): ``chunk_size``/``vocab_chunk_size`` when given, else
+  the fastest that fits the memory budget (``flce.driver.schemes``).
 
 ``forward`` and ``backward`` are the host functions around ``run``, shared by the
 autograd Function below (``LossFunction``), the no-grad path of the public functions,
@@ -41,6 +42,7 @@ from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics
 from flce.driver.scaling import scale_gradients_, scaled_gradients
+from flce.driver.schemes import Scheme, options_for_scheme, scheme_of_call
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.vocab_blocks import run_vocab_blocks
 from flce.options import LossOptions, refuse_create_graph
@@ -180,7 +182,7 @@ class Plan(CrossEntropyPlan):
 
     options: LossOptions
     backend: BackendSpec
-    split_kernels: SplitRowKernels | None  # the backend's, with options.vocab_chunk_size
+    split_kernels: SplitRowKernels | None  # the backend's (None: it has none)
     compute_dtype: torch.dtype
     stats: BatchStatistics
     scalars: ChunkScalars
@@ -207,14 +209,16 @@ class Plan(CrossEntropyPlan):
                 self.scalars,
             )
             return rows, Gradients(None, None, None)
-        if self.split_kernels is not None:
+        scheme = self.scheme(o, request)
+        options = options_for_scheme(self.options, scheme.rows, scheme.block)
+        if scheme.block is not None:
             return run_vocab_blocks(
                 o.input,
                 o.weight,
                 o.target,
                 o.bias,
                 o.ce_weight,
-                self.options,
+                options,
                 self.split_kernels,
                 self.compute_dtype,
                 self.scalars,
@@ -227,12 +231,18 @@ class Plan(CrossEntropyPlan):
             o.target,
             o.bias,
             o.ce_weight,
-            self.options,
+            options,
             self.backend,
             self.compute_dtype,
             self.scalars,
             request,
             row_grad_scale,
+        )
+
+    def scheme(self, o: LinearOperands, request: GradRequest) -> Scheme:
+        """Token chunks or vocabulary blocks, sized by the memory budget (``flce.driver.schemes``)."""
+        return scheme_of_call(
+            o.input, o.weight, o.bias, request, self.options, self.compute_dtype, self.backend, self.split_kernels
         )
 
     def _loss_only_applies(self, o: LinearOperands) -> bool:
@@ -257,10 +267,12 @@ def make_plan(
     vocab: int,
     compute_dtype: torch.dtype,
 ) -> Plan:
-    """Backend (and its split-row kernels for ``vocab_chunk_size``), the batch statistics
+    """Backend (and its split-row kernels, for vocabulary blocks), the batch statistics
     and the kernel scalars: everything decided before the first kernel."""
     backend = resolve_backend(options.backend, device)
-    split_kernels = split_rows_of(backend) if options.vocab_chunk_size is not None else None
+    # Vocabulary blocks run when vocab_chunk_size asks for them or the memory budget needs them.
+    has_split_rows = options.vocab_chunk_size is not None or backend.split_rows is not None
+    split_kernels = split_rows_of(backend) if has_split_rows else None
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
     return Plan(options, backend, split_kernels, compute_dtype, stats, chunk_scalars(options, stats))
 

@@ -49,7 +49,7 @@ def weight_grad_in_one_gemm(
     )
 
 
-def _addmm_out_dtype_supported(device: torch.device) -> bool:
+def fp32_output_gemm_supported(device: torch.device) -> bool:
     # addmm(out_dtype=float32) with bf16/fp16 operands: a cuBLAS GEMM whose C/D are fp32,
     # added in torch 2.8 and implemented for CUDA only.
     return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
@@ -62,7 +62,7 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, firs
     beta = 0.0 if first else 1.0  # beta = 0: the GEMM ignores acc's contents (even NaN)
     if acc.dtype == a.dtype:
         torch.addmm(acc, a, b, beta=beta, out=acc)
-    elif acc.dtype == torch.float32 and _addmm_out_dtype_supported(acc.device):
+    elif acc.dtype == torch.float32 and fp32_output_gemm_supported(acc.device):
         torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
         # CPU (or an old torch): upcast the chunk operands, which is exact and small.

@@ -1,27 +1,25 @@
-"""Chunk sizing: how many token rows' logits a chunk holds, and the peak memory that implies.
+"""Sizing: the memory budget of a call, and the peak memory each scheme's chunking implies.
 
-Chunk size (``default_chunk_size``): the rows whose logits fit the memory budget,
+The memory budget bounds a fused-loss call's **workspace**: the peak memory the call
+allocates beyond its inputs, minus the gradients it returns (dX, dW, db: the same for
+every scheme). A call therefore peaks at most at ``budget + its gradients``. The budget is
+``memory_budget=`` (bytes), else ``FLCE_MEMORY_BUDGET_MIB``, else the default rule
+(``default_memory_budget``):
 
-    C = budget_bytes // (V * (itemsize(compute dtype) + backend.extra_bytes_per_logit))
+    max(512 MiB, V*H*4 when dW of a bf16/fp16 weight is accumulated in fp32),
+    at most 1/16 of the device's memory (CUDA)
 
-clamped to [1, N] and then balanced so every chunk has about the same size. The
-budget is ``DEFAULT_CHUNK_BUDGET_BYTES`` (512 MiB; ``FLCE_CHUNK_BUDGET_MIB`` overrides
-it, ``chunk_size=`` overrides C).
+Exact dW in 6NVH FLOPs needs either the whole batch's logits or an fp32 ``V x H``
+accumulator (4 bytes per LM-head weight). Several token chunks need that accumulator,
+so under this default one chunk runs exactly when the batch's logits are no larger than
+the accumulator it makes unnecessary (N <= 2H in bf16). The workspace never grows with N
+beyond it, and a call that needs no accumulator gets the 512 MiB of chunk logits it has
+always had. ``flce.driver.schemes`` picks the scheme that fits the budget.
+``FLCE_CHUNK_BUDGET_MIB`` (no memory budget set) sizes token chunks by their logits alone,
+as it did before the budget existed: ``C = budget // (V * (itemsize + extra))``, balanced.
 
-When dW of a bf16/fp16 weight is accumulated in fp32 (the default with gradients) and
-no budget is set, ``whole_row_chunk_size`` picks the chunk by what sets the peak:
-
-- one chunk, when the whole batch's logits fit in the size of the fp32 accumulator,
-  ``N*V*(itemsize + extra) <= V*H*4``. With one chunk the dW GEMM already sums over all
-  N rows in fp32 inside cuBLAS, so it writes dW in the weight's dtype directly (one
-  rounding, as exact as an fp32 accumulator) and there is no accumulator, no second
-  pass over one and no cast;
-- otherwise the budget is raised to the size of dW, ``V*H*itemsize(weight)``: the
-  end-of-call cast holds the accumulator and dW together anyway, so a chunk that size
-  does not raise the peak, and fewer chunks mean fewer passes over the accumulator.
-
-Peak extra memory of a forward+backward call with a bf16/fp16 weight and fp32 dW
-accumulation is then
+Peak extra memory of the token-chunk scheme (``token_chunk_memory``) with a bf16/fp16
+weight and fp32 dW accumulation:
 
     N*V*(itemsize + extra) + V*H*itemsize     one chunk: logits + kernel workspace + dW
   or
@@ -31,34 +29,321 @@ accumulation is then
   + N*H*itemsize(input) + V*4 (db)            both: dX, and db in fp32
 
 (``extra`` is an upper bound for the torch backend, whose temporaries are not all alive
-at once; ``peak_extra_bytes`` computes it). With an fp32 weight, or ``accum_dtype``
+at once; ``peak_extra_bytes`` is this formula). With an fp32 weight, or ``accum_dtype``
 equal to the weight's dtype, the accumulator is the returned dW:
-``C*V*(itemsize + extra) + V*H*itemsize + N*H*itemsize``.
+``C*V*(itemsize + extra) + V*H*itemsize + N*H*itemsize``. Under autocast a weight of
+another dtype is cast once for the call (``V*H*itemsize(compute)`` more).
+
+The vocabulary-block scheme (``vocab_block_memory``, ``flce.driver.vocab_blocks``) with
+``C`` rows per chunk and ``B = ceil(V / V_b)`` blocks peaks at
+
+    C*V_b*(itemsize + extra) + N*H*4 + dW + max(V_b*H*4 [C < N], dX)
+  + B*N*(13 [+4 smoothing] [+8 argmax])       the per-block row statistics
+
+(dX accumulated in fp32 over the blocks, cast at the end; with one row chunk each dW
+block is written by one GEMM, without the ``V_b x H`` fp32 block). Vectors of N or V
+values (row outputs, targets) are left out of every formula.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
+from flce.driver.gemm import weight_grad_in_one_gemm
+
 DEFAULT_CHUNK_BUDGET_BYTES = 512 * 2**20
 CHUNK_BUDGET_ENV_VAR = "FLCE_CHUNK_BUDGET_MIB"
+MEMORY_BUDGET_ENV_VAR = "FLCE_MEMORY_BUDGET_MIB"
+# The default budget never exceeds this fraction of the device's memory: a loss that
+# takes more than a sixteenth of the GPU as scratch would surprise; on an 80 GB GPU that
+# is 5 GiB, above every default at the shapes flce is measured on (4 GiB at V = 262144).
+DEFAULT_BUDGET_DEVICE_FRACTION = 1 / 16
+# (B, N) per-block statistics of the vocabulary-block scheme, bytes per row and block:
+# max, sum and target logit (fp32), the target-ownership flag (bool); and transiently,
+# while the blocks are combined, about eight fp32 temporaries of that shape.
+BLOCK_STATISTICS_BYTES = 3 * 4 + 1
+BLOCK_SMOOTHING_BYTES = 4
+BLOCK_ARGMAX_BYTES = 8
+BLOCK_COMBINE_BYTES = 8 * 4
+
+
+def _positive_mib(env_var: str) -> int | None:
+    """``env_var`` as bytes (a positive number of MiB), or None when unset or empty."""
+    value = os.environ.get(env_var)
+    if not value:
+        return None
+    try:
+        mib = float(value)
+    except ValueError:
+        raise ValueError(f"{env_var} must be a positive number of MiB, got {value!r}") from None
+    if not (mib > 0 and math.isfinite(mib)):
+        raise ValueError(f"{env_var} must be a positive number of MiB, got {value!r}")
+    return max(1, int(mib * 2**20))
 
 
 def chunk_budget_bytes() -> int:
     """The transient-logits budget: ``FLCE_CHUNK_BUDGET_MIB`` if set, else 512 MiB."""
-    value = os.environ.get(CHUNK_BUDGET_ENV_VAR)
-    if not value:
-        return DEFAULT_CHUNK_BUDGET_BYTES
-    try:
-        mib = float(value)
-    except ValueError:
-        raise ValueError(f"{CHUNK_BUDGET_ENV_VAR} must be a positive number of MiB, got {value!r}") from None
-    if not mib > 0:
-        raise ValueError(f"{CHUNK_BUDGET_ENV_VAR} must be a positive number of MiB, got {value!r}")
-    return int(mib * 2**20)
+    from_env = _positive_mib(CHUNK_BUDGET_ENV_VAR)
+    return DEFAULT_CHUNK_BUDGET_BYTES if from_env is None else from_env
+
+
+def legacy_chunk_budget_bytes() -> int | None:
+    """``FLCE_CHUNK_BUDGET_MIB`` in bytes when set, else None."""
+    return _positive_mib(CHUNK_BUDGET_ENV_VAR)
+
+
+def env_memory_budget_bytes() -> int | None:
+    """``FLCE_MEMORY_BUDGET_MIB`` in bytes when set, else None."""
+    return _positive_mib(MEMORY_BUDGET_ENV_VAR)
+
+
+@functools.cache
+def _cuda_memory_bytes(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The device's total memory (a cached host query, no device sync), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _cuda_memory_bytes(device.index)
+
+
+def default_memory_budget(
+    vocab: int, hidden: int, fp32_accumulator_of_low_precision_weight: bool, device_memory: int | None
+) -> int:
+    """The module docstring's default workspace budget."""
+    budget = DEFAULT_CHUNK_BUDGET_BYTES
+    if fp32_accumulator_of_low_precision_weight:
+        budget = max(budget, vocab * hidden * 4)
+    if device_memory is not None:
+        budget = min(budget, int(device_memory * DEFAULT_BUDGET_DEVICE_FRACTION))
+    return budget
+
+
+# ----------------------------------------------------------------- the call
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What sizing and the scheme chooser know of a fused-loss call: its sizes, dtypes,
+    the gradients it computes and the kernels' workspace."""
+
+    n_rows: int
+    vocab: int
+    hidden: int
+    input_dtype: torch.dtype = torch.bfloat16
+    weight_dtype: torch.dtype = torch.bfloat16
+    compute_dtype: torch.dtype = torch.bfloat16
+    accumulator_dtype: torch.dtype = torch.float32  # dW's (flce.driver.gemm.weight_accumulator_dtype)
+    grad_input: bool = True
+    grad_weight: bool = True
+    bias_dtype: torch.dtype | None = None  # the bias's dtype when db is computed, else None
+    chunk_extra_bytes_per_logit: int = 0  # the chunk CE kernel's workspace
+    block_extra_bytes_per_logit: int | None = 0  # the split-row kernels'; None: the backend has none
+    block_statistics_bytes: int = BLOCK_STATISTICS_BYTES  # per row and vocabulary block
+    # fp32 accumulation copies bf16/fp16 GEMM operands to fp32 where no GEMM writes fp32
+    # from them (the CPU: flce.driver.gemm.accumulate_product)
+    upcast_operands: bool = False
+
+    @property
+    def any_gradient(self) -> bool:
+        return self.grad_input or self.grad_weight or self.bias_dtype is not None
+
+    @property
+    def one_gemm_weight_grad(self) -> bool:
+        """Whether one chunk of every row writes dW with one GEMM (no accumulator)."""
+        return self.grad_weight and weight_grad_in_one_gemm(
+            self.n_rows, self.n_rows, self.weight_dtype, self.compute_dtype, self.accumulator_dtype
+        )
+
+    @property
+    def fp32_accumulator_of_low_precision_weight(self) -> bool:
+        return (
+            self.grad_weight and self.accumulator_dtype == torch.float32 and self.weight_dtype != self.accumulator_dtype
+        )
+
+    def gradient_bytes(self) -> int:
+        """The returned gradients: dX, dW and db in their parameters' dtypes."""
+        n, v, h = self.n_rows, self.vocab, self.hidden
+        dx = n * h * self.input_dtype.itemsize if self.grad_input else 0
+        dw = v * h * self.weight_dtype.itemsize if self.grad_weight else 0
+        db = v * self.bias_dtype.itemsize if self.bias_dtype is not None else 0
+        return dx + dw + db
+
+    def weight_cast_bytes(self) -> int:
+        """The weight cast to the compute dtype for the call (autocast), else 0."""
+        if self.weight_dtype == self.compute_dtype:
+            return 0
+        return self.vocab * self.hidden * self.compute_dtype.itemsize
+
+    def upcast_bytes(self, rows: int, columns: int, weight_grad_accumulated: bool, input_grad_accumulated: bool) -> int:
+        """The fp32 operand copies of the accumulating GEMMs of a ``rows x columns`` block
+        (``upcast_operands``): dW's (the block's gradient and the input rows), dX's (the
+        gradient and the weight's block); only one GEMM's are alive at a time."""
+        if not self.upcast_operands or self.compute_dtype == torch.float32:
+            return 0
+        weight_grad = rows * (columns + self.hidden) * 4 if weight_grad_accumulated else 0
+        input_grad = (rows + self.hidden) * columns * 4 if input_grad_accumulated else 0
+        return max(weight_grad, input_grad)
+
+    def row_temporary_bytes(self, rows: int) -> int:
+        """Per chunk: the input rows cast to the compute dtype, and dX's rows in it before
+        they are written in the input's dtype (autocast)."""
+        if self.input_dtype == self.compute_dtype:
+            return 0
+        return rows * self.hidden * self.compute_dtype.itemsize * (2 if self.grad_input else 1)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A scheme's predicted peak extra memory, and its workspace (the peak minus the
+    returned gradients: what the memory budget bounds)."""
+
+    peak: int
+    workspace: int
+
+
+def token_chunk_memory(call: CallShape, rows: int) -> Memory:
+    """Peak of ``flce.driver.chunks.run_chunks`` with ``rows`` rows per chunk."""
+    n, v, h = call.n_rows, call.vocab, call.hidden
+    rows = max(1, min(rows, n))
+    c = call.compute_dtype.itemsize
+    resident = call.weight_cast_bytes() + (n * h * call.input_dtype.itemsize if call.grad_input else 0)
+    resident += v * 4 if call.bias_dtype is not None else 0  # db accumulated in fp32
+    final_cast = upcasts = 0
+    if call.grad_weight:
+        direct = call.one_gemm_weight_grad and rows >= n
+        resident += v * h * (call.weight_dtype.itemsize if direct else call.accumulator_dtype.itemsize)
+        if not direct and call.accumulator_dtype != call.weight_dtype:
+            final_cast = v * h * call.weight_dtype.itemsize
+        if not direct and call.accumulator_dtype == torch.float32:
+            upcasts = call.upcast_bytes(rows, v, True, False)
+    # The chunk's logits, and at different moments the kernel's workspace or the GEMMs' copies.
+    transient = max(rows * v * call.chunk_extra_bytes_per_logit, upcasts) + call.row_temporary_bytes(rows)
+    loop = resident + rows * v * c + transient
+    peak = max(loop, resident + final_cast)
+    return Memory(peak, peak - call.gradient_bytes())
+
+
+def vocab_block_memory(call: CallShape, rows: int, block: int) -> Memory:
+    """Peak of ``flce.driver.vocab_blocks.run_vocab_blocks`` with ``rows`` rows per chunk
+    and vocabulary blocks of ``block`` columns."""
+    if call.block_extra_bytes_per_logit is None:
+        raise ValueError("the backend has no split-row kernels: the vocabulary-block scheme cannot run")
+    n, v, h = call.n_rows, call.vocab, call.hidden
+    rows, block = max(1, min(rows, n)), max(1, min(block, v))
+    c = call.compute_dtype.itemsize
+    n_blocks = -(-v // block)
+    statistics = n_blocks * n * call.block_statistics_bytes
+    buffer = rows * block * c  # alive until the call returns
+    kernel = rows * block * call.block_extra_bytes_per_logit
+    resident = call.weight_cast_bytes() + statistics + buffer
+    pass_one = resident + max(kernel + call.row_temporary_bytes(rows), n_blocks * n * BLOCK_COMBINE_BYTES)
+    if not call.any_gradient:
+        return Memory(pass_one, pass_one)
+    resident += n * h * 4 if call.grad_input else 0  # dX accumulated in fp32
+    resident += v * h * call.weight_dtype.itemsize if call.grad_weight else 0  # dW, filled block by block
+    resident += v * 4 if call.bias_dtype is not None else 0
+    weight_block = 0
+    weight_grad_accumulated = call.grad_weight and not (call.one_gemm_weight_grad and rows >= n)
+    if weight_grad_accumulated:
+        weight_block = block * h * call.accumulator_dtype.itemsize
+    accumulated_in_fp32 = weight_grad_accumulated and call.accumulator_dtype == torch.float32
+    upcasts = call.upcast_bytes(rows, block, accumulated_in_fp32, call.grad_input)
+    transient = max(kernel, upcasts) + call.row_temporary_bytes(rows)
+    dx_cast = n * h * call.input_dtype.itemsize if call.grad_input and call.input_dtype != torch.float32 else 0
+    peak = max(pass_one, resident + weight_block + transient, resident + dx_cast)
+    return Memory(peak, peak - call.gradient_bytes())
+
+
+# ------------------------------------------------------- rows and blocks that fit
+
+
+def _balanced(n_rows: int, rows: int) -> int:
+    """With ``ceil(N / rows)`` chunks needed, make them all ``ceil(N / k)`` rows, so the
+    last one is not a tiny, inefficient GEMM (never more than ``rows``)."""
+    num_chunks = math.ceil(n_rows / rows)
+    return math.ceil(n_rows / num_chunks)
+
+
+def _largest_rows(n_rows: int, workspace_of_rows, budget: int) -> int | None:
+    """The most rows per chunk (balanced) whose workspace fits ``budget``, or None when
+    not even one row does. One chunk of every row may need less than a little fewer rows
+    (dW written by one GEMM, no accumulator), so it is tried first; below N rows the
+    workspace grows with the rows, and the largest that fits is found by bisection."""
+    if n_rows <= 0:
+        return 1
+    if workspace_of_rows(n_rows) <= budget:
+        return n_rows
+    low, high = 0, n_rows - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if workspace_of_rows(mid) <= budget:
+            low = mid
+        else:
+            high = mid - 1
+    return _balanced(n_rows, low) if low >= 1 else None
+
+
+def largest_token_rows(call: CallShape, budget: int) -> int | None:
+    """The most rows per token chunk whose workspace fits ``budget``, or None."""
+    return _largest_rows(call.n_rows, lambda rows: token_chunk_memory(call, rows).workspace, budget)
+
+
+def largest_block_rows(call: CallShape, block: int, budget: int) -> int | None:
+    """The most rows per chunk whose workspace with ``block``-column blocks fits ``budget``, or None."""
+    return _largest_rows(call.n_rows, lambda rows: vocab_block_memory(call, rows, block).workspace, budget)
+
+
+def _blocks_workspace(call: CallShape, rows: int):
+    """Workspace as a function of the number of (balanced) vocabulary blocks."""
+    return lambda n_blocks: vocab_block_memory(call, rows, -(-call.vocab // n_blocks)).workspace
+
+
+@functools.lru_cache(maxsize=4096)
+def _least_workspace_blocks(call: CallShape, rows: int) -> int:
+    """The block count with (near) the least workspace for ``rows`` rows per chunk. The
+    blocks' buffers shrink with more blocks while the (B, N) statistics grow, so the
+    workspace falls to one minimum and rises again: a scan over powers of two, then
+    finer steps around the best."""
+    vocab, workspace = call.vocab, _blocks_workspace(call, rows)
+    coarse = sorted({min(vocab, 2**i) for i in range(vocab.bit_length() + 1)})
+    best = min(coarse, key=workspace)
+    fine = {max(1, min(vocab, round(best * 1.1**i))) for i in range(-8, 9)}
+    best = min(sorted(fine), key=workspace)
+    return min(range(max(1, best - 2), min(vocab, best + 2) + 1), key=workspace)
+
+
+def least_workspace_block(call: CallShape, rows: int) -> int:
+    """The block width (columns) of (near) the least workspace for ``rows`` rows per chunk."""
+    return -(-call.vocab // _least_workspace_blocks(call, rows))
+
+
+def largest_block(call: CallShape, rows: int, budget: int) -> int | None:
+    """The widest vocabulary block (balanced: ``ceil(V / B)`` columns for the fewest
+    blocks ``B``) whose workspace with ``rows`` rows per chunk fits ``budget``, or None."""
+    workspace = _blocks_workspace(call, rows)
+    best = _least_workspace_blocks(call, rows)
+    if workspace(best) > budget:
+        return None
+    # Fewer blocks than ``best``: wider blocks, more workspace. The fewest that fit, by bisection.
+    low, high = 1, best
+    while low < high:
+        mid = (low + high) // 2
+        if workspace(mid) <= budget:
+            high = mid
+        else:
+            low = mid + 1
+    return -(-call.vocab // low)
+
+
+# ------------------------------------------------------------ chunk sizing
 
 
 def default_chunk_size(
@@ -68,16 +353,15 @@ def default_chunk_size(
     extra_bytes_per_logit: int = 0,
     budget_bytes: int | None = None,
 ) -> int:
-    """Rows per chunk so that a chunk's logits (plus the kernel's workspace) fit the budget."""
+    """Rows per chunk so that a chunk's logits (plus the kernel's workspace) fit the budget
+    (``FLCE_CHUNK_BUDGET_MIB`` or 512 MiB unless given): the scheme of ``flce.cross_entropy``
+    on given logits and of the vocab-parallel loss."""
     if n_rows <= 0:
         return 1
     budget = chunk_budget_bytes() if budget_bytes is None else budget_bytes
-    bytes_per_row = vocab * (torch.empty((), dtype=logits_dtype).element_size() + extra_bytes_per_logit)
+    bytes_per_row = vocab * (logits_dtype.itemsize + extra_bytes_per_logit)
     rows = max(1, min(n_rows, budget // max(bytes_per_row, 1)))
-    # Balance the chunks: with k chunks needed, make them all ceil(N / k) rows, so the
-    # last one is not a tiny, inefficient GEMM (never larger than the budget allows).
-    num_chunks = math.ceil(n_rows / rows)
-    return math.ceil(n_rows / num_chunks)
+    return _balanced(n_rows, rows)
 
 
 def whole_row_chunk_size(
@@ -89,15 +373,24 @@ def whole_row_chunk_size(
     extra_bytes_per_logit: int,
     fp32_weight_accumulator: bool,
 ) -> int:
-    """``run_chunks``'s default rows per chunk (see the module docstring)."""
-    budget = chunk_budget_bytes()
-    if fp32_weight_accumulator and weight_dtype != torch.float32 and not os.environ.get(CHUNK_BUDGET_ENV_VAR):
-        logit_bytes = torch.empty((), dtype=compute_dtype).element_size() + extra_bytes_per_logit
-        if n_rows * vocab * logit_bytes <= vocab * hidden * 4:
-            # One chunk no larger than the fp32 accumulator it makes unnecessary.
-            return max(1, n_rows)
-        budget = max(budget, vocab * hidden * torch.empty((), dtype=weight_dtype).element_size())
-    return default_chunk_size(n_rows, vocab, compute_dtype, extra_bytes_per_logit, budget)
+    """``run_chunks``'s rows per chunk when no scheme was chosen for it: the token chunks
+    of the default budget (``FLCE_CHUNK_BUDGET_MIB``'s logits budget when set)."""
+    legacy = legacy_chunk_budget_bytes()
+    if legacy is not None:
+        return default_chunk_size(n_rows, vocab, compute_dtype, extra_bytes_per_logit, legacy)
+    call = CallShape(
+        n_rows,
+        vocab,
+        hidden,
+        input_dtype=compute_dtype,
+        weight_dtype=weight_dtype,
+        compute_dtype=compute_dtype,
+        accumulator_dtype=torch.float32 if fp32_weight_accumulator else weight_dtype,
+        grad_input=False,
+        chunk_extra_bytes_per_logit=extra_bytes_per_logit,
+    )
+    budget = default_memory_budget(vocab, hidden, call.fp32_accumulator_of_low_precision_weight, None)
+    return largest_token_rows(call, budget) or 1
 
 
 def peak_extra_bytes(

@@ -27,7 +27,8 @@ Behaviour of the patched forward, the model's own otherwise:
 
 ``loss_options`` go to ``flce.fused_linear_cross_entropy``: ``ignore_index`` (the default
 when the model passes none), ``label_smoothing``, ``lse_square_scale``, ``ce_weight``,
-``use_token_scaling``, ``accum_dtype``, ``backend``, ``chunk_size``, ``vocab_chunk_size``.
+``use_token_scaling``, ``accum_dtype``, ``backend``, ``chunk_size``, ``vocab_chunk_size``,
+``memory_budget``.
 ``reduction``, ``softcap`` and the ``return_*`` flags are decided by the model and refused.
 
 ``enable_flce(trainer)`` is the one line for the HF ``Trainer`` and its subclasses: it

@@ -109,6 +109,7 @@ class LossSettings:
             "backend": o.backend,
             "chunk_size": o.chunk_size,
             "vocab_chunk_size": o.vocab_chunk_size,
+            "memory_budget": o.memory_budget,
         }
 
     def logits_kwargs(self) -> dict[str, Any]:
