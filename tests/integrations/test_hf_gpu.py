@@ -36,10 +36,16 @@ def loss_and_grads(model, batch):
 
 
 def assert_as_close_as_stock(stock, patched, batch):
-    # The float64 truth on the CPU: some kernels stock models use on CUDA (MoE grouped GEMMs)
-    # take no float64 there.
+    # The truth on the CPU in float64. MoE models' grouped expert GEMMs take no float64
+    # (on CUDA, and on the CPU in some torch builds): there the truth is float32 on the CPU,
+    # whose error (~1e-7 of the scale) is far below the bf16 errors compared here.
     cpu_batch = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
-    exact_loss, exact = loss_and_grads(hf_tiny.clone(stock).to("cpu", torch.float64), cpu_batch)
+    try:
+        exact_loss, exact = loss_and_grads(hf_tiny.clone(stock).to("cpu", torch.float64), cpu_batch)
+    except RuntimeError as exc:
+        if "Double" not in str(exc):
+            raise
+        exact_loss, exact = loss_and_grads(hf_tiny.clone(stock).to("cpu", torch.float32), cpu_batch)
     exact_loss, exact = exact_loss.to(DEVICE), {n: g.to(DEVICE) for n, g in exact.items()}
     stock_loss, stock_grads = loss_and_grads(stock, batch)
     flce_loss, flce_grads = loss_and_grads(patched, batch)
