@@ -208,8 +208,10 @@ def _fused_head_owner(model: torch.nn.Module, label: str) -> torch.nn.Module:
             f"the trainer's {label} ({type(owner).__name__}) has no TRL fused LM head (add_fused_lm_head): "
             "call enable_flce on the trainer TRL built, before training"
         )
-    closure = dict(zip(forward.__code__.co_freevars, (c.cell_contents for c in forward.__func__.__closure__), strict=True))
-    _check_head_transform(closure.get("final_logit_softcapping"), closure.get("logit_scale"))
+    # The head's transform, as TRL read it from the config when it added the head.
+    fused = forward.__func__
+    settings = dict(zip(fused.__code__.co_freevars, (cell.cell_contents for cell in fused.__closure__), strict=True))
+    _check_head_transform(settings.get("final_logit_softcapping"), settings.get("logit_scale"))
     return owner
 
 
