@@ -197,43 +197,91 @@ def _fused_forward_code() -> types.CodeType:
     return codes[0]
 
 
-def _fused_head_owner(model: torch.nn.Module, label: str) -> torch.nn.Module:
-    """The transformers model inside ``model`` (PEFT, compiled, DDP) that carries TRL's fused head."""
+def _is_fused_forward(function) -> bool:
+    return isinstance(function, types.FunctionType) and function.__code__ is _fused_forward_code()
+
+
+def _wrapper_chain(forward) -> list:
+    """``forward`` and what it wraps, outermost first, down to TRL's fused forward function
+    when there is one: accelerate's mixed-precision wrappers (which ``prepare_model`` puts on
+    a reference model while the trainer is built) leave ``__wrapped__`` links, as
+    ``functools.wraps`` does."""
+    chain, current = [], forward
+    while current is not None and len(chain) < 16:
+        current = getattr(current, "__func__", current)  # a bound method: its function
+        chain.append(current)
+        if _is_fused_forward(current):
+            break
+        current = getattr(current, "__wrapped__", None)
+    return chain
+
+
+def _fused_forward_function(owner: torch.nn.Module) -> types.FunctionType | None:
+    chain = _wrapper_chain(owner.__dict__.get("forward"))
+    return chain[-1] if chain and _is_fused_forward(chain[-1]) else None
+
+
+def fused_head_owner(model: torch.nn.Module, label: str = "model") -> torch.nn.Module:
+    """The transformers model inside ``model`` (PEFT, compiled, DDP) that carries TRL's fused
+    head, checked to be one flce can run."""
     from flce.integrations.transformers import unwrap_model
 
     owner = unwrap_model(model)
-    forward = owner.__dict__.get("forward")
-    if not (isinstance(forward, types.MethodType) and forward.__func__.__code__ is _fused_forward_code()):
+    fused = _fused_forward_function(owner)
+    if fused is None:
         raise UnsupportedTrlSetupError(
             f"the trainer's {label} ({type(owner).__name__}) has no TRL fused LM head (add_fused_lm_head): "
             "call enable_flce on the trainer TRL built, before training"
         )
     # The head's transform, as TRL read it from the config when it added the head.
-    fused = forward.__func__
     settings = dict(zip(fused.__code__.co_freevars, (cell.cell_contents for cell in fused.__closure__), strict=True))
     _check_head_transform(settings.get("final_logit_softcapping"), settings.get("logit_scale"))
     return owner
 
 
-def swap_fused_head_kernel(owner: torch.nn.Module, options: TrlHeadOptions) -> None:
-    """Give ``owner`` (a model with TRL's fused head) TRL's forward with flce's kernel.
-    Calling it again replaces the options."""
-    fused = owner.forward.__func__
-    names = {**fused.__globals__, KERNEL_NAME: FlceLogProbKernel(options), COMPACT_RULE_NAME: _compact_rows}
+def _replace_references(wrapper, old, new) -> None:
+    """Point ``wrapper``'s closure cells and attributes that hold ``old`` at ``new``."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        if cell.cell_contents is old:
+            cell.cell_contents = new
+    for name, value in list(getattr(wrapper, "__dict__", {}).items()):
+        if value is old:
+            setattr(wrapper, name, new)
+
+
+def swap_fused_head_kernel(owner: torch.nn.Module, kernel) -> None:
+    """Give ``owner`` (a model with TRL's fused head) TRL's forward with ``kernel`` (an object
+    with ``ChunkedLogProbFunction.apply``'s signature, e.g. ``FlceLogProbKernel``) in place of
+    TRL's kernel: a copy of TRL's forward function whose globals name ``kernel``, put where
+    the instance's forward (or the wrappers around it) held TRL's. Calling it again replaces
+    the kernel."""
+    chain = _wrapper_chain(owner.__dict__.get("forward"))
+    fused = chain[-1]
+    names = {**fused.__globals__, KERNEL_NAME: kernel, COMPACT_RULE_NAME: _compact_rows}
     forward = types.FunctionType(fused.__code__, names, fused.__name__, fused.__defaults__, fused.__closure__)
     forward.__kwdefaults__ = fused.__kwdefaults__
     forward.__dict__.update(fused.__dict__)  # __wrapped__: generate validates kwargs against the model's signature
     forward.__qualname__, forward.__doc__ = fused.__qualname__, fused.__doc__
-    owner.forward = types.MethodType(forward, owner)
+    if len(chain) == 1:
+        owner.forward = types.MethodType(forward, owner)
+        return
+    for wrapper in chain[:-1]:
+        _replace_references(wrapper, fused, forward)
+    original = owner.__dict__.get("_original_forward")  # what accelerate restores when it unwraps the model
+    if getattr(original, "__func__", None) is fused:
+        owner._original_forward = types.MethodType(forward, owner)
+    if _fused_forward_function(owner) is not forward:
+        raise UnsupportedTrlSetupError(
+            f"the forward of {type(owner).__name__} wraps TRL's fused head in a way flce cannot see through"
+        )
 
 
 def uses_flce_kernel(model: torch.nn.Module) -> bool:
     """Whether ``model``'s TRL fused head runs flce's kernel."""
     from flce.integrations.transformers import unwrap_model
 
-    forward = unwrap_model(model).__dict__.get("forward")
-    kernel = getattr(getattr(forward, "__func__", None), "__globals__", {}).get(KERNEL_NAME)
-    return isinstance(kernel, FlceLogProbKernel)
+    fused = _fused_forward_function(unwrap_model(model))
+    return fused is not None and isinstance(fused.__globals__.get(KERNEL_NAME), FlceLogProbKernel)
 
 
 def refusal_reason(trl_class: type) -> str | None:
@@ -263,7 +311,7 @@ def enable_on_trl_trainer(trainer, trl_class: type, loss_options: dict[str, Any]
     models = {"model": trainer.model}
     if getattr(trainer, "ref_model", None) is not None:
         models["ref_model"] = trainer.ref_model
-    owners = [_fused_head_owner(model, label) for label, model in models.items()]  # all checked before any swap
+    owners = [fused_head_owner(model, label) for label, model in models.items()]  # all checked before any swap
     for owner in owners:
-        swap_fused_head_kernel(owner, options)
+        swap_fused_head_kernel(owner, FlceLogProbKernel(options))
     return trainer
