@@ -226,13 +226,15 @@ def test_grpo_trainer(tmp_path):
     dataset = datasets.Dataset.from_dict({"prompt": ["t5 t6 t7", "t8 t9"]})
 
     def make():
-        return trl.GRPOTrainer(
+        trainer = trl.GRPOTrainer(
             model=str(model_dir),
             reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
             args=args,
             train_dataset=dataset,
             processing_class=tokenizer(),
         )
+        trainer.current_gradient_accumulation_steps = 1  # train() sets it; the loss is called directly here
+        return trainer
 
     trainers = three(make)
     assert uses_flce_kernel(trainers["flce"].ref_model)
