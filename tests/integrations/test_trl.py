@@ -276,6 +276,38 @@ def test_grpo_trainer(tmp_path):
         hf_tiny._within(field, *(per_token[run][index].detach() for run in ("flce", "stock", "exact")))
 
 
+def test_reference_model_wrapped_for_mixed_precision(tmp_path, monkeypatch):
+    """With mixed precision (TRL's default) the trainer's accelerator wraps the reference
+    model's forward while the trainer is built; flce's kernel goes inside the wrappers (and
+    into the forward accelerate keeps as the original)."""
+    from flce.integrations import trl as flce_trl
+
+    model_dir = tmp_path / "model"
+    tiny_model().save_pretrained(model_dir)
+    args = trl.GRPOConfig(**{**common_args(tmp_path), "bf16": True}, beta=0.1, num_generations=2)
+    trainer = trl.GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["t5 t6"] * 2}),
+        processing_class=tokenizer(),
+    )
+    ref_model = trainer.ref_model
+    assert len(flce_trl._wrapper_chain(ref_model.forward)) > 1  # accelerate's wrappers are there
+    enable_flce(trainer)
+    assert uses_flce_kernel(ref_model) and uses_flce_kernel(trainer.model)
+    import flce
+
+    calls, logprobs = [], flce.fused_linear_logprobs
+    monkeypatch.setattr(flce, "fused_linear_logprobs", lambda *a, **k: calls.append(1) or logprobs(*a, **k))
+    input_ids = token_ids(2, 6, seed=13)
+    with torch.no_grad():
+        out = ref_model(input_ids=input_ids, labels=input_ids, fused_lm_head=True)
+    assert calls and out.log_probs.dtype == torch.float32 and torch.isfinite(out.log_probs).all()
+    original = ref_model._original_forward.__func__  # what accelerate keeps of the unwrapped forward
+    assert isinstance(original.__globals__[flce_trl.KERNEL_NAME], flce_trl.FlceLogProbKernel)
+
+
 def test_dpo_trainer(tmp_path):
     args = trl.DPOConfig(**common_args(tmp_path), per_device_train_batch_size=2, use_weighting=True)  # + WPO weights
     dataset = datasets.Dataset.from_dict({"prompt": ["t5 t6"], "chosen": ["t7"], "rejected": ["t8"]})
