@@ -31,6 +31,7 @@ Logit soft-capping (Gemma 2/3) is refused: flce's logprobs head has none.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Any
 
@@ -144,8 +145,9 @@ class FlceLogProbKernel:
                 )
                 log_sum_sq_probs = 2 * result.logprobs.detach() - halved.logprobs
             if "mean_logits" in outputs:
-                mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
-                mean_logits = hidden.float() @ mean_row
+                with torch.autocast(hidden.device.type, enabled=False):  # an fp32 matrix-vector product
+                    mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
+                    mean_logits = hidden.float() @ mean_row
                 if bias is not None:
                     mean_logits = mean_logits + bias.mean(dtype=torch.float32)
                 mean_logits = mean_logits / effective_temperature
@@ -178,6 +180,7 @@ def _compact_rows(device: torch.device) -> bool:
     return True
 
 
+@functools.cache
 def _fused_forward_code() -> types.CodeType:
     """The code of the forward ``add_fused_lm_head`` gives a model, checked to look its kernel up by name."""
     from trl.trainer import utils
