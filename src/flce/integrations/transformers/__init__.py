@@ -32,8 +32,9 @@ when the model passes none), ``label_smoothing``, ``lse_square_scale``, ``ce_wei
 ``reduction``, ``softcap`` and the ``return_*`` flags are decided by the model and refused.
 
 ``enable_flce(trainer)`` is the one line for the HF ``Trainer`` and its subclasses: it
-patches the trainer's model and keeps evaluation's logits when needed (TRL's trainers,
-which fuse their LM head themselves, are refused with the reason).
+patches the trainer's model and keeps evaluation's logits when needed; on TRL's SFT, GRPO
+and DPO trainers, which fuse their LM head themselves, it puts flce's kernels behind that
+head (``flce.integrations.trl``; other TRL trainers are refused with the reason).
 """
 
 from __future__ import annotations

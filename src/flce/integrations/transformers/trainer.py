@@ -6,11 +6,12 @@ for logits only when the trainer keeps them (``prediction_loss_only=False``, e.g
 ``compute_metrics``). It works on the instance and imports nothing of the trainer's
 library, so ``Trainer`` subclasses are covered alike.
 
-TRL's trainers are refused with the reason: TRL (1.x) gives its SFT, DPO, GRPO, RLOO and KTO
-trainers a fused LM head of its own (``trl.trainer.utils.add_fused_lm_head``, called as
-``model(..., fused_lm_head=True)``, returning per-token log-probabilities, entropy and
-top-1 hits), which never materialises the logits either; flce's patch would replace it and
-drop the fields those trainers read.
+TRL's SFT, GRPO and DPO trainers (and subclasses of them) are handled by
+``flce.integrations.trl``: TRL (1.x) gives their models a fused LM head of its own
+(``model(..., fused_lm_head=True)``, per-token log-probabilities, entropy, top-1 hits
+without the logits), and flce's kernels are put behind it on the trainer's model and
+reference model, TRL's losses and metrics unchanged. Other TRL trainers (RLOO, KTO...) are
+refused with the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 
 def _trl_class(trainer) -> type | None:
+    """The most derived class of TRL's among the trainer's classes (found by module, so
+    nothing of TRL is imported for other trainers)."""
     return next((cls for cls in type(trainer).__mro__ if cls.__module__.split(".")[0] == "trl"), None)
 
 
@@ -26,16 +29,16 @@ def enable_flce(trainer, **loss_options: Any):
     """Patch ``trainer.model`` with flce and keep evaluation right. Returns ``trainer``.
 
     Call it after building the trainer and before ``train()``:
-    ``enable_flce(Trainer(model=model, args=args, ...)).train()``.
+    ``enable_flce(Trainer(model=model, args=args, ...)).train()``. On TRL's SFT, GRPO and DPO
+    trainers it takes only ``backend`` and ``chunk_size`` (``flce.integrations.trl``).
     """
     from flce.integrations.transformers import apply_flce
 
     trl_class = _trl_class(trainer)
     if trl_class is not None:
-        raise NotImplementedError(
-            f"{type(trainer).__name__} is built on TRL's {trl_class.__name__}, which computes its loss through TRL's "
-            "own fused LM head (model(..., fused_lm_head=True)); flce's patch would replace it: use the trainer as is."
-        )
+        from flce.integrations.trl import enable_on_trl_trainer
+
+        return enable_on_trl_trainer(trainer, trl_class, loss_options)
     if getattr(trainer, "model", None) is None:
         raise ValueError("the trainer has no model yet (model_init); call enable_flce after the model exists")
     apply_flce(trainer.model, **loss_options)
