@@ -66,6 +66,9 @@ DEFAULT_PEERS = {"cuda": ("liger:triton", "liger:cute-sm90", "cce"), "cpu": ("to
 # a GPU, as ``scheme_frontier`` does. Off it every point is kept: at the tiny CPU shapes the
 # model's fixed cost per chunk dwarfs the GEMMs, and only one chunk would be left.
 GPU_MAX_SLOWDOWN = 3.0
+# Off the GPU without --tokens/--vocab/--hidden/--sweep: smaller than the plain bench's CPU
+# case, since the ladder's cheapest budget runs one row per chunk (about half a minute here).
+CPU_DEFAULT_SHAPE = Shape(n=64, v=1000, h=64)
 DEFAULT_RULE = "the default rule"
 HOST_NOT_MEASURED = "host syncs and host time are not measured by --frontier (flce bench without it measures them)"
 # What each flce row adds to the bench's row (and CSV columns); None on the other rows.
@@ -271,8 +274,9 @@ def add_frontier_arguments(parser: argparse.ArgumentParser) -> None:
         "For each shape, flce's fused fwd+bwd under a ladder of memory budgets (those at which the "
         "scheme chosen changes, and the default), interleaved with the peers and the floor: time over "
         "the floor and peak memory, predicted and measured, per budget; a plot per shape with --out. "
-        "--methods picks the backends whose ladder runs (flce:<backend>; default the one auto dispatch "
-        f"picks) and the peers (default {', '.join(DEFAULT_PEERS['cuda'])} on a GPU, "
+        f"Off the GPU the default shape is N={CPU_DEFAULT_SHAPE.n}, V={CPU_DEFAULT_SHAPE.v}, "
+        f"H={CPU_DEFAULT_SHAPE.h}. --methods picks the backends whose ladder runs (flce:<backend>; default "
+        f"the one auto dispatch picks) and the peers (default {', '.join(DEFAULT_PEERS['cuda'])} on a GPU, "
         f"{', '.join(DEFAULT_PEERS['cpu'])} on the CPU). --list-methods lists each shape's ladder with "
         "its predictions and runs nothing.",
     )
@@ -328,6 +332,9 @@ def resolve_frontier_config(args: argparse.Namespace, base: BenchConfig) -> Fron
         raise ValueError(f"--frontier-max-slowdown must be >= 1 (or 0: keep every budget), got {slowdown}")
     backends, peers = _selection(args.methods, base.device)
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    shapes_given = any(value is not None for value in (args.sweep, args.tokens, args.vocab, args.hidden))
+    if base.device.type != "cuda" and not shapes_given:
+        fields["shapes"] = (CPU_DEFAULT_SHAPE,)
     return FrontierConfig(
         **fields,
         backends=backends,
