@@ -395,12 +395,22 @@ def _gib_text(gib: float | None, missing: str = "n/a") -> str:
     return report.fmt(gib, ".3f" if gib is None or gib >= 0.01 else ".3g", missing)
 
 
+def scheme_cell(record: dict[str, Any]) -> str:
+    """A row's scheme in a few words (the JSON's ``scheme_text`` says it in full)."""
+    if record["scheme"] is None:
+        return ""
+    rows, block, n_rows = record["rows_per_chunk"], record["vocab_block"], record["n"]
+    chunks = f"{rows}-row chunks" if rows < n_rows else ""
+    if block is not None:
+        return f"{block}-column blocks" + (f", {chunks}" if chunks else "")
+    return chunks or "one chunk"
+
+
 def table_cells(rows: Sequence[dict[str, Any]]) -> list[list[str]]:
     def cells(row: dict[str, Any]) -> list[str]:
-        scheme = row["scheme_text"] or ""
         return [
             row["method"] + (" (default)" if row["default_budget"] else ""),
-            scheme,
+            scheme_cell(row),
             _gib_text(row["predicted_peak_gib"], ""),
             _gib_text(row["peak_extra_gib"]),
             report.fmt(row["predicted_ratio_to_floor"], ".3f", ""),
@@ -443,7 +453,7 @@ def print_ladder(plans: Sequence[ShapePlan], title: str) -> None:
                 [
                     shape,
                     method.name + (" (default)" if point.is_default else ""),
-                    record["scheme_text"],
+                    scheme_cell({**record, "n": plan.shape.n}),
                     f"{budget_text(point.budget)} ({point.source})",
                     _gib_text(record["predicted_peak_gib"]),
                     f"{record['predicted_ratio_to_floor']:.3f}",
@@ -522,7 +532,7 @@ def _plot_shape(ax: Any, rows: Sequence[dict[str, Any]], unit: int) -> bool:
             )
             continue
         x = row["peak_extra_bytes"] / unit
-        ax.plot([x], [y], marker, markersize=7, label=row["method"])
+        ax.plot([x], [y], "ks" if row["floor"] else marker, markersize=7, label=row["method"])
         ax.annotate(row["method"], (x, y), fontsize=7, textcoords="offset points", xytext=(4, -9))
     return measured_peaks
 
