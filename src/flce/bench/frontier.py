@@ -139,8 +139,7 @@ class BudgetPoint:
 
     def predicted_floor_seconds(self) -> float:
         """The model's time of the floor: the three GEMMs (6NVH) at its GEMM rate."""
-        n, v, h = self.call.n_rows, self.call.vocab, self.call.hidden
-        return 6 * n * v * h / GEMM_FLOPS_PER_SECOND
+        return Shape(self.call.n_rows, self.call.vocab, self.call.hidden).flops("full") / GEMM_FLOPS_PER_SECOND
 
     def record(self) -> dict[str, Any]:
         """The ``FRONTIER_FIELDS`` of this point's row."""
