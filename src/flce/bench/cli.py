@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flce.bench import ce_kernel, heads, host_overhead, report, runner
+from flce.bench import ce_kernel, frontier, heads, host_overhead, report, runner
 from flce.bench.cases import (
     DTYPES,
     FEATURES,
@@ -32,7 +32,7 @@ from flce.bench.cases import (
 from flce.bench.graph import GRAPH_WARMUP_CALLS
 from flce.bench.methods import GRAPH_MODES, Method, select_methods
 from flce.bench.registry import all_methods
-from flce.bench.runner import BenchConfig, Result, run_sweep
+from flce.bench.runner import BenchConfig, Result, run_shape, run_sweep
 from flce.console import CommandError, progress_reporter, resolve_device
 
 # (tokens, vocab, hidden) lists of each named sweep; explicit --tokens/--vocab/--hidden override.
@@ -179,6 +179,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"calls per timed batch of the host-overhead measurement (default {DEFAULT_OVERHEAD_CALLS[0]} on a "
         f"GPU, {DEFAULT_OVERHEAD_CALLS[1]} on the CPU; 0 skips it)",
     )
+    frontier.add_frontier_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--out", type=Path, help="directory for the JSON, CSV and PNG files")
     o.add_argument("--no-plots", action="store_true", help="write no PNG plots")
@@ -352,6 +353,8 @@ def run_bench(args: argparse.Namespace) -> int:
         device = resolve_device(args.device)
     except CommandError as exc:
         return _usage_error(exc)
+    if args.frontier:
+        return run_frontier_bench(args, device)
     if args.kernel is not None:
         return run_kernel_bench(args, device)
     if args.overhead_calls is not None:
@@ -403,6 +406,53 @@ def run_bench(args: argparse.Namespace) -> int:
     _saved_or_how(args.out, written)
     measured = [r for r in results if r.ok and not r.is_floor]
     return 0 if measured else 1
+
+
+# ----------------------------------------------------------------------------- --frontier
+
+
+def run_frontier_bench(args: argparse.Namespace, device: torch.device) -> int:
+    """``flce bench --frontier`` (``flce.bench.frontier``): per shape, flce under a ladder of
+    memory budgets with the peers and the floor, by the same runner as the plain bench."""
+    try:
+        config = frontier.resolve_frontier_config(args, resolve_config(args, device))
+        plans = [frontier.plan_shape(config, shape) for shape in config.shapes]
+    except ValueError as exc:
+        return _usage_error(exc)
+    env = report.environment(config.device)
+    where = env.get("gpu") or str(config.device)
+    title = f"flce bench --frontier: {report.MODE_TEXT[config.mode]}, {dtype_name(config.dtype)} on {where}"
+    if args.list_methods:
+        frontier.print_ladder(plans, f"{title}: the ladder of memory budgets and its predictions")
+        return 0
+    env["gpu_state_before"] = report.gpu_state(config.device)
+    results: list[Result] = []
+    with progress_reporter(sum(config.steps_per_case(len(plan.methods)) for plan in plans)) as tick:
+        for plan in plans:
+            results.extend(run_shape(config, plan.shape, plan.methods, tick))
+    env["gpu_state_after"] = report.gpu_state(config.device)
+    payload = {
+        "schema": report.SCHEMA,
+        "command": command_line(),
+        "argv": list(sys.argv),
+        "date_utc": report.utc_now(),
+        "environment": env,
+        "config": frontier.config_record(config, plans),
+        "results": frontier.frontier_rows(results, plans),
+    }
+    frontier.print_frontier(payload["results"], title)
+    written = []
+    if args.out is not None:
+        stem = f"bench-frontier-{payload['config']['dtype']}" + (f"-{args.sweep}" if args.sweep else "")
+        args.out.mkdir(parents=True, exist_ok=True)
+        written = [
+            report.write_json(args.out / f"{stem}.json", payload),
+            report.write_csv(args.out / f"{stem}.csv", payload["results"], frontier.CSV_FIELDS),
+        ]
+        if not args.no_plots:
+            written.extend(frontier.plot_frontier(payload["results"], args.out / f"{stem}-plots", title))
+    _saved_or_how(args.out, written)
+    return 0 if any(r.ok and not r.is_floor for r in results) else 1
 
 
 # ----------------------------------------------------------------------------- --loss logprobs|distill

@@ -146,9 +146,10 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     return path
 
 
-def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> Path:
+def write_csv(path: Path, rows: Sequence[dict[str, Any]], fields: Sequence[str] = CSV_FIELDS) -> Path:
+    """The rows' ``fields`` as CSV (notes joined with `` | ``)."""
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({**row, "notes": " | ".join(row.get("notes") or [])})

@@ -97,6 +97,11 @@ class BenchConfig(SweepSettings):
         """Whether the host side of the calls is measured (CUDA only: ``HOST_CUDA_ONLY``)."""
         return self.device.type == "cuda"
 
+    @property
+    def host_not_measured(self) -> str:
+        """Why the rows have no host side when ``measures_host`` is False."""
+        return HOST_CUDA_ONLY
+
     def steps_per_case(self, n_methods: int) -> int:
         """The sweep's calls per case, then the host measurement's."""
         return super().steps_per_case(n_methods) + (n_methods * HOST_STEPS if self.measures_host else 0)
@@ -289,7 +294,7 @@ def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[
                 notes=tuple(run.notes),
                 host_syncs=run.host_syncs,
                 host_timing=TimingStats.from_times(run.host_times_ms) if run.host_times_ms else None,
-                host_reason=run.host_reason if config.measures_host else HOST_CUDA_ONLY,
+                host_reason=run.host_reason if config.measures_host else config.host_not_measured,
             )
         )
     floor = next((r for r in results if r.is_floor and r.ok), None)

@@ -428,3 +428,10 @@ def scheme_for_call(call: CallShape, options: LossOptions, device: torch.device)
 def options_for_scheme(options: LossOptions, rows: int, block: int | None) -> LossOptions:
     """``options`` with the scheme's rows per chunk and block filled in, as the drivers read them."""
     return dataclasses.replace(options, chunk_size=rows, vocab_chunk_size=block)
+
+
+def call_budget(call: CallShape, options: LossOptions, device: torch.device) -> tuple[int, str | None]:
+    """The workspace budget ``scheme_for_call`` runs ``call`` under, and the option or
+    variable that set it (None: the default rule): for tools that show the budget beside
+    the scheme (``flce bench --frontier``)."""
+    return _budget(call, options, device)

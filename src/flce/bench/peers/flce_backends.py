@@ -42,7 +42,9 @@ def _check(backend: str) -> CheckFn:
     return check
 
 
-def _make(backend: str, chunk_size: int | None, vocab_blocks: int | None = None) -> MakeLossFn:
+def _make(
+    backend: str, chunk_size: int | None, vocab_blocks: int | None = None, memory_budget: int | None = None
+) -> MakeLossFn:
     def make(case: BenchCase, inputs: Inputs) -> LossFn:
         kwargs: dict[str, Any] = {
             "bias": inputs.bias,
@@ -53,6 +55,8 @@ def _make(backend: str, chunk_size: int | None, vocab_blocks: int | None = None)
             kwargs["chunk_size"] = chunk_size
         if vocab_blocks is not None:
             kwargs["vocab_chunk_size"] = -(-inputs.w.shape[0] // vocab_blocks)
+        if memory_budget is not None:
+            kwargs["memory_budget"] = memory_budget
         # Looked up on each call, so a test can wrap the public function.
         return lambda: as_loss(flce.fused_linear_cross_entropy(inputs.x, inputs.w, inputs.target, **kwargs))
 
@@ -88,3 +92,16 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
             )
         )
     return methods
+
+
+def flce_budget_method(backend: str, memory_budget: int, budget_text: str) -> Method:
+    """flce's ``backend`` under ``memory_budget`` bytes of workspace (``flce:<backend>@<budget_text>``):
+    the scheme the driver picks for that budget (``flce bench --frontier``)."""
+    return Method(
+        name=f"flce:{backend}@{budget_text}",
+        label=f"flce {backend} (memory budget {budget_text})",
+        family="flce",
+        check=_check(backend),
+        make_loss=_make(backend, None, memory_budget=memory_budget),
+        base=f"flce:{backend}",
+    )
