@@ -125,7 +125,19 @@ def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKern
 def device_helper(slot: str, device: torch.device):
     """The first registered backend's optional ``slot`` (``scale_unless_one``,
     ``batch_statistics``) usable on ``device``, or None: these helpers serve every
-    backend's calls on the device."""
+    backend's calls on the device. Cached for CUDA devices, whose availability does not
+    change while the process runs (on the CPU it follows ``TRITON_INTERPRET``)."""
+    if device.type == "cuda":
+        return _cuda_device_helper(slot, device.index)
+    return _device_helper(slot, device)
+
+
+@cache
+def _cuda_device_helper(slot: str, index: int | None):
+    return _device_helper(slot, torch.device("cuda", index) if index is not None else torch.device("cuda"))
+
+
+def _device_helper(slot: str, device: torch.device):
     for name in BACKEND_NAMES:
         spec = get_backend(name)
         helper = getattr(spec, slot)
