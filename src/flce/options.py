@@ -434,6 +434,17 @@ def _class_weight_needs_grad(ce_weight: torch.Tensor | None) -> bool:
     return ce_weight is not None and ce_weight.requires_grad and torch.is_grad_enabled()
 
 
+def _autocast_key(device: torch.device):
+    """The autocast dtype on ``device`` (None outside autocast), or ``_NO_KEY`` where the
+    device type has no autocast (the meta device: the full checks then refuse it)."""
+    if device.type not in ("cpu", "cuda"):
+        return _NO_KEY
+    return _autocast_dtype(device)
+
+
+_NO_KEY = object()
+
+
 def _checked(key: tuple | None, check):
     """``check()``'s result, run only the first time ``key`` is seen (None: every time)."""
     if key is not None:
@@ -461,14 +472,9 @@ def validate_fused_inputs(
     key = None
     if not torch.compiler.is_compiling():
         layout = _layout_key((input, weight, target, bias, ce_weight))
-        if layout is not None:
-            key = (
-                "fused",
-                layout,
-                _autocast_dtype(input.device),
-                _class_weight_needs_grad(ce_weight),
-                options.accum_dtype,
-            )
+        autocast = _NO_KEY if layout is None else _autocast_key(input.device)
+        if autocast is not _NO_KEY:
+            key = ("fused", layout, autocast, _class_weight_needs_grad(ce_weight), options.accum_dtype)
     return _checked(key, lambda: _validate_fused_inputs(input, weight, target, bias, ce_weight, options))
 
 

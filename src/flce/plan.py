@@ -283,7 +283,7 @@ def make_plan(
 def _no_autocast(device: torch.device):
     # The drivers pick their dtypes themselves; autocast must not re-cast the kernels' fp32 math.
     # Outside autocast there is nothing to turn off (and torch.autocast's setup is costly per call).
-    if not torch.is_autocast_enabled(device.type):
+    if device.type in ("cpu", "cuda") and not torch.is_autocast_enabled(device.type):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
