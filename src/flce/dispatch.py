@@ -110,11 +110,18 @@ def _auto_backend(device_type: str, device_index: int | None, needs: str | None 
     return max(usable, key=lambda spec: spec.auto_priority)
 
 
+# Each spec's split-row kernels, built once (they hold no state): the plan asks every call.
+_split_rows: dict[int, tuple[BackendSpec, SplitRowKernels]] = {}
+
+
 def split_rows_of(spec: BackendSpec) -> SplitRowKernels:
     """``spec``'s split-row kernels (vocabulary blocks, vocab parallelism)."""
     if spec.split_rows is None:
         raise BackendUnavailableError(f"backend {spec.name!r} has no split-row kernels")
-    return spec.split_rows()
+    built = _split_rows.get(id(spec))
+    if built is None or built[0] is not spec:  # held with the spec: its id is never reused meanwhile
+        built = _split_rows[id(spec)] = (spec, spec.split_rows())
+    return built[1]
 
 
 def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKernels:
@@ -125,7 +132,19 @@ def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKern
 def device_helper(slot: str, device: torch.device):
     """The first registered backend's optional ``slot`` (``scale_unless_one``,
     ``batch_statistics``) usable on ``device``, or None: these helpers serve every
-    backend's calls on the device."""
+    backend's calls on the device. Cached for CUDA devices, whose availability does not
+    change while the process runs (on the CPU it follows ``TRITON_INTERPRET``)."""
+    if device.type == "cuda":
+        return _cuda_device_helper(slot, device.index)
+    return _device_helper(slot, device)
+
+
+@cache
+def _cuda_device_helper(slot: str, index: int | None):
+    return _device_helper(slot, torch.device("cuda", index) if index is not None else torch.device("cuda"))
+
+
+def _device_helper(slot: str, device: torch.device):
     for name in BACKEND_NAMES:
         spec = get_backend(name)
         helper = getattr(spec, slot)

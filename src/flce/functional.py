@@ -19,6 +19,7 @@ from flce.options import (
     HeadNames,
     LogprobsOptions,
     LossOptions,
+    cached_options,
     validate_fused_inputs,
     validate_head_target,
     validate_linear_head,
@@ -26,6 +27,17 @@ from flce.options import (
 )
 from flce.output import LogprobsOutput, LossResult, package_result
 from flce.plan import LinearOperands, LogitsOperands, make_plan, run_loss
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``(..., D)`` -> ``(N, D)``: a 2-D tensor as it is (no view op per call), else flattened
+    with an explicit N (D may be 0)."""
+    return tensor if tensor.dim() == 2 else tensor.reshape(tensor.shape[:-1].numel(), tensor.shape[-1])
+
+
+def as_flat(target: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` or ``(B, T)`` -> ``(N,)`` (a 1-D tensor as it is)."""
+    return target if target.dim() == 1 else target.reshape(-1)
 
 
 def prepare_ce_weight(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -42,18 +54,19 @@ def fused_linear_cross_entropy_with_options(
     options: LossOptions,
 ) -> LossResult:
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         raise_pending()  # an earlier call's bad input, found on the device since
     compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
-    hidden, vocab = input.shape[-1], weight.shape[0]
+    vocab = weight.shape[0]
     operands = LinearOperands(
-        input=input.reshape(input.shape[:-1].numel(), hidden),  # explicit N: H may be 0
+        input=as_rows(input),
         weight=weight,
         bias=bias,
-        target=target.reshape(-1),
+        target=as_flat(target),
         ce_weight=prepare_ce_weight(ce_weight),
     )
-    if torch.compiler.is_compiling():
+    if compiling:
         from flce import ops  # registers the ops on first use
 
         outputs = ops.compiled_loss(operands, options, compute_dtype)
@@ -67,14 +80,13 @@ def cross_entropy_with_options(
     logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, options: LossOptions
 ) -> LossResult:
     """``cross_entropy`` with prebuilt options (modules and shims use this)."""
-    if not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
         raise_pending()
     validate_logits_inputs(logits, target, weight, options)
     vocab = logits.shape[-1]
-    operands = LogitsOperands(
-        logits=logits.reshape(-1, vocab), target=target.reshape(-1), ce_weight=prepare_ce_weight(weight)
-    )
-    if torch.compiler.is_compiling():
+    operands = LogitsOperands(logits=as_rows(logits), target=as_flat(target), ce_weight=prepare_ce_weight(weight))
+    if compiling:
         from flce import ops  # registers the ops on first use
 
         outputs = ops.compiled_loss(operands, options, logits.dtype)
@@ -142,7 +154,8 @@ def fused_linear_cross_entropy(
         The fp32 loss (scalar for mean/sum, per token for none), or a ``CrossEntropyOutput``
         when a ``return_*`` flag is set.
     """
-    options = LossOptions(
+    options = cached_options(
+        LossOptions,
         ignore_index=ignore_index,
         lse_square_scale=lse_square_scale,
         label_smoothing=label_smoothing,
@@ -180,7 +193,8 @@ def cross_entropy(
     """Cross-entropy on logits the caller already has (``(N, V)`` or ``(B, T, V)``),
     with the same options and math as ``fused_linear_cross_entropy``; ``weight`` is the
     ``(V,)`` class weight. The caller's logits are never modified."""
-    options = LossOptions(
+    options = cached_options(
+        LossOptions,
         ignore_index=ignore_index,
         lse_square_scale=lse_square_scale,
         label_smoothing=label_smoothing,
@@ -200,7 +214,7 @@ def cross_entropy(
 
 def index_target(target: torch.Tensor) -> torch.Tensor:
     """A validated target as the heads' kernels take it: (N,), int32 or int64."""
-    flat = target.reshape(-1)
+    flat = as_flat(target)
     return flat if flat.dtype in (torch.int32, torch.int64) else flat.long()
 
 
@@ -223,7 +237,7 @@ def fused_linear_logprobs_with_options(
     compute_dtype = validate_linear_head(input, weight, bias)
     validate_head_target(target, input)
     operands = LogprobsOperands(
-        input=input.reshape(input.shape[:-1].numel(), input.shape[-1]),
+        input=as_rows(input),
         weight=weight,
         bias=bias,
         target=index_target(target),

@@ -142,6 +142,28 @@ def _set_field(options, name: str, value) -> None:
     object.__setattr__(options, name, value)  # normalising a field of a frozen options dataclass
 
 
+@functools.lru_cache(maxsize=256, typed=True)
+def _built_options(options_type: type, **values) -> Options:
+    return options_type(**values)
+
+
+def cached_options(options_type: type, **values) -> Options:
+    """``options_type(**values)``, built and validated once per distinct values: a training
+    loop passes the same options call after call.
+
+    ``typed``: ``True``, ``1`` and ``1.0`` are equal keys but not equal options (a bool is
+    refused where a number is expected), so each type is built and checked on its own.
+    Bad values raise and are not cached; unhashable ones (a list) skip the cache and get
+    the dataclass's own error. Under ``torch.compile`` the tracer builds them itself.
+    """
+    if torch.compiler.is_compiling():
+        return options_type(**values)
+    try:
+        return _built_options(options_type, **values)
+    except TypeError:
+        return options_type(**values)  # raises the validation's error, or builds an unhashable-key one
+
+
 # ------------------------------------------- the options as custom-op arguments
 
 Options = LossOptions | LogprobsOptions | DistillationOptions
@@ -379,6 +401,64 @@ def validate_head_target(target: torch.Tensor, input: torch.Tensor, input_name: 
         )
 
 
+# ------------------------------------------------- boundary checks, once per layout
+#
+# The checks below read only what a training loop passes unchanged call after call: the
+# tensors' types, shapes, dtypes and devices, the autocast state, grad mode and a few
+# options. A call whose key was checked before skips them (a dict lookup instead of a
+# few hundred Python operations); a call that fails them raises and is never remembered.
+# The checks that need the data (target range, class-weight values) run on the device
+# for every call (``flce.driver.statistics``). Under ``torch.compile`` the checks always
+# run: the tracer sees them once, and a global cache would only cost guards.
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # others (DTensor, ...) are checked every call
+_MAX_REMEMBERED = 256
+_checked_calls: dict[tuple, object] = {}
+
+
+def _layout_key(tensors: tuple) -> tuple | None:
+    """(shape, dtype, device) of each tensor (None where absent), or None when one is not
+    a plain tensor (the full checks then run, and name what is wrong)."""
+    key = []
+    for tensor in tensors:
+        if tensor is None:
+            key.append(None)
+        elif type(tensor) in _PLAIN_TENSOR_TYPES:
+            key.append((tensor.shape, tensor.dtype, tensor.device))
+        else:
+            return None
+    return tuple(key)
+
+
+def _class_weight_needs_grad(ce_weight: torch.Tensor | None) -> bool:
+    return ce_weight is not None and ce_weight.requires_grad and torch.is_grad_enabled()
+
+
+def _autocast_key(device: torch.device):
+    """The autocast dtype on ``device`` (None outside autocast), or ``_NO_KEY`` where the
+    device type has no autocast (the meta device: the full checks then refuse it)."""
+    if device.type not in ("cpu", "cuda"):
+        return _NO_KEY
+    return _autocast_dtype(device)
+
+
+_NO_KEY = object()
+
+
+def _checked(key: tuple | None, check):
+    """``check()``'s result, run only the first time ``key`` is seen (None: every time)."""
+    if key is not None:
+        result = _checked_calls.get(key)
+        if result is not None:
+            return result
+    result = check()
+    if key is not None:
+        if len(_checked_calls) >= _MAX_REMEMBERED:
+            _checked_calls.clear()
+        _checked_calls[key] = result
+    return result
+
+
 def validate_fused_inputs(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -387,7 +467,25 @@ def validate_fused_inputs(
     ce_weight: torch.Tensor | None,
     options: LossOptions,
 ) -> torch.dtype:
-    """Shape/dtype/device checks for the fused linear + CE; returns the compute dtype."""
+    """Shape/dtype/device checks for the fused linear + CE; returns the compute dtype.
+    Run once per layout (the section's comment)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        layout = _layout_key((input, weight, target, bias, ce_weight))
+        autocast = _NO_KEY if layout is None else _autocast_key(input.device)
+        if autocast is not _NO_KEY:
+            key = ("fused", layout, autocast, _class_weight_needs_grad(ce_weight), options.accum_dtype)
+    return _checked(key, lambda: _validate_fused_inputs(input, weight, target, bias, ce_weight, options))
+
+
+def _validate_fused_inputs(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ce_weight: torch.Tensor | None,
+    options: LossOptions,
+) -> torch.dtype:
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     dtype = validate_linear_head(input, weight, bias)
@@ -414,6 +512,25 @@ def _refuse_dtensor(name: str, tensor: torch.Tensor | None) -> None:
 
 
 def validate_logits_inputs(
+    logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, options: LossOptions
+) -> None:
+    """Shape/dtype/device checks for the loss on given logits, once per layout."""
+    key = None
+    if not torch.compiler.is_compiling():
+        layout = _layout_key((logits, target, ce_weight))
+        if layout is not None:
+            key = (
+                "logits",
+                layout,
+                _class_weight_needs_grad(ce_weight),
+                options.accum_dtype,
+                options.vocab_chunk_size,
+                options.memory_budget,
+            )
+    _checked(key, lambda: _validate_logits_inputs(logits, target, ce_weight, options) or True)
+
+
+def _validate_logits_inputs(
     logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, options: LossOptions
 ) -> None:
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):

@@ -32,6 +32,7 @@ so does every backward of a plan whose gradients depend on per-token upstream gr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -160,9 +161,8 @@ class CrossEntropyPlan:
 
     def reduce(self, rows: RowOutputs) -> Reduced:
         o = self.options
-        return reduce_rows(
-            rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, self.stats.accuracy_scale
-        )
+        accuracy_scale = None if rows.correct is None else self.stats.accuracy_scale  # a view: only when used
+        return reduce_rows(rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, accuracy_scale)
 
     def residuals(self, rows: RowOutputs) -> tuple:
         return ()  # backward recomputes from the operands alone
@@ -282,6 +282,9 @@ def make_plan(
 
 def _no_autocast(device: torch.device):
     # The drivers pick their dtypes themselves; autocast must not re-cast the kernels' fp32 math.
+    # Outside autocast there is nothing to turn off (and torch.autocast's setup is costly per call).
+    if device.type in ("cpu", "cuda") and not torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, enabled=False)
 
 

@@ -75,6 +75,15 @@ def allocate_rows(n_rows: int, options: LossOptions, device: torch.device) -> Ro
     )
 
 
+def row_range(tensor: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    """``tensor[start:end]``, or ``tensor`` itself when that is all of its rows: a call of one
+    chunk (the common case at small N) then makes no view per tensor and chunk (each is a
+    dispatched op: host time on every call)."""
+    if tensor is None or (start == 0 and end == tensor.shape[0]):
+        return tensor
+    return tensor[start:end]
+
+
 def in_compute_dtype(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
@@ -106,8 +115,11 @@ class TokenChunkKernel(Protocol):
     ) -> None: ...
 
 
-def _logits_into(out: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding)."""
+def _logits_into(out: torch.Tensor | None, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding); a new tensor
+    when ``out`` is None."""
+    if out is None:
+        return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
     if b is None:
         return torch.mm(x, w_t, out=out)
     return torch.addmm(b, x, w_t, out=out)
@@ -164,15 +176,16 @@ def run_token_chunks(
     )
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if request.bias else None
 
-    logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if n_rows else None
+    # One chunk: its GEMM allocates the logits (the same memory, one op fewer than a buffer).
+    logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if chunk < n_rows else None
     constant_buffers = [
         torch.empty(chunk, vocab, dtype=c.compute_dtype, device=device) for c in constant_heads if n_rows
     ]
 
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
-        x = in_compute_dtype(input[start:end], compute_dtype)
-        logits = _logits_into(logits_buffer[: end - start], x, w_t, b)  # (C, V)
+        x = in_compute_dtype(row_range(input, start, end), compute_dtype)
+        logits = _logits_into(row_range(logits_buffer, 0, end - start), x, w_t, b)  # (C, V)
         constant_logits = tuple(
             _logits_into(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
             for buffer, (c, c_w_t, c_b) in zip(constant_buffers, constants, strict=True)
@@ -184,7 +197,7 @@ def run_token_chunks(
         grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
         if dx is not None:
             if dx.dtype == compute_dtype:
-                torch.mm(grad_logits, w, out=dx[start:end])
+                torch.mm(grad_logits, w, out=row_range(dx, start, end))
             else:
                 dx[start:end] = grad_logits @ w
         if dw_direct:
@@ -229,11 +242,11 @@ def run_chunks(
     def cross_entropy_kernel(logits, start, end, compute_grad, _constant_logits) -> None:
         backend.cross_entropy_chunk(
             logits,
-            target[start:end],
+            row_range(target, start, end),
             ce_weight,
             scalars,
             **rows.chunk_kwargs(start, end),
-            row_grad_scale=None if row_grad_scale is None else row_grad_scale[start:end],
+            row_grad_scale=row_range(row_grad_scale, start, end),
             compute_grad=compute_grad,
         )
 
@@ -269,13 +282,13 @@ def run_logits_chunks(
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         backend.cross_entropy_chunk(
-            source[start:end],
-            target[start:end],
+            row_range(source, start, end),
+            row_range(target, start, end),
             ce_weight,
             scalars,
             **rows.chunk_kwargs(start, end),
-            row_grad_scale=None if row_grad_scale is None else row_grad_scale[start:end],
+            row_grad_scale=row_range(row_grad_scale, start, end),
             compute_grad=grad is not None,
-            grad_out=None if grad is None else grad[start:end],
+            grad_out=row_range(grad, start, end),
         )
     return rows, Gradients(grad, None, None)

@@ -15,12 +15,16 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     Where a backend registers a scaling kernel for the device (Triton's, on CUDA and
     under its interpreter) the pass over dW and dX is skipped on the device when
     ``grad_loss`` is exactly 1, as it is for ``loss.backward()``, without reading it on
-    the host; elsewhere a plain ``mul_``.
+    the host; elsewhere a plain ``mul_``. On the CPU the scale is read on the host and a
+    scale of exactly 1 skips every pass (multiplying by 1 changes no value, NaN included).
     """
     present = [g for g in gradients if g is not None]
     if not present:
         return
-    scale_unless_one_ = device_helper("scale_unless_one", present[0].device)
+    device = present[0].device
+    if device.type == "cpu" and grad_loss.item() == 1.0:
+        return  # reading the scale costs no device sync on the CPU: skip the passes on the host
+    scale_unless_one_ = device_helper("scale_unless_one", device)
     for gradient in present:
         if scale_unless_one_ is not None and gradient.is_contiguous():
             scale_unless_one_(gradient, grad_loss)

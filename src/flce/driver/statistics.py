@@ -5,6 +5,7 @@ reads a value on the host unless validation is synchronous."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +92,48 @@ def _statistics_buffers(
 
 def _inverse_or_zero(value: torch.Tensor) -> torch.Tensor:
     """1 / value, and 0 where value is 0 (an all-ignored batch divides nothing)."""
-    return torch.where(value > 0, 1.0 / value.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return torch.where(value > 0, 1.0 / value.clamp(min=_FP32_TINY), 0.0)
+
+
+_FP32_TINY = torch.finfo(torch.float32).tiny
+
+
+def _host_inverse_or_zero(value: float) -> float:
+    """``_inverse_or_zero`` of an fp32 value, in Python: the quotient is rounded to double,
+    then to fp32 when stored, which gives fp32's own correctly rounded quotient (double
+    rounding is innocuous for a division when 53 >= 2 * 24 + 2)."""
+    return 1.0 / max(value, _FP32_TINY) if value > 0 else 0.0
+
+
+def _host_statistics(
+    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``_statistics_buffers``'s values bit for bit, and the counts as Python ints, where
+    reading a value costs no device sync (the CPU, whose checks read the counts anyway):
+    the reductions are the same PyTorch ops, the dozen scalars derived from them are
+    computed in Python and stored with one op instead of a score of tiny ones."""
+    f32 = torch.float32
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= vocab))
+    n_valid = valid.sum(dtype=f32).item()
+    bad_targets = int(out_of_range.sum())
+    bad_weights = 0
+    if ce_weight is None:
+        ce_denominator, weight_sum = n_valid, float(vocab)
+    else:
+        w = ce_weight.float()
+        in_range = valid & ~out_of_range
+        safe_target = torch.where(in_range, target, torch.zeros_like(target)).long()
+        ce_denominator = torch.where(in_range, w[safe_target], 0.0).sum().item()
+        weight_sum = w.sum().item()
+        bad_weights = int(((w < 0) | ~torch.isfinite(w)).sum())
+    poison = math.nan if bad_targets + bad_weights > 0 else 1.0
+    inv_valid, inv_denominator = _host_inverse_or_zero(n_valid), _host_inverse_or_zero(ce_denominator)
+    # The products are exact (by 1) or NaN, as in fp32.
+    values = [n_valid, ce_denominator, weight_sum, poison, inv_valid]
+    values += [inv_denominator * poison, inv_valid * poison, weight_sum, poison, poison, weight_sum]
+    counts = [bad_targets, bad_weights]
+    return torch.tensor(values, dtype=f32), torch.tensor(counts, dtype=torch.int64), counts
 
 
 def _describe(vocab: int, ignore_index: int):
@@ -117,12 +159,18 @@ def batch_statistics(
     targets and negative or non-finite class weights poison the call (NaN loss and
     gradients) and raise ``ValueError`` as ``flce.driver.validation`` describes; with
     synchronous validation the error names the first offending values, before any kernel."""
-    # On the CPU the PyTorch ops are the fast way (Triton runs there only as its interpreter).
-    kernel = device_helper("batch_statistics", target.device) if target.device.type == "cuda" else None
-    values, counts = (kernel or _statistics_buffers)(target, ce_weight, vocab, ignore_index)
+    synchronous = validation.validates_synchronously(target.device)
+    host_counts = None
+    if target.device.type == "cpu":
+        # Reading on the host is free here (and Triton runs on CPU only as its interpreter).
+        values, counts, host_counts = _host_statistics(target, ce_weight, vocab, ignore_index)
+    else:
+        kernel = device_helper("batch_statistics", target.device) if target.device.type == "cuda" else None
+        values, counts = (kernel or _statistics_buffers)(target, ce_weight, vocab, ignore_index)
     describe = _describe(vocab, ignore_index)
-    if validation.validates_synchronously(target.device):
-        message = describe(counts.tolist())  # the host read of synchronous validation
+    if synchronous:
+        # The host read of synchronous validation (done already on the CPU).
+        message = describe(counts.tolist() if host_counts is None else host_counts)
         if message is not None:
             if counts[0]:
                 valid = target != ignore_index

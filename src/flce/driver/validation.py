@@ -61,7 +61,8 @@ def defer(counts: torch.Tensor, describe: Callable[[list[int]], str | None]) -> 
 def raise_pending(wait: bool = False) -> None:
     """Raises the first problem an earlier call reported (``ValueError``); ``wait`` blocks
     until every earlier call's counts have landed, else only those already landed are read."""
-    if not _pending or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    # Only CUDA calls defer checks: with some pending, CUDA is there to ask about capture.
+    if not _pending or torch.cuda.is_current_stream_capturing():
         return
     while _pending:
         head = _pending[0]

@@ -245,13 +245,15 @@ class RowOutputs:
         store_rows(valid, target, ce, z_loss, argmax, self.loss, self.z_loss, self.correct, self.predicted)
 
     def chunk_kwargs(self, start: int, end: int) -> dict:
-        """The ``*_out`` keyword arguments of a chunk kernel for rows ``[start, end)``."""
+        """The ``*_out`` keyword arguments of a chunk kernel for rows ``[start, end)`` (the
+        outputs themselves when that is every row: no view ops for a call of one chunk)."""
+        whole = start == 0 and end == self.loss.shape[0]
 
         def part(t):
-            return None if t is None else t[start:end]
+            return t if t is None or whole else t[start:end]
 
         return dict(
-            loss_out=self.loss[start:end],
+            loss_out=part(self.loss),
             z_loss_out=part(self.z_loss),
             correct_out=part(self.correct),
             predicted_out=part(self.predicted),
@@ -303,7 +305,7 @@ def reduce_rows(
     add_z_loss: bool,  # lse_square_scale > 0: the z-loss enters the loss
     return_z_loss: bool,
     scalars: ChunkScalars,
-    accuracy_scale: torch.Tensor,  # () 1 / n_valid for mean/sum (0 when every row is ignored)
+    accuracy_scale: torch.Tensor | None,  # () 1 / n_valid for mean/sum (0 when every row is ignored); with correct rows
 ) -> Reduced:
     """Applies the reduction; the mean uses the same scales as the gradient."""
     z_rows = rows.z_loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+@functools.lru_cache(maxsize=256)  # asked at every launch, with the same answer for a shape
 def ce_kernel_config(vocab: int, dtype: torch.dtype, device_type: str) -> CEKernelConfig:
     """Block size and warp count for one row of ``vocab`` logits of ``dtype``."""
     if device_type != "cuda":

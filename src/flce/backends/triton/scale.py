@@ -58,6 +58,11 @@ def scale_unless_one_(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     n = values.numel()
     if n == 0:
         return values
-    scale32 = scale.detach().reshape(()).to(device=values.device, dtype=torch.float32)
+    # Each step only when needed: the backward calls this per gradient, and each op costs host time.
+    if scale.requires_grad:
+        scale = scale.detach()
+    if scale.dim() != 0:
+        scale = scale.reshape(())
+    scale32 = scale.to(device=values.device, dtype=torch.float32)  # no op when it already is
     _scale_unless_one_kernel[(_program_count(values.device, n),)](values, scale32, n, BLOCK=BLOCK)
     return values

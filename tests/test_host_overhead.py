@@ -1,0 +1,213 @@
+"""Host work per loss call: the dispatched PyTorch ops and the Python function calls of a
+fused call, counted on the CPU with tiny tensors (the torch backend), so that a change
+that adds per-call work fails here before it shows up as host time on a GPU (each op
+costs some microseconds of host time on CUDA, a Python call a fraction of one).
+
+The bounds sit a little above what the code reaches; the comments give the counts before
+the per-call work was cut (validation and options cached per layout, no view per tensor
+for a call of one chunk, the CPU's batch statistics derived on the host, no upstream
+scaling pass for a scale of 1 on the CPU). The counts include the torch backend's chunk
+kernel (its PyTorch ops are its math) and PyTorch's own autograd calls.
+
+The other tests check that what is cached still refuses bad input: a cached layout still
+runs the checks that need the data, and a layout that changes is checked again.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import math
+import pstats
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flce
+import flce.dispatch
+from flce.driver.statistics import _host_statistics, _statistics_buffers
+from flce.options import LossOptions, cached_options
+
+N, V, H = 8, 64, 16
+
+
+class _AtenOps(TorchDispatchMode):
+    """Records every op PyTorch dispatches while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _work_per_call(call) -> tuple[int, int]:
+    """(aten ops, Python function calls) of one ``call`` after a warm-up call."""
+    call()  # the caches a training loop fills on its first step
+    with _AtenOps() as ops:
+        call()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    call()
+    profiler.disable()
+    return len(ops.names), pstats.Stats(profiler).total_calls
+
+
+@pytest.fixture
+def tensors():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(N, H, generator=gen).requires_grad_()
+    w = torch.randn(V, H, generator=gen).requires_grad_()
+    target = torch.randint(0, V, (N,), generator=gen)
+    return x, w, target
+
+
+def test_fused_forward_and_backward(tensors):
+    x, w, target = tensors
+
+    def call():
+        x.grad = w.grad = None
+        flce.fused_linear_cross_entropy(x, w, target, backend="torch").backward()
+
+    ops, python_calls = _work_per_call(call)
+    # Before: 106 ops (35 of them the batch statistics) and 413 Python calls; 136 ops and
+    # 9388 calls with TRITON_INTERPRET=1 (the upstream scaling ran through Triton's interpreter).
+    # Reached: 76 ops, 267 calls.
+    assert ops <= 80, ops
+    assert python_calls <= 290, python_calls
+
+
+def test_fused_forward_only(tensors):
+    x, w, target = tensors
+
+    def call():
+        with torch.no_grad():
+            flce.fused_linear_cross_entropy(x, w, target, backend="torch")
+
+    ops, python_calls = _work_per_call(call)
+    # Before: 72 ops, 302 Python calls. Reached: 45 ops, 177 calls.
+    assert ops <= 48, ops
+    assert python_calls <= 195, python_calls
+
+
+def test_cross_entropy_forward_only(tensors):
+    _, _, target = tensors
+    logits = torch.randn(N, V)
+
+    def call():
+        flce.cross_entropy(logits, target, backend="torch")
+
+    ops, python_calls = _work_per_call(call)
+    # Before: 68 ops, 253 Python calls. Reached: 43 ops, 141 calls.
+    assert ops <= 46, ops
+    assert python_calls <= 155, python_calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cutedsl"])
+def test_cuda_fused_forward_and_backward_ops(backend):
+    """On CUDA the batch statistics and the upstream scaling are Triton launches, and the
+    kernels are one launch per chunk: what is left are the driver's allocations, views,
+    GEMMs and the reduction. Expected from the CPU count (not yet measured on a GPU): about
+    17 ops (statistics 2 and their pinned copy 2, the scales view, the row outputs, the
+    weight's transposes 2, dX and dW 2, the three GEMMs, the reduction 3, autograd's seed)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ok, why = flce.dispatch.availability(backend, torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"{backend}: {why}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(N, H, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(V, H, device="cuda", generator=gen).bfloat16().requires_grad_()
+    target = torch.randint(0, V, (N,), device="cuda", generator=gen)
+
+    def call():
+        x.grad = w.grad = None
+        flce.fused_linear_cross_entropy(x, w, target, backend=backend).backward()
+
+    ops, python_calls = _work_per_call(call)
+    assert ops <= 24, ops
+
+
+# ------------------------------------------------- what is cached still refuses bad input
+
+
+def test_a_cached_layout_still_checks_the_target_values(tensors):
+    x, w, target = tensors
+    flce.fused_linear_cross_entropy(x, w, target, backend="torch")
+    bad = target.clone()
+    bad[3] = V + 5
+    with pytest.raises(ValueError, match="target values must be in"):
+        flce.fused_linear_cross_entropy(x, w, bad, backend="torch")
+
+
+def test_a_changed_layout_is_checked_again(tensors):
+    x, w, target = tensors
+    flce.fused_linear_cross_entropy(x, w, target, backend="torch")
+    with pytest.raises(TypeError, match="weight has dtype"):
+        flce.fused_linear_cross_entropy(x, w.detach().half(), target, backend="torch")
+    with pytest.raises(ValueError, match="target must have one class index per row"):
+        flce.fused_linear_cross_entropy(x, w, target[:-1], backend="torch")
+    ce_weight = torch.ones(V)
+    flce.fused_linear_cross_entropy(x, w, target, ce_weight=ce_weight, backend="torch")
+    with pytest.raises(ValueError, match="ce_weight requires grad"):
+        flce.fused_linear_cross_entropy(x, w, target, ce_weight=ce_weight.requires_grad_(), backend="torch")
+    with pytest.raises(ValueError, match="accum_dtype"):
+        flce.fused_linear_cross_entropy(x, w, target, accum_dtype=torch.float16, backend="torch")
+
+
+def test_autocast_is_part_of_the_checked_layout(tensors):
+    x, w, target = tensors
+    w_bf16 = w.detach().bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed dtypes are fine under autocast
+        flce.fused_linear_cross_entropy(x, w_bf16, target, backend="torch")
+    with pytest.raises(TypeError, match="outside torch.autocast"):
+        flce.fused_linear_cross_entropy(x, w_bf16, target, backend="torch")
+
+
+def test_cached_options_refuse_what_the_options_refuse():
+    assert cached_options(LossOptions, label_smoothing=0.5) is cached_options(LossOptions, label_smoothing=0.5)
+    cached_options(LossOptions, return_z_loss=False, lse_square_scale=1)
+    with pytest.raises(TypeError, match="lse_square_scale must be a finite float"):
+        cached_options(LossOptions, return_z_loss=False, lse_square_scale=True)  # == 1, but a bool
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        cached_options(LossOptions, reduction=["mean"])  # unhashable: the dataclass's own error
+    with pytest.raises(TypeError, match="label_smoothing must be a finite float"):
+        flce.fused_linear_cross_entropy(
+            torch.randn(2, 3), torch.randn(4, 3), torch.tensor([0, 1]), label_smoothing=float("nan")
+        )
+
+
+# ------------------------------------------------------- the CPU's batch statistics
+
+_targets = st.lists(st.integers(min_value=-3, max_value=12), min_size=0, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    target=_targets,
+    weights=st.none() | st.lists(st.floats(min_value=-1.0, max_value=3.0, width=32), min_size=10, max_size=10),
+    bad_weight=st.sampled_from([None, math.nan, math.inf]),
+    ignore_index=st.sampled_from([-100, -1, 0, 5]),
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.int8]),
+)
+def test_host_statistics_equal_the_device_ops_bit_for_bit(target, weights, bad_weight, ignore_index, dtype):
+    """The CPU derives the statistics' scalars in Python; the device ops are the definition."""
+    vocab = 10
+    target = torch.tensor(target, dtype=dtype)
+    ce_weight = None
+    if weights is not None:
+        ce_weight = torch.tensor(weights, dtype=torch.float32)
+        if bad_weight is not None:
+            ce_weight[1] = bad_weight
+    values, counts, host_counts = _host_statistics(target, ce_weight, vocab, ignore_index)
+    expected_values, expected_counts = _statistics_buffers(target, ce_weight, vocab, ignore_index)
+    assert torch.equal(counts, expected_counts) and host_counts == expected_counts.tolist()
+    assert values.dtype == expected_values.dtype and values.shape == expected_values.shape
+    assert torch.equal(values.isnan(), expected_values.isnan())
+    finite = ~values.isnan()
+    assert torch.equal(values[finite].view(torch.int32), expected_values[finite].view(torch.int32))
