@@ -17,23 +17,23 @@ import torch
 import flce
 from flce.dispatch import get_backend
 from flce.driver.chunks import GradRequest
-from flce.heads.logprobs import LogprobsOperands, LogprobsPlan, choose_logprobs_scheme
+from flce.heads.logprobs import LogprobsOperands, choose_logprobs_scheme
 from flce.options import LogprobsOptions
 
 from .end_to_end import make_head, make_target
 from .harness import BACKENDS, requires_cuda, requires_triton
-from .test_logprobs_function import HIDDEN, LEADING, VOCAB, check_parity, upstream_gradients, weighted_sum
+from .test_logprobs_function import (
+    HIDDEN,
+    LEADING,
+    VOCAB,
+    check_parity,
+    plan_of,
+    upstream_gradients,
+    weighted_sum,
+)
 
 gpu = pytest.mark.gpu
 N_ROWS = 11  # LEADING's rows
-
-
-def plan_of(output: torch.Tensor) -> LogprobsPlan:
-    """The plan of the call that made ``output`` (autograd keeps it with the graph)."""
-    node = output.grad_fn
-    while not hasattr(node, "plan"):
-        node = node.next_functions[0][0]  # through the reshape back to the call's node
-    return node.plan
 
 
 def extra_bytes(backend: str) -> int:
