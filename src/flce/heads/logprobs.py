@@ -24,6 +24,11 @@ the memory budget (``choose_logprobs_scheme``; no host sync):
   the very tensor the forward's kernel read, so the backward sees the same bits as a
   recompute of the same GEMM would give. They live from the forward to the first
   backward, which consumes them; a repeated backward (``retain_graph=True``) recomputes.
+  The plan holds them (autograd keeps it with the graph), as the cross-entropy's forward
+  gradients are held: they are not saved through ``save_for_backward``, whose version
+  check would refuse the in-place gradient, so saved-tensor hooks (activation offloading,
+  non-reentrant checkpointing) do not see them; a ``chunk_size`` below the number of
+  tokens recomputes instead.
   The default budget, ``max(512 MiB, V*H*4)`` with dW of a bf16 weight, keeps them
   while ``N <= 2H`` in bf16: the batch's logits are then no larger than the fp32 dW
   accumulator the recompute would need.
@@ -40,6 +45,8 @@ with no host sync and no read outside a row.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +56,7 @@ from flce.dispatch import resolve_backend
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, LinearHead, run_token_chunks
 from flce.driver.gemm import fp32_output_gemm_supported, weight_accumulator_dtype
 from flce.driver.schemes import MemoryBudgetError, scheme_for_call
-from flce.driver.sizing import CallShape
+from flce.driver.sizing import CHUNK_BUDGET_ENV_VAR, MEMORY_BUDGET_ENV_VAR, CallShape
 from flce.driver.statistics import batch_statistics
 from flce.options import LogprobsOptions, LossOptions
 
@@ -133,18 +140,34 @@ def choose_logprobs_scheme(
         upcast_operands=not fp32_output_gemm_supported(o.input.device),
     )
     may_keep = backward is not None and backward.any and n_rows > 0
-    if options.chunk_size is not None and (options.chunk_size < n_rows or not may_keep):
-        return LogprobsScheme(options.chunk_size, keeps_logits=False)
-    budget_options = LossOptions(memory_budget=options.memory_budget)
+    # A training loop asks with the same shapes call after call: the answer is cached on
+    # what decides it, the budget variables' values included (as flce.driver.schemes does).
+    environment = os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
+    return _scheme_of_call(call, options.chunk_size, options.memory_budget, may_keep, o.input.device, environment)
+
+
+@functools.lru_cache(maxsize=256)
+def _scheme_of_call(
+    call: CallShape,
+    chunk_size: int | None,
+    memory_budget: int | None,
+    may_keep: bool,
+    device: torch.device,
+    environment: tuple,
+) -> LogprobsScheme:
+    del environment  # a key only: scheme_for_call reads the variables themselves
+    n_rows = call.n_rows
+    if chunk_size is not None and (chunk_size < n_rows or not may_keep):
+        return LogprobsScheme(chunk_size, keeps_logits=False)
     try:
-        budget_rows = scheme_for_call(call, budget_options, o.input.device).rows
+        budget_rows = scheme_for_call(call, LossOptions(memory_budget=memory_budget), device).rows
     except MemoryBudgetError:
-        if options.chunk_size is None:
+        if chunk_size is None:
             raise
         budget_rows = 0  # the rows are named; only keeping needed the budget
     if may_keep and budget_rows >= n_rows:
         return LogprobsScheme(n_rows, keeps_logits=True)
-    return LogprobsScheme(options.chunk_size or budget_rows, keeps_logits=False)
+    return LogprobsScheme(chunk_size or budget_rows, keeps_logits=False)
 
 
 @dataclass
