@@ -64,6 +64,15 @@ def test_the_budget_decides_at_one_chunk_of_every_row(backend):
         assert scheme.rows == N_ROWS if kept else 1 <= scheme.rows < N_ROWS
 
 
+@pytest.mark.parametrize("fraction,kept", [(1.0, True), (0.5, False)])
+def test_the_budget_variable_decides_too(monkeypatch, fraction, kept):
+    """``FLCE_MEMORY_BUDGET_MIB`` as ``memory_budget`` (flce.driver.sizing's order)."""
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", str(fraction * keep_workspace("torch", torch.float32) / 2**20))
+    head = make_head(LEADING, HIDDEN, VOCAB, torch.float32, seed=40).leaves(torch.float32)
+    out = flce.fused_linear_logprobs(head.input, head.weight, make_target(head, 40), backend="torch")
+    assert plan_of(out.logprobs).scheme.keeps_logits is kept
+
+
 def _reference_shape(n_rows: int, requires_grad=(True, True)) -> LogprobsOperands:
     """The H200 bench's shape (H = 4096, V = 128256, bf16) on the meta device: sizes and
     dtypes only, no memory."""
