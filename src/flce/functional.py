@@ -13,7 +13,7 @@ import torch
 
 from flce.driver.validation import raise_pending
 from flce.heads.distillation import DistillationOperands, make_distillation_plan
-from flce.heads.logprobs import LogprobsOperands, make_logprobs_plan
+from flce.heads.logprobs import LogprobsOperands, backward_request, make_logprobs_plan
 from flce.options import (
     DistillationOptions,
     HeadNames,
@@ -247,7 +247,7 @@ def fused_linear_logprobs_with_options(
 
         logprobs, entropy = ops.compiled_logprobs(operands, options, compute_dtype)
     else:
-        plan = make_logprobs_plan(options, input.device, operands.target, weight.shape[0], compute_dtype)
+        plan = make_logprobs_plan(options, operands, compute_dtype, backward_request(operands))
         logprobs, entropy = run_loss(plan, operands)
     return LogprobsOutput(
         logprobs=logprobs.view(target.shape),
@@ -266,6 +266,7 @@ def fused_linear_logprobs(
     ignore_index: int = -100,
     backend: str | None = None,
     chunk_size: int | None = None,
+    memory_budget: int | None = None,
 ) -> LogprobsOutput:
     """Per-token log-probabilities of ``target`` (and entropies) under
     ``softmax((input @ weight.T + bias) / temperature)``, without materializing the logits.
@@ -282,12 +283,16 @@ def fused_linear_logprobs(
         backend: ``"torch"``, ``"triton"`` or ``None`` (``FLCE_BACKEND``, then the best
             backend with logprobs kernels); ``"cutedsl"`` has none and is refused.
         chunk_size: rows per chunk; ``None`` sizes chunks from the memory budget.
+        memory_budget: bytes of workspace (``None``: ``FLCE_MEMORY_BUDGET_MIB``, else the
+            default rule of ``flce.driver.sizing``). When one chunk of every row fits it,
+            the forward keeps its logits for the backward (3 GEMMs in all); otherwise
+            the backward recomputes them chunk by chunk (4 GEMMs).
 
     Returns:
         A ``LogprobsOutput``: ``logprobs`` and ``entropy`` (None without
         ``return_entropy``), fp32, shaped like ``target``, differentiable with any upstream
         gradients (e.g. ``exp(logprobs - old_logprobs) * advantages`` and an entropy
-        bonus). The backward recomputes the logits chunk by chunk (4 GEMMs in all).
+        bonus).
     """
     options = LogprobsOptions(
         temperature=temperature,
@@ -295,6 +300,7 @@ def fused_linear_logprobs(
         ignore_index=ignore_index,
         backend=backend,
         chunk_size=chunk_size,
+        memory_budget=memory_budget,
     )
     return fused_linear_logprobs_with_options(input, weight, target, bias, options)
 

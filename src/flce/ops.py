@@ -275,7 +275,7 @@ _LOGPROBS_OPTIONS = options_schema(LogprobsOptions)
 
 
 def _logprobs_plan(operands: LogprobsOperands, options: LogprobsOptions, compute_dtype: torch.dtype):
-    return make_logprobs_plan(options, operands.input.device, operands.target, operands.weight.shape[0], compute_dtype)
+    return make_logprobs_plan(options, operands, compute_dtype)  # planned apart: the logits are recomputed
 
 
 def _logprobs_forward(*args):

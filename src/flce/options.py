@@ -96,13 +96,17 @@ class LogprobsOptions:
     ignore_index: int = -100
     backend: str | None = None
     chunk_size: int | None = None
+    # bytes of workspace (flce.driver.sizing); it also decides whether the forward's
+    # logits are kept for the backward (flce.heads.logprobs)
+    memory_budget: int | None = None
 
     def __post_init__(self) -> None:
         _set_field(self, "temperature", as_temperature(self.temperature))
         _set_field(self, "return_entropy", as_bool("return_entropy", self.return_entropy))
         _set_field(self, "ignore_index", as_ignore_index(self.ignore_index))
         _set_field(self, "backend", backend_name(self.backend))
-        _set_field(self, "chunk_size", as_positive_int_or_none("chunk_size", self.chunk_size))
+        for name in ("chunk_size", "memory_budget"):
+            _set_field(self, name, as_positive_int_or_none(name, getattr(self, name)))
 
     @property
     def inv_temperature(self) -> float:

@@ -311,19 +311,36 @@ def test_cutedsl_is_refused_by_name_and_auto_falls_back(monkeypatch):
         dispatch._auto_backend.cache_clear()
 
 
+# The two schemes of flce.heads.logprobs: chunks of 100 of 256 rows recompute the logits
+# in the backward; one chunk of every row (the default budget holds it) keeps them.
+GPU_SCHEMES = {"recomputed": 100, "kept": None}
+
+
 @gpu
 @requires_cuda
 @requires_triton
+@pytest.mark.parametrize("scheme", list(GPU_SCHEMES))
 @pytest.mark.parametrize("backend", ["triton", None], ids=["triton", "auto"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_gpu_matches_reference(backend, dtype):
+def test_gpu_matches_reference(backend, dtype, scheme):
     """On the GPU: the Triton kernels, and auto dispatch (triton on Hopper, where the
     cutedsl backend has no logprobs kernels), at a vocabulary of several launch tiles."""
-    check_parity(backend, dtype, 0.7, leading=(4, 64), vocab=32003, chunk_size=100, seed=21)
+    out = check_parity(backend, dtype, 0.7, leading=(4, 64), vocab=32003, chunk_size=GPU_SCHEMES[scheme], seed=21)
+    assert plan_of(out.logprobs).scheme.keeps_logits is (scheme == "kept")
 
 
 @gpu
 @requires_cuda
 @requires_triton
-def test_gpu_large_vocabulary_bf16():
-    check_parity("triton", torch.bfloat16, 1.0, leading=(512,), vocab=151936, chunk_size=None, seed=22)
+@pytest.mark.parametrize("chunk_size", [None, 200], ids=["kept", "recomputed"])
+def test_gpu_large_vocabulary_bf16(chunk_size):
+    out = check_parity("triton", torch.bfloat16, 1.0, leading=(512,), vocab=151936, chunk_size=chunk_size, seed=22)
+    assert plan_of(out.logprobs).scheme.keeps_logits is (chunk_size is None)
+
+
+def plan_of(output: torch.Tensor):
+    """The ``LogprobsPlan`` of the call that made ``output`` (autograd keeps it with the graph)."""
+    node = output.grad_fn
+    while not hasattr(node, "plan"):
+        node = node.next_functions[0][0]  # through the reshape back to the call's node
+    return node.plan

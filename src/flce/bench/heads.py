@@ -52,7 +52,8 @@ TEACHER_NOISE = 0.3
 LIGER_FUNCTIONAL = "liger_kernel.transformers.functional"
 LOGPROBS_OBJECTIVE = f"sum(logprobs * advantages) + {ENTROPY_BONUS} * sum(entropy)"
 FLOOR_TEXT = {
-    "logprobs": "the cross-entropy's GEMMs: logits, dX, dW (6NVH fwd+bwd; flce recomputes the logits: 8NVH)",
+    "logprobs": "the cross-entropy's GEMMs: logits, dX, dW (6NVH fwd+bwd; flce keeps the logits when the memory "
+    "budget allows, else recomputes them: 8NVH)",
     "distill": "the student's and the teacher's logits, dX, dW (8NVH fwd+bwd, 4NVH forward)",
 }
 

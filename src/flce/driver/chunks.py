@@ -134,10 +134,13 @@ def run_token_chunks(
     accum_dtype: torch.dtype | None,  # LossOptions.accum_dtype
     extra_bytes_per_logit: int,  # the kernel's fp32 workspace per logit
     constant_heads: Sequence[LinearHead] = (),  # same N and V; no gradient (a teacher)
+    kept_logits: torch.Tensor | None = None,  # (N, V) compute dtype: ``head``'s logits, kept
 ) -> Gradients:
     """The loop of every loss head: per chunk, the logits GEMM of ``head`` (and of each
     constant head) into reused buffers, ``kernel``, then dX and the dW/db accumulation of
-    the requested gradients from the dL/dlogits it wrote in place."""
+    the requested gradients from the dL/dlogits it wrote in place. ``kept_logits``: the
+    logits of every row that an earlier one-chunk run of this loop produced (the same
+    GEMM), used as one chunk in place of the logits GEMM, and overwritten."""
     input, weight, bias, compute_dtype = head.input, head.weight, head.bias, head.compute_dtype
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
@@ -164,7 +167,7 @@ def run_token_chunks(
         extra_bytes,
         accumulator_dtype == torch.float32,
     )
-    chunk = max(1, min(chunk, n_rows))
+    chunk = n_rows if kept_logits is not None else max(1, min(chunk, n_rows))
     dw_direct = request.weight and weight_grad_in_one_gemm(
         n_rows, chunk, weight.dtype, compute_dtype, accumulator_dtype
     )
@@ -176,8 +179,11 @@ def run_token_chunks(
     )
     db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if request.bias else None
 
-    # One chunk: its GEMM allocates the logits (the same memory, one op fewer than a buffer).
-    logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device) if chunk < n_rows else None
+    # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
+    # chunk otherwise: its GEMM allocates the logits (the same memory, one op fewer than a buffer).
+    logits_buffer = kept_logits
+    if logits_buffer is None and chunk < n_rows:
+        logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device)
     constant_buffers = [
         torch.empty(chunk, vocab, dtype=c.compute_dtype, device=device) for c in constant_heads if n_rows
     ]
@@ -185,7 +191,10 @@ def run_token_chunks(
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         x = in_compute_dtype(row_range(input, start, end), compute_dtype)
-        logits = _logits_into(row_range(logits_buffer, 0, end - start), x, w_t, b)  # (C, V)
+        if kept_logits is None:
+            logits = _logits_into(row_range(logits_buffer, 0, end - start), x, w_t, b)  # (C, V)
+        else:
+            logits = row_range(kept_logits, start, end)  # (C, V), computed by the forward
         constant_logits = tuple(
             _logits_into(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
             for buffer, (c, c_w_t, c_b) in zip(constant_buffers, constants, strict=True)
