@@ -70,6 +70,13 @@ BLOCK_STATISTICS_BYTES = 3 * 4 + 1
 BLOCK_SMOOTHING_BYTES = 4
 BLOCK_ARGMAX_BYTES = 8
 BLOCK_COMBINE_BYTES = 8 * 4
+# Vocabulary blocks the chooser picks are a multiple of this many columns (unless one block
+# holds the whole vocabulary): a block's logits are a (C, block) matrix whose row stride is
+# the block width, and cuBLAS runs unaligned leading dimensions (e.g. 5577 columns) on slow
+# kernels: measured on the H200 at N=8192, H=4096, bf16, 5577-column blocks took 8.7x the
+# three-GEMM floor where 42752-column ones took 1.43x (benchmarks/results/memory-budget-h200).
+# 128 is also the GEMM tile width.
+BLOCK_ALIGNMENT = 128
 
 
 def _positive_mib(env_var: str) -> int | None:
@@ -320,27 +327,57 @@ def _least_workspace_blocks(call: CallShape, rows: int) -> int:
     return min(range(max(1, best - 2), min(vocab, best + 2) + 1), key=workspace)
 
 
+def aligned_block(block: int, vocab: int) -> int:
+    """``block`` rounded down to a multiple of ``BLOCK_ALIGNMENT`` columns (the whole
+    vocabulary, and blocks narrower than one alignment, stay as they are)."""
+    if block >= vocab or block <= BLOCK_ALIGNMENT:
+        return min(block, vocab)
+    return block - block % BLOCK_ALIGNMENT
+
+
 def least_workspace_block(call: CallShape, rows: int) -> int:
-    """The block width (columns) of (near) the least workspace for ``rows`` rows per chunk."""
-    return -(-call.vocab // _least_workspace_blocks(call, rows))
+    """The block width (columns, aligned) of (near) the least workspace for ``rows`` rows per
+    chunk: of the aligned widths on either side of the balanced optimum, the lesser."""
+    balanced = -(-call.vocab // _least_workspace_blocks(call, rows))
+    below = aligned_block(balanced, call.vocab)
+    above = aligned_block(below + BLOCK_ALIGNMENT, call.vocab) if below >= BLOCK_ALIGNMENT else below
+    return min((below, above), key=lambda block: (vocab_block_memory(call, rows, block).workspace, -block))
 
 
 def largest_block(call: CallShape, rows: int, budget: int) -> int | None:
-    """The widest vocabulary block (balanced: ``ceil(V / B)`` columns for the fewest
-    blocks ``B``) whose workspace with ``rows`` rows per chunk fits ``budget``, or None."""
+    """The widest vocabulary block (a multiple of ``BLOCK_ALIGNMENT`` columns, or the whole
+    vocabulary) whose workspace with ``rows`` rows per chunk fits ``budget``, or None."""
+    vocab = call.vocab
     workspace = _blocks_workspace(call, rows)
-    best = _least_workspace_blocks(call, rows)
-    if workspace(best) > budget:
+    least = least_workspace_block(call, rows)
+    if vocab_block_memory(call, rows, least).workspace > budget:
         return None
-    # Fewer blocks than ``best``: wider blocks, more workspace. The fewest that fit, by bisection.
-    low, high = 1, best
+    if least < BLOCK_ALIGNMENT:
+        # Small vocabularies: balanced blocks (``ceil(V / B)`` columns for the fewest
+        # blocks ``B`` that fit), by bisection over the count.
+        low, high = 1, _least_workspace_blocks(call, rows)
+        while low < high:
+            mid = (low + high) // 2
+            if workspace(mid) <= budget:
+                high = mid
+            else:
+                low = mid + 1
+        return -(-vocab // low)
+
+    # Wider than the least-workspace block, the workspace grows with the width (the
+    # buffers grow faster than the per-block statistics shrink): the widest aligned width
+    # that fits, by bisection over multiples of the alignment.
+    def fits(units: int) -> bool:
+        return vocab_block_memory(call, rows, min(units * BLOCK_ALIGNMENT, vocab)).workspace <= budget
+
+    low, high = least // BLOCK_ALIGNMENT, -(-vocab // BLOCK_ALIGNMENT)
     while low < high:
-        mid = (low + high) // 2
-        if workspace(mid) <= budget:
-            high = mid
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
         else:
-            low = mid + 1
-    return -(-call.vocab // low)
+            high = mid - 1
+    return min(low * BLOCK_ALIGNMENT, vocab)
 
 
 # ------------------------------------------------------------ chunk sizing
