@@ -25,12 +25,15 @@
 #   tp             vocab-parallel over 2, 4, 8 GPUs (those present) + tests -> vocab-parallel/
 #   heads          the logprobs and distillation heads: GPU tests, then
 #                  `flce bench --loss logprobs|distill` at V=128256, 151936 -> heads-tests.log, heads/
+#   frontier       the memory budget's schemes, predicted and measured, at
+#                  V=128256 and 32000 (`flce bench --frontier`)           -> memory-budget/
+#   graph          fwd+bwd replayed from a CUDA graph, reference and small shapes -> training-loop/
 #
 # LIMIT_SCALE=2 doubles every time limit (a slower GPU). OUTDIR/steps.txt gets one line per
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward tp heads]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward tp heads frontier graph]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -168,6 +171,18 @@ step_heads() {
     --methods flce,torch --out "$out/heads"
   run heads-distill 240 "$python" -m flce.cli bench --loss distill --rounds 5 --warmup 2 \
     --methods flce,torch,liger --out "$out/heads"
+}
+
+step_frontier() {
+  run frontier 170 "$python" -m flce.cli bench --frontier --tokens 8192 --vocab 128256,32000 --hidden 4096 \
+    --frontier-points 4 --rounds 3 --warmup 1 --out "$out/memory-budget"
+}
+
+step_graph() {
+  run graph 100 "$python" -m flce.cli bench --graph --rounds 5 --warmup 2 \
+    --methods flce,torch:eager,torch:compile,liger,cce --out "$out/training-loop" --no-plots
+  run graph-small 60 "$python" -m flce.cli bench --graph --tokens 1024 --hidden 1024 --vocab 32000 \
+    --rounds 10 --warmup 3 --methods flce,torch:eager,liger --out "$out/training-loop" --no-plots
 }
 
 for step in "${steps[@]}"; do
