@@ -385,15 +385,9 @@ def run_bench(args: argparse.Namespace) -> int:
     with progress_reporter(total) as tick:
         results: list[Result] = run_sweep(config, methods, tick)
     env["gpu_state_after"] = report.gpu_state(config.device)
-    payload = {
-        "schema": report.SCHEMA,
-        "command": command_line(),
-        "argv": list(sys.argv),
-        "date_utc": report.utc_now(),
-        "environment": env,
-        "config": config_dict(config, args, methods),
-        "results": [report.result_row(r) for r in results],
-    }
+    payload = report.run_record(
+        command_line(), env, config_dict(config, args, methods), [report.result_row(r) for r in results]
+    )
     report.print_table(payload["results"], title)
     written = []
     if args.out is not None:
@@ -431,15 +425,9 @@ def run_frontier_bench(args: argparse.Namespace, device: torch.device) -> int:
         for plan in plans:
             results.extend(run_shape(config, plan.shape, plan.methods, tick))
     env["gpu_state_after"] = report.gpu_state(config.device)
-    payload = {
-        "schema": report.SCHEMA,
-        "command": command_line(),
-        "argv": list(sys.argv),
-        "date_utc": report.utc_now(),
-        "environment": env,
-        "config": frontier.config_record(config, plans),
-        "results": frontier.frontier_rows(results, plans),
-    }
+    payload = report.run_record(
+        command_line(), env, frontier.config_record(config, plans), frontier.frontier_rows(results, plans)
+    )
     frontier.print_frontier(payload["results"], title)
     written = []
     if args.out is not None:
@@ -601,16 +589,14 @@ def run_kernel_bench(args: argparse.Namespace, device: torch.device) -> int:
         print("measuring the host overhead per call ...", flush=True)
         overhead_rows = host_overhead.overhead_rows(host_overhead.measure_host_overhead(overhead), overhead)
     env["gpu_state_after"] = report.gpu_state(config.device)
-    payload = {
-        "schema": ce_kernel.SCHEMA,
-        "command": command_line(),
-        "argv": list(sys.argv),
-        "date_utc": report.utc_now(),
-        "environment": env,
-        "config": kernel_config_dict(config, methods, overhead),
-        "results": ce_kernel.result_rows(results),
-        "host_overhead": overhead_rows,
-    }
+    payload = report.run_record(
+        command_line(),
+        env,
+        kernel_config_dict(config, methods, overhead),
+        ce_kernel.result_rows(results),
+        schema=ce_kernel.SCHEMA,
+    )
+    payload["host_overhead"] = overhead_rows
     where = env.get("gpu") or str(config.device)
     features = ",".join(config.loss.enabled()) or "no features"
     report.print_grid(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -252,22 +251,15 @@ def head_payload(
     command: str,
 ) -> dict[str, Any]:
     """The JSON of a run (``flce bench``'s schema, with the head's settings in ``config``)."""
-    return {
-        "schema": report.SCHEMA,
-        "command": command,
-        "argv": list(sys.argv),
-        "date_utc": report.utc_now(),
-        "environment": environment,
-        "config": {
-            "loss": args.loss,
-            "mode": config.mode,
-            "dtype": dtype_name(config.dtype),
-            "shapes": [{"n": s.n, "v": s.v, "h": s.h} for s in config.shapes],
-            **config.record(),
-            "temperature": TEMPERATURE,
-            "objective": LOGPROBS_OBJECTIVE if args.loss == "logprobs" else f"generalized JSD, beta {BETA}, mean",
-            "floor": FLOOR_TEXT[args.loss],
-            "methods": [m.name for m in methods],
-        },
-        "results": [report.result_row(r) for r in results],
+    config_record = {
+        "loss": args.loss,
+        "mode": config.mode,
+        "dtype": dtype_name(config.dtype),
+        "shapes": [{"n": s.n, "v": s.v, "h": s.h} for s in config.shapes],
+        **config.record(),
+        "temperature": TEMPERATURE,
+        "objective": LOGPROBS_OBJECTIVE if args.loss == "logprobs" else f"generalized JSD, beta {BETA}, mean",
+        "floor": FLOOR_TEXT[args.loss],
+        "methods": [m.name for m in methods],
     }
+    return report.run_record(command, environment, config_record, [report.result_row(r) for r in results])

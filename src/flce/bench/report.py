@@ -12,6 +12,7 @@ import json
 import platform
 import re
 import shlex
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
@@ -106,6 +107,21 @@ def gpu_state(device: torch.device) -> dict[str, Any]:
 def utc_now() -> str:
     """The current time as an ISO-8601 UTC string, to the second."""
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+
+
+def run_record(command: str, environment: dict, config: dict, results: list[dict], schema: str = SCHEMA) -> dict:
+    """The JSON of one ``flce bench`` run (every mode writes it; ``--kernel ce`` under its own
+    schema): the command as typed, ``sys.argv``, the date, the environment, the run's
+    settings and its result rows."""
+    return {
+        "schema": schema,
+        "command": command,
+        "argv": list(sys.argv),
+        "date_utc": utc_now(),
+        "environment": environment,
+        "config": config,
+        "results": results,
+    }
 
 
 # ----------------------------------------------------------------------------- rows
