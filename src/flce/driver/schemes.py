@@ -290,7 +290,25 @@ def describe_call(
     split_kernels: SplitRowKernels | None,
 ) -> CallShape:
     """The ``CallShape`` of a fused-loss call."""
-    return _call_shape(*_call_key(input, weight, bias, request, options, compute_dtype, backend, split_kernels))
+    statistics = BLOCK_STATISTICS_BYTES
+    statistics += BLOCK_SMOOTHING_BYTES if options.label_smoothing > 0 else 0
+    statistics += BLOCK_ARGMAX_BYTES if options.return_token_accuracy or options.return_predicted_tokens else 0
+    return CallShape(
+        n_rows=input.shape[0],
+        vocab=weight.shape[0],
+        hidden=input.shape[1],
+        input_dtype=input.dtype,
+        weight_dtype=weight.dtype,
+        compute_dtype=compute_dtype,
+        accumulator_dtype=weight_accumulator_dtype(options.accum_dtype, weight.dtype),
+        grad_input=request.input,
+        grad_weight=request.weight,
+        bias_dtype=bias.dtype if request.bias and bias is not None else None,
+        chunk_extra_bytes_per_logit=backend.extra_bytes_per_logit,
+        block_extra_bytes_per_logit=None if split_kernels is None else split_kernels.extra_bytes_per_logit,
+        block_statistics_bytes=statistics,
+        upcast_operands=not fp32_output_gemm_supported(input.device),
+    )
 
 
 def scheme_of_call(
@@ -303,87 +321,12 @@ def scheme_of_call(
     backend: BackendSpec,
     split_kernels: SplitRowKernels | None,
 ) -> Scheme:
-    """``scheme_for_call(describe_call(...))``. The plan asks before every call, and a
-    training loop asks with the same shapes call after call: the answer is cached on what
-    decides it, the variables' values included (a bad value raises, and is not cached)."""
-    key = _call_key(input, weight, bias, request, options, compute_dtype, backend, split_kernels)
-    environment = os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
-    return _cached_scheme(key, options, environment)
+    """``scheme_for_call(describe_call(...))``: the scheme the plan runs."""
+    call = describe_call(input, weight, bias, request, options, compute_dtype, backend, split_kernels)
+    return scheme_for_call(call, options, input.device)
 
 
-def _call_key(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    request: GradRequest,
-    options: LossOptions,
-    compute_dtype: torch.dtype,
-    backend: BackendSpec,
-    split_kernels: SplitRowKernels | None,
-) -> tuple:
-    """``_call_shape``'s arguments: what of a call its ``CallShape`` depends on, hashable."""
-    return (
-        input.shape[0],
-        weight.shape[0],
-        input.shape[1],
-        input.dtype,
-        weight.dtype,
-        compute_dtype,
-        weight_accumulator_dtype(options.accum_dtype, weight.dtype),
-        request,
-        bias.dtype if request.bias and bias is not None else None,
-        backend.extra_bytes_per_logit,
-        None if split_kernels is None else split_kernels.extra_bytes_per_logit,
-        options.label_smoothing > 0,
-        options.return_token_accuracy or options.return_predicted_tokens,
-        input.device,
-    )
-
-
-def _call_shape(
-    n_rows: int,
-    vocab: int,
-    hidden: int,
-    input_dtype: torch.dtype,
-    weight_dtype: torch.dtype,
-    compute_dtype: torch.dtype,
-    accumulator_dtype: torch.dtype,
-    request: GradRequest,
-    bias_dtype: torch.dtype | None,
-    chunk_extra: int,
-    block_extra: int | None,
-    with_smoothing: bool,
-    with_argmax: bool,
-    device: torch.device,
-) -> CallShape:
-    statistics = BLOCK_STATISTICS_BYTES
-    statistics += BLOCK_SMOOTHING_BYTES if with_smoothing else 0
-    statistics += BLOCK_ARGMAX_BYTES if with_argmax else 0
-    return CallShape(
-        n_rows=n_rows,
-        vocab=vocab,
-        hidden=hidden,
-        input_dtype=input_dtype,
-        weight_dtype=weight_dtype,
-        compute_dtype=compute_dtype,
-        accumulator_dtype=accumulator_dtype,
-        grad_input=request.input,
-        grad_weight=request.weight,
-        bias_dtype=bias_dtype,
-        chunk_extra_bytes_per_logit=chunk_extra,
-        block_extra_bytes_per_logit=block_extra,
-        block_statistics_bytes=statistics,
-        upcast_operands=not fp32_output_gemm_supported(device),
-    )
-
-
-@functools.lru_cache(maxsize=256)
-def _cached_scheme(key: tuple, options: LossOptions, environment: tuple) -> Scheme:
-    del environment  # a key only: scheme_for_call reads the variables themselves
-    return scheme_for_call(_call_shape(*key), options, key[-1])
-
-
-def _budget(call: CallShape, options: LossOptions, device: torch.device) -> tuple[int, str | None]:
+def _budget(call: CallShape, options: LossOptions, device_memory: int | None) -> tuple[int, str | None]:
     """(workspace budget in bytes, the option or variable that set it; None: the default rule)."""
     if options.memory_budget is not None:
         return options.memory_budget, "memory_budget"
@@ -391,7 +334,7 @@ def _budget(call: CallShape, options: LossOptions, device: torch.device) -> tupl
     if from_env is not None:
         return from_env, MEMORY_BUDGET_ENV_VAR
     default = default_memory_budget(
-        call.vocab, call.hidden, call.fp32_accumulator_of_low_precision_weight, device_memory_bytes(device)
+        call.vocab, call.hidden, call.fp32_accumulator_of_low_precision_weight, device_memory
     )
     return default, None
 
@@ -399,8 +342,19 @@ def _budget(call: CallShape, options: LossOptions, device: torch.device) -> tupl
 def scheme_for_call(call: CallShape, options: LossOptions, device: torch.device) -> Scheme:
     """The scheme a call runs (module docstring): explicit ``chunk_size``/``vocab_chunk_size``
     first, then the budget of ``memory_budget``, ``FLCE_MEMORY_BUDGET_MIB``,
-    ``FLCE_CHUNK_BUDGET_MIB`` (token chunks by their logits) or the default rule."""
-    budget, source = _budget(call, options, device)
+    ``FLCE_CHUNK_BUDGET_MIB`` (token chunks by their logits) or the default rule.
+
+    Every fused call asks, and a training loop asks with the same shapes call after call:
+    the answer is cached on what decides it: the device's memory and the budget variables'
+    values included (a bad value raises, and is not cached)."""
+    environment = os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
+    return _scheme_for_call(call, options, device_memory_bytes(device), environment)
+
+
+@functools.lru_cache(maxsize=256)
+def _scheme_for_call(call: CallShape, options: LossOptions, device_memory: int | None, environment: tuple) -> Scheme:
+    del environment  # a key only: _budget and legacy_chunk_budget_bytes read the variables
+    budget, source = _budget(call, options, device_memory)
     legacy = legacy_chunk_budget_bytes() if source is None else None
     rows = options.chunk_size
     if options.vocab_chunk_size is not None:
@@ -434,4 +388,4 @@ def call_budget(call: CallShape, options: LossOptions, device: torch.device) -> 
     """The workspace budget ``scheme_for_call`` runs ``call`` under, and the option or
     variable that set it (None: the default rule): for tools that show the budget beside
     the scheme (``flce bench --frontier``)."""
-    return _budget(call, options, device)
+    return _budget(call, options, device_memory_bytes(device))

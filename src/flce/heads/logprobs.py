@@ -45,8 +45,6 @@ with no host sync and no read outside a row.
 
 from __future__ import annotations
 
-import functools
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -56,9 +54,9 @@ from flce.dispatch import resolve_backend
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, LinearHead, run_token_chunks
 from flce.driver.gemm import fp32_output_gemm_supported, weight_accumulator_dtype
 from flce.driver.schemes import MemoryBudgetError, scheme_for_call
-from flce.driver.sizing import CHUNK_BUDGET_ENV_VAR, MEMORY_BUDGET_ENV_VAR, CallShape
+from flce.driver.sizing import CallShape
 from flce.driver.statistics import batch_statistics
-from flce.options import LogprobsOptions, LossOptions
+from flce.options import LogprobsOptions, LossOptions, cached_options
 
 
 @dataclass(frozen=True)
@@ -123,6 +121,10 @@ def choose_logprobs_scheme(
     not raise, as for the cross-entropy)."""
     o = operands
     n_rows = o.n_rows
+    may_keep = backward is not None and backward.any and n_rows > 0
+    chunk_size = options.chunk_size
+    if chunk_size is not None and (chunk_size < n_rows or not may_keep):
+        return LogprobsScheme(chunk_size, keeps_logits=False)
     gradients = GradRequest(True, True, o.bias is not None) if backward is None else backward
     call = CallShape(
         n_rows=n_rows,
@@ -139,28 +141,9 @@ def choose_logprobs_scheme(
         block_extra_bytes_per_logit=None,  # no vocabulary-block kernels for this head
         upcast_operands=not fp32_output_gemm_supported(o.input.device),
     )
-    may_keep = backward is not None and backward.any and n_rows > 0
-    # A training loop asks with the same shapes call after call: the answer is cached on
-    # what decides it, the budget variables' values included (as flce.driver.schemes does).
-    environment = os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
-    return _scheme_of_call(call, options.chunk_size, options.memory_budget, may_keep, o.input.device, environment)
-
-
-@functools.lru_cache(maxsize=256)
-def _scheme_of_call(
-    call: CallShape,
-    chunk_size: int | None,
-    memory_budget: int | None,
-    may_keep: bool,
-    device: torch.device,
-    environment: tuple,
-) -> LogprobsScheme:
-    del environment  # a key only: scheme_for_call reads the variables themselves
-    n_rows = call.n_rows
-    if chunk_size is not None and (chunk_size < n_rows or not may_keep):
-        return LogprobsScheme(chunk_size, keeps_logits=False)
     try:
-        budget_rows = scheme_for_call(call, LossOptions(memory_budget=memory_budget), device).rows
+        budget = cached_options(LossOptions, memory_budget=options.memory_budget)
+        budget_rows = scheme_for_call(call, budget, o.input.device).rows
     except MemoryBudgetError:
         if chunk_size is None:
             raise
