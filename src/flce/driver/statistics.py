@@ -51,25 +51,45 @@ class BatchStatistics:
         return self.values[start : start + 3]
 
 
+@dataclass(frozen=True)
+class _Reductions:
+    """The reductions over the batch both ways of deriving the statistics share (0-dim
+    tensors; ``ce_denominator`` and ``weight_sum`` None without class weights)."""
+
+    n_valid: torch.Tensor  # fp32
+    bad_targets: torch.Tensor  # int64: valid rows whose target is outside [0, V)
+    ce_denominator: torch.Tensor | None  # fp32: sum of w_y over the valid in-range rows
+    weight_sum: torch.Tensor | None  # fp32: sum of ce_weight
+    bad_weights: torch.Tensor | None  # int64: negative or non-finite class weights
+
+    @staticmethod
+    def of(target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int) -> _Reductions:
+        valid = target != ignore_index
+        out_of_range = valid & ((target < 0) | (target >= vocab))
+        n_valid, bad_targets = valid.sum(dtype=torch.float32), out_of_range.sum()
+        if ce_weight is None:
+            return _Reductions(n_valid, bad_targets, None, None, None)
+        w = ce_weight.float()
+        in_range = valid & ~out_of_range
+        safe_target = torch.where(in_range, target, torch.zeros_like(target)).long()
+        ce_denominator = torch.where(in_range, w[safe_target], 0.0).sum()
+        return _Reductions(n_valid, bad_targets, ce_denominator, w.sum(), ((w < 0) | ~torch.isfinite(w)).sum())
+
+
 def _statistics_buffers(
     target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``STATISTICS_LAYOUT`` with PyTorch ops (where no backend registers the one-launch kernel)."""
     f32 = torch.float32
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= vocab))
-    n_valid = valid.sum(dtype=f32)
-    problems = [out_of_range.sum(), torch.zeros((), dtype=torch.int64, device=target.device)]
+    r = _Reductions.of(target, ce_weight, vocab, ignore_index)
+    n_valid = r.n_valid
     if ce_weight is None:
         ce_denominator = n_valid
         weight_sum = torch.full((), float(vocab), dtype=f32, device=target.device)
+        counts = torch.stack([r.bad_targets, torch.zeros((), dtype=torch.int64, device=target.device)])
     else:
-        w = ce_weight.float()
-        safe_target = torch.where(valid & ~out_of_range, target, torch.zeros_like(target)).long()
-        ce_denominator = torch.where(valid & ~out_of_range, w[safe_target], 0.0).sum()
-        weight_sum = w.sum()
-        problems[1] = ((w < 0) | ~torch.isfinite(w)).sum()
-    counts = torch.stack(problems)
+        ce_denominator, weight_sum = r.ce_denominator, r.weight_sum
+        counts = torch.stack([r.bad_targets, r.bad_weights])
     poison = torch.where(counts.sum() > 0, float("nan"), 1.0).to(f32)
     inv_valid, inv_denominator = _inverse_or_zero(n_valid), _inverse_or_zero(ce_denominator)
     values = torch.stack(
@@ -110,30 +130,21 @@ def _host_statistics(
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """``_statistics_buffers``'s values bit for bit, and the counts as Python ints, where
     reading a value costs no device sync (the CPU, whose checks read the counts anyway):
-    the reductions are the same PyTorch ops, the dozen scalars derived from them are
+    the reductions are the same (``_Reductions``), the dozen scalars derived from them are
     computed in Python and stored with one op instead of a score of tiny ones."""
-    f32 = torch.float32
-    valid = target != ignore_index
-    out_of_range = valid & ((target < 0) | (target >= vocab))
-    n_valid = valid.sum(dtype=f32).item()
-    bad_targets = int(out_of_range.sum())
-    bad_weights = 0
+    r = _Reductions.of(target, ce_weight, vocab, ignore_index)
+    n_valid, bad_targets = r.n_valid.item(), int(r.bad_targets)
     if ce_weight is None:
-        ce_denominator, weight_sum = n_valid, float(vocab)
+        ce_denominator, weight_sum, bad_weights = n_valid, float(vocab), 0
     else:
-        w = ce_weight.float()
-        in_range = valid & ~out_of_range
-        safe_target = torch.where(in_range, target, torch.zeros_like(target)).long()
-        ce_denominator = torch.where(in_range, w[safe_target], 0.0).sum().item()
-        weight_sum = w.sum().item()
-        bad_weights = int(((w < 0) | ~torch.isfinite(w)).sum())
+        ce_denominator, weight_sum, bad_weights = r.ce_denominator.item(), r.weight_sum.item(), int(r.bad_weights)
     poison = math.nan if bad_targets + bad_weights > 0 else 1.0
     inv_valid, inv_denominator = _host_inverse_or_zero(n_valid), _host_inverse_or_zero(ce_denominator)
     # The products are exact (by 1) or NaN, as in fp32.
     values = [n_valid, ce_denominator, weight_sum, poison, inv_valid]
     values += [inv_denominator * poison, inv_valid * poison, weight_sum, poison, poison, weight_sum]
     counts = [bad_targets, bad_weights]
-    return torch.tensor(values, dtype=f32), torch.tensor(counts, dtype=torch.int64), counts
+    return torch.tensor(values, dtype=torch.float32), torch.tensor(counts, dtype=torch.int64), counts
 
 
 def _describe(vocab: int, ignore_index: int):
