@@ -57,6 +57,24 @@ def _split(args: tuple, n_tensors: int, options_type: type = LossOptions) -> tup
     return args[:n_tensors], options, args[n_tensors + n_options :]
 
 
+def _save_for_backward(ctx, arguments: tuple, options, inputs: tuple, gradients: tuple) -> None:
+    """What a loss op's backward needs: with ``reduction="none"`` (upstream gradients per
+    token, known only then) its inputs and ``arguments`` for the backward op; otherwise the
+    gradients the forward computed, to be scaled."""
+    ctx.arguments = arguments
+    ctx.deferred = options.reduction == "none"
+    ctx.save_for_backward(*(inputs if ctx.deferred else gradients))
+
+
+def _backward_gradients(ctx, grad_loss: Tensor, backward_op) -> tuple:
+    """The gradients of ``_save_for_backward``'s op: computed by ``backward_op`` or scaled
+    out of place."""
+    if ctx.deferred:
+        gradients = backward_op(grad_loss, *ctx.saved_tensors, *ctx.arguments)
+        return gradients if isinstance(gradients, tuple) else (gradients,)  # an op of one output returns it bare
+    return tuple(scaled_gradients(ctx.saved_tensors, grad_loss))
+
+
 def _or_empty(t: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
     return like.new_empty(_EMPTY, dtype=dtype) if t is None else t
 
@@ -172,20 +190,15 @@ fused_linear_cross_entropy_bwd = _define(
 
 def _linear_setup_context(ctx, inputs, output):
     tensors, options, rest = _split(inputs, 5)
-    ctx.arguments = inputs[5:]  # the options and the rest, for the backward op
     ctx.flags = rest[1:]
     ctx.has_bias = tensors[3] is not None
-    ctx.deferred = options.reduction == "none"
-    ctx.save_for_backward(*(tensors if ctx.deferred else output[4:]))
+    _save_for_backward(ctx, inputs[5:], options, tensors, output[4:])
 
 
 def _linear_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
     refuse_create_graph("flce.fused_linear_cross_entropy (compiled)")
     grad_input, grad_weight, grad_bias = ctx.flags
-    if ctx.deferred:
-        dx, dw, db = fused_linear_cross_entropy_bwd(grad_loss, *ctx.saved_tensors, *ctx.arguments)
-    else:
-        dx, dw, db = scaled_gradients(ctx.saved_tensors, grad_loss)
+    dx, dw, db = _backward_gradients(ctx, grad_loss, fused_linear_cross_entropy_bwd)
     return (
         dx if grad_input else None,
         dw if grad_weight else None,
@@ -249,19 +262,15 @@ cross_entropy_bwd = _define(
 
 def _logits_setup_context(ctx, inputs, output):
     tensors, options, (grad_logits,) = _split(inputs, 3)
-    ctx.options_values, ctx.grad_logits = inputs[3 : 3 + _N_OPTIONS], grad_logits
-    ctx.deferred = options.reduction == "none"
-    ctx.save_for_backward(*(tensors if ctx.deferred else (output[4],)))
+    ctx.grad_logits = grad_logits
+    _save_for_backward(ctx, inputs[3 : 3 + _N_OPTIONS], options, tensors, (output[4],))
 
 
 def _logits_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _grad):
     refuse_create_graph("flce.cross_entropy (compiled)")
     if not ctx.grad_logits:
         return (None,) * (4 + _N_OPTIONS)
-    if ctx.deferred:
-        grad = cross_entropy_bwd(grad_loss, *ctx.saved_tensors, *ctx.options_values)
-    else:
-        (grad,) = scaled_gradients(ctx.saved_tensors, grad_loss)
+    (grad,) = _backward_gradients(ctx, grad_loss, cross_entropy_bwd)
     return (grad,) + (None,) * (3 + _N_OPTIONS)
 
 
@@ -437,20 +446,15 @@ fused_linear_distillation_bwd = _define(
 
 def _distillation_setup_context(ctx, inputs, output):
     tensors, options, rest = _split(inputs, 7, DistillationOptions)
-    ctx.arguments = inputs[7:]  # the options and the rest, for the backward op
     ctx.flags = rest[2:]
     ctx.has_bias = tensors[2] is not None
-    ctx.deferred = options.reduction == "none"
-    ctx.save_for_backward(*(tensors if ctx.deferred else output[1:]))
+    _save_for_backward(ctx, inputs[7:], options, tensors, output[1:])
 
 
 def _distillation_backward_autograd(ctx, grad_loss, _dx, _dw, _db):
     refuse_create_graph("flce.fused_linear_distillation (compiled)")
     grad_input, grad_weight, grad_bias = ctx.flags
-    if ctx.deferred:
-        dx, dw, db = fused_linear_distillation_bwd(grad_loss, *ctx.saved_tensors, *ctx.arguments)
-    else:
-        dx, dw, db = scaled_gradients(ctx.saved_tensors, grad_loss)
+    dx, dw, db = _backward_gradients(ctx, grad_loss, fused_linear_distillation_bwd)
     return (
         dx if grad_input else None,
         dw if grad_weight else None,
