@@ -70,48 +70,45 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- probe
 
 
+def _config_items(config):
+    """``(key, value)`` of every attribute of ``config`` and of its sub-configs (each
+    visited once), sub-configs themselves excepted."""
+    seen: set[int] = set()
+
+    def walk(cfg):
+        if id(cfg) in seen:
+            return
+        seen.add(id(cfg))
+        for key, value in vars(cfg).items():
+            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
+                yield from walk(value)
+            else:
+                yield key, value
+
+    yield from walk(config)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def special_token_ids(config) -> set[int]:
     """Every ``*_token_id`` / ``*_token_index`` of the config and its sub-configs (image
     tokens among them: the probe's text must not ask for pixels)."""
     found: set[int] = set()
-    seen: set[int] = set()
-
-    def walk(cfg):
-        if id(cfg) in seen:
-            return
-        seen.add(id(cfg))
-        for key, value in vars(cfg).items():
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                walk(value)
-            elif "token" in key and ("id" in key or "index" in key):
-                values = value if isinstance(value, (list, tuple)) else [value]
-                found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
-
-    walk(config)
+    for key, value in _config_items(config):
+        if "token" in key and ("id" in key or "index" in key):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
     return found
 
 
 def _softcap_candidates(config) -> list[float]:
-    found: list[float] = []
-    seen: set[int] = set()
-
-    def walk(cfg):
-        if id(cfg) in seen:
-            return
-        seen.add(id(cfg))
-        for key, value in vars(cfg).items():
-            if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                walk(value)
-            elif (
-                ("softcap" in key or "soft_cap" in key)
-                and isinstance(value, (int, float))
-                and not isinstance(value, bool)
-                and value > 0
-            ):
-                found.append(float(value))
-
-    walk(config)
-    return found
+    return [
+        float(value)
+        for key, value in _config_items(config)
+        if ("softcap" in key or "soft_cap" in key) and _is_number(value) and value > 0
+    ]
 
 
 def _probe_inputs(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
