@@ -79,6 +79,16 @@ class LossSettings:
 
     options: Any  # flce.LossOptions
     ce_weight: torch.Tensor | None = None
+    # The keyword arguments of the public functions, built here once (not in the traced
+    # forward): ``fused_kwargs`` / ``logits_kwargs``.
+    fused: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    logits: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        targets = (("fused", "fused_linear_cross_entropy", "ce_weight"), ("logits", "cross_entropy", "weight"))
+        for name, function, weight in targets:
+            keywords = {weight: self.ce_weight, **{n: getattr(self.options, n) for n in _user_option_names(function)}}
+            object.__setattr__(self, name, keywords)
 
     @staticmethod
     def from_kwargs(loss_options: dict[str, Any]) -> LossSettings:
@@ -99,28 +109,30 @@ class LossSettings:
         return LossSettings(flce.LossOptions(**options), ce_weight)
 
     def fused_kwargs(self) -> dict[str, Any]:
-        o = self.options
-        return {
-            "ce_weight": self.ce_weight,
-            "lse_square_scale": o.lse_square_scale,
-            "label_smoothing": o.label_smoothing,
-            "accum_dtype": o.accum_dtype,
-            "use_token_scaling": o.use_token_scaling,
-            "backend": o.backend,
-            "chunk_size": o.chunk_size,
-            "vocab_chunk_size": o.vocab_chunk_size,
-            "memory_budget": o.memory_budget,
-        }
+        """The keyword arguments of ``flce.fused_linear_cross_entropy`` the user's options
+        give (the model decides the others per call: ``PER_CALL_OPTIONS``)."""
+        return self.fused
 
     def logits_kwargs(self) -> dict[str, Any]:
-        o = self.options
-        return {
-            "weight": self.ce_weight,
-            "lse_square_scale": o.lse_square_scale,
-            "label_smoothing": o.label_smoothing,
-            "use_token_scaling": o.use_token_scaling,
-            "backend": o.backend,
-        }
+        """The same for ``flce.cross_entropy`` (on logits the model materialized)."""
+        return self.logits
+
+
+# Options the model decides per call (the label shift's ignore_index, the Trainer's
+# reduction, its own soft-capping), besides those the integration refuses.
+PER_CALL_OPTIONS = ("ignore_index", "reduction", "softcap", *REJECTED_OPTIONS)
+
+
+@functools.cache
+def _user_option_names(function: str) -> tuple[str, ...]:
+    """The ``LossOptions`` fields that flce's public ``function`` takes as keywords, less
+    ``PER_CALL_OPTIONS``: derived from the signature, not spelled out again."""
+    from flce import functional
+
+    flce = _flce()
+    parameters = inspect.signature(getattr(functional, function)).parameters
+    fields = [f.name for f in dataclasses.fields(flce.LossOptions)]
+    return tuple(name for name in fields if name in parameters and name not in PER_CALL_OPTIONS)
 
 
 # --------------------------------------------------------------------------- interceptor
