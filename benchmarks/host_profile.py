@@ -7,13 +7,18 @@ backend this profiles 200 calls of ``flce.cross_entropy`` and of
 ``flce.fused_linear_cross_entropy`` (each with ``loss.backward()``) and writes the
 functions with the most own time, per call, to ``OUT/host_profile.txt``.
 
-    python3 benchmarks/host_profile.py OUT [--backends cutedsl,triton]
+    python3 benchmarks/host_profile.py OUT [--backends cutedsl,triton] [--shape N,V,H]
+
+With ``--ops`` it also counts, per call, the aten ops and the kernel launches
+(``torch.profiler``): the per-op and per-launch host costs are what remains once the
+Python is lean.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -39,19 +44,217 @@ def import_relative_paths(text: str) -> str:
     return text
 
 
+def op_counts(step, device: torch.device, calls: int = 10) -> str:
+    """The host-side events of ``calls`` steps (aten ops, launches), per call, most frequent first."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            step()
+        synchronize(device)
+    rows = sorted(prof.key_averages(), key=lambda e: -e.count)
+    lines = [f"\n  {'events per call':>16}  {'host us per call':>16}  name"]
+    for event in rows[:40]:
+        lines.append(f"  {event.count / calls:16.1f}  {event.cpu_time_total / calls:16.1f}  {event.key[:90]}")
+    return "\n".join(lines) + "\n"
+
+
+def per_call_us(fn, device: torch.device, calls: int = 300) -> float:
+    """Median over 5 batches of the wall microseconds per call of ``fn``, GPU drained at batch ends."""
+    for _ in range(20):
+        fn()
+    synchronize(device)
+    batches = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        batches.append((time.perf_counter() - start) / calls * 1e6)
+    return sorted(batches)[2]
+
+
+def time_parts(x, w, logits, target, backends) -> str:
+    """Unprofiled microseconds per call of a loss call's building blocks, beside eager PyTorch."""
+    from flce.dispatch import resolve_backend
+    from flce.driver import validation
+    from flce.driver.statistics import batch_statistics, chunk_scalars
+    from flce.options import LossOptions, validate_fused_inputs
+    from flce.plan import make_plan
+
+    device, v = x.device, w.shape[0]
+    options = LossOptions()
+    xd, wd = x.detach(), w.detach()
+    parts = {}
+
+    def eager_step():
+        loss = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w).float(), target)
+        loss.backward()
+
+    parts["eager linear+CE fwd+bwd"] = eager_step
+    parts["eager linear+CE fwd"] = lambda: torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(xd, wd).float(), target
+    )
+    parts["torch.mm (logits GEMM)"] = lambda: torch.mm(xd, wd.t())
+    parts["torch.empty x5"] = lambda: [torch.empty(8, device=device) for _ in range(5)]
+    parts["validate_fused_inputs"] = lambda: validate_fused_inputs(xd, wd, target, None, None, options)
+    parts["batch_statistics"] = lambda: batch_statistics(target, None, v, -100)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    parts["validation.defer"] = lambda: (validation.defer(counts, lambda c: None), validation.raise_pending())
+
+    class Identity(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a.sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g.expand(8, x.shape[1]), None
+
+    parts["autograd.Function apply+backward"] = lambda: Identity.apply(x, w).backward()
+    for backend in backends:
+        plan = make_plan(LossOptions(backend=backend), device, target, None, v, torch.bfloat16)
+        spec = resolve_backend(backend, device)
+        scalars = chunk_scalars(options, plan.stats)
+        loss_rows = torch.empty(target.shape[0], device=device)
+        chunk = logits.detach().clone()
+        parts[f"{backend}: make_plan"] = lambda b=backend: make_plan(
+            LossOptions(backend=b), device, target, None, v, torch.bfloat16
+        )
+        parts[f"{backend}: CE chunk kernel"] = lambda s=spec, c=chunk, sc=scalars, r=loss_rows: s.cross_entropy_chunk(
+            c,
+            target,
+            None,
+            sc,
+            loss_out=r,
+            z_loss_out=None,
+            correct_out=None,
+            predicted_out=None,
+            row_grad_scale=None,
+            compute_grad=True,
+        )
+        parts[f"{backend}: fused fwd+bwd"] = lambda b=backend: flce.fused_linear_cross_entropy(
+            x, w, target, backend=b
+        ).backward()
+
+        def forward_only(b=backend):
+            with torch.no_grad():
+                flce.fused_linear_cross_entropy(xd, wd, target, backend=b)
+
+        parts[f"{backend}: fused fwd (no grad)"] = forward_only
+        del spec
+    lines = ["\n===== building blocks, unprofiled (us per call, median of 5 batches)"]
+    for name, fn in parts.items():
+        try:
+            lines.append(f"  {per_call_us(fn, device):9.1f}  {name}")
+        except Exception as error:  # noqa: BLE001 (a part that does not apply is reported, not fatal)
+            lines.append(f"  {'n/a':>9}  {name}: {type(error).__name__}: {error}"[:200])
+    return "\n".join(lines) + "\n"
+
+
+WRAPPED = (
+    "flce.functional.fused_linear_cross_entropy",
+    "flce.options.cached_options",
+    "flce.functional.fused_linear_cross_entropy_with_options",
+    "flce.options.validate_fused_inputs",
+    "flce.plan.make_plan",
+    "flce.driver.statistics.batch_statistics",
+    "flce.driver.validation.defer",
+    "flce.plan.run_loss",
+    "flce.plan.forward",
+    "flce.plan.backward",
+    "flce.driver.schemes.scheme_of_call",
+    "flce.driver.chunks.run_token_chunks",
+    "flce.driver.chunks.allocate_rows",
+    "flce.rows.cross_entropy.reduce_rows",
+    "flce.output.package_result",
+    "flce.driver.scaling.scale_gradients_",
+    "torch.autograd.backward",
+)
+
+
+def time_steps(x, w, target, backends, calls: int = 300) -> str:
+    """Inclusive wall microseconds per call of the driver's main steps (``WRAPPED``), from
+    timers wrapped around them (about a microsecond each), without a profiler's overhead."""
+    import importlib
+
+    totals: dict[str, float] = {}
+    originals = []
+    for path in WRAPPED:
+        module_name, name = path.rsplit(".", 1)
+        original = getattr(importlib.import_module(module_name), name)
+
+        def timed(*a, _f=original, _p=path, **k):
+            start = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                totals[_p] = totals.get(_p, 0.0) + time.perf_counter() - start
+
+        # Every module that imported the function by name calls the timed one.
+        for module in [m for n, m in sys.modules.items() if n.startswith(("flce", "torch.autograd")) and m]:
+            for attr, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, attr, timed)
+                    originals.append((module, attr, original))
+    lines = []
+    try:
+        for backend in backends:
+            for label, grad in (("fwd+bwd", True), ("fwd (no grad)", False)):
+
+                def step(b=backend, g=grad):
+                    with torch.set_grad_enabled(g):
+                        out = flce.fused_linear_cross_entropy(x, w, target, backend=b)
+                    if g:
+                        out.backward()
+
+                wall = per_call_us(step, x.device, calls)
+                gc.disable()
+                try:
+                    wall_no_gc = per_call_us(step, x.device, calls)
+                finally:
+                    gc.enable()
+                totals.clear()
+                for _ in range(calls):
+                    step()
+                synchronize(x.device)
+                lines.append(
+                    f"\n===== {backend} {label}: {wall:.1f} us per call ({wall_no_gc:.1f} without the garbage"
+                    " collector); inclusive us per call:"
+                )
+                for path in WRAPPED:
+                    if path in totals:
+                        lines.append(f"  {totals[path] / calls * 1e6:9.1f}  {path}")
+    finally:
+        for module, attr, original in originals:
+            setattr(module, attr, original)
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--backends", default="cutedsl,triton")
+    parser.add_argument("--shape", default=None, help="N,V,H (default: the host-overhead shape)")
+    parser.add_argument("--ops", action="store_true", help="count aten ops and kernel launches per call")
+    parser.add_argument("--parts", action="store_true", help="time the building blocks of a call, unprofiled")
+    parser.add_argument("--wrap", action="store_true", help="inclusive unprofiled time of the driver's main steps")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
     n, v, h = OVERHEAD_SHAPE.n, OVERHEAD_SHAPE.v, OVERHEAD_SHAPE.h  # as `flce bench --kernel ce` measures it
+    if args.shape:
+        n, v, h = (int(part) for part in args.shape.split(","))
     x = torch.randn(n, h, generator=gen, device=device).bfloat16().requires_grad_()
     w = torch.randn(v, h, generator=gen, device=device).bfloat16().requires_grad_()
     logits = torch.randn(n, v, generator=gen, device=device).bfloat16().requires_grad_()
     target = torch.randint(0, v, (n,), generator=gen, device=device)
     report = io.StringIO()
+    if args.parts:
+        report.write(time_parts(x, w, logits, target, args.backends.split(",")))
+    if args.wrap:
+        report.write(time_steps(x, w, target, args.backends.split(",")))
     for backend in args.backends.split(","):
         calls = {
             "cross_entropy": lambda b=backend: flce.cross_entropy(logits, target, backend=b),
@@ -77,10 +280,14 @@ def main() -> int:
                 step()
             synchronize(device)
             profiler.disable()
-            report.write(f"\n===== {api} backend={backend}: {wall_us:.1f} us per call (fwd+bwd, unprofiled)\n")
+            report.write(
+                f"\n===== {api} backend={backend} N={n} V={v} H={h}: {wall_us:.1f} us per call (fwd+bwd, unprofiled)\n"
+            )
             stats = pstats.Stats(profiler, stream=report)
             stats.sort_stats("tottime").print_stats(25)
             stats.sort_stats("cumulative").print_stats(25)
+            if args.ops:
+                report.write(op_counts(step, device))
     text = import_relative_paths(report.getvalue())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_profile.txt").write_text(text)

@@ -386,3 +386,40 @@ def test_gradient_into_grad_out_leaves_logits_untouched(dtype, feature, offset):
     else:
         torch.testing.assert_close(grad_out, in_place)
         torch.testing.assert_close(loss, loss_in_place)
+
+
+_LAUNCH_MODE_SCRIPT = """
+import sys, torch, flce
+from flce.backends.cutedsl import common
+gen = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(64, 128, generator=gen, device="cuda").bfloat16().requires_grad_()
+w = torch.randn(1000, 128, generator=gen, device="cuda").bfloat16().requires_grad_()
+y = torch.randint(0, 1000, (64,), generator=gen, device="cuda")
+loss = flce.fused_linear_cross_entropy(x, w, y, backend="cutedsl", label_smoothing=0.1, softcap=20.0)
+loss.backward()
+with torch.no_grad():
+    loss_only = flce.fused_linear_cross_entropy(x, w, y, backend="cutedsl")
+torch.save({"tvm_ffi": common.TVM_FFI_CALLS, "loss": loss.detach().cpu(), "loss_only": loss_only.cpu(),
+            "dx": x.grad.cpu(), "dw": w.grad.cpu()}, sys.argv[1])
+"""
+
+
+def test_launch_entry_points_agree(tmp_path):
+    """The DSL's own entry point (``FLCE_CUTEDSL_TVM_FFI=0``) and the default one (TVM FFI
+    where it is installed) launch the same kernels with the same arguments: bit-identical
+    losses and gradients, on the chunked route and the fused loss-only GEMM. Each mode runs
+    in its own process (the mode is decided at import)."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for mode in ("0", "1"):
+        path = tmp_path / f"mode{mode}.pt"
+        env = {**os.environ, cutedsl_common.TVM_FFI_ENV_VAR: mode}
+        subprocess.run([sys.executable, "-c", _LAUNCH_MODE_SCRIPT, str(path)], env=env, check=True)
+        results[mode] = torch.load(path)
+    assert results["0"]["tvm_ffi"] is False
+    assert results["1"]["tvm_ffi"] is cutedsl_common.TVM_FFI_CALLS
+    for name in ("loss", "loss_only", "dx", "dw"):
+        assert torch.equal(results["0"][name], results["1"][name]), name

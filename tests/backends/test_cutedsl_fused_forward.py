@@ -357,7 +357,7 @@ def test_combine_kernel_matches_torch_twin(with_logit_sum):
         cutedsl_common.gmem_ptr(out[0], cutlass.Float32, 4),
         cutedsl_common.gmem_ptr(out[1], cutlass.Int64, 8),
         cutedsl_common.gmem_ptr(out[2], cutlass.Float32, 4),
-        cutlass.Int32(rows),
+        cutedsl_common.arg_i32(rows),
         cutedsl_common.cuda_stream(dev),
     )
     assert torch.equal(out[1].cpu(), pred) and bool((pred[::5] == targ[7, ::5]).all())

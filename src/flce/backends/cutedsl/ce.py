@@ -54,10 +54,14 @@ from flce.backends.cutedsl.common import (
     KernelConfig,
     RowStream,
     SmemAllocator,
+    arg_f32,
+    arg_i32,
+    arg_i64,
     argmax_combine,
     cdiv,
     combine_softmax,
     compile_cached,
+    compile_launcher,
     cuda_stream,
     gmem_ptr,
     null_ptr,
@@ -403,7 +407,7 @@ def _build(key: KernelKey, config: KernelConfig):
     dtype = TORCH_TO_CUTE[key.dtype]
     esize = kernel.esize
     target_t = Int64 if key.target_int64 else Int32
-    return cute.compile(
+    return compile_launcher(
         kernel,
         null_ptr(dtype, key.vec * esize),
         null_ptr(dtype, key.vec * esize),
@@ -517,14 +521,14 @@ def _launch(
         gmem_ptr(predicted_out, Int64, 8),
         gmem_ptr(row_grad_scale, Float32, 4),
         gmem_ptr(scalars.scales, Float32, 4),
-        Int32(num_rows),
-        Int64(logits.stride(0)),
-        Int64(grad.stride(0)),
-        Int64(scalars.ignore_index),
-        Float32(ls),
-        Float32(ls / vocab),
-        Float32(scalars.lse_square_scale),
-        Float32(c if c is not None else 1.0),
-        Float32(1.0 / c if c is not None else 1.0),
+        arg_i32(num_rows),
+        arg_i64(logits.stride(0)),
+        arg_i64(grad.stride(0)),
+        arg_i64(scalars.ignore_index),
+        arg_f32(ls),
+        arg_f32(ls / vocab),
+        arg_f32(scalars.lse_square_scale),
+        arg_f32(c if c is not None else 1.0),
+        arg_f32(1.0 / c if c is not None else 1.0),
         cuda_stream(logits.device),
     )

@@ -10,7 +10,9 @@ described in ``ce``'s module docstring.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -450,25 +452,75 @@ class RowStream:
         cute.autovec_copy(out, gOut[None, vidx])
 
 
-_COMPILED: dict = {}  # (kind, key, config) -> compiled kernel
+# ---------------------------------------------------------------- compiling and launching
+#
+# A kernel is compiled once per cache key (everything it bakes in) from placeholder
+# arguments: pointers with their element type and alignment, scalars, a stream. How a
+# launch then passes its arguments depends on the entry point the DSL compiled:
+#
+# - TVM FFI (``apache-tvm-ffi``, which nvidia-cutlass-dsl ships with): a C entry point that
+#   takes plain Python values (a pointer as its address, 0 for an absent tensor; ints;
+#   floats; the stream's handle) and decodes them in compiled code. The launch costs a few
+#   microseconds of host time.
+# - otherwise the DSL's own entry point, which converts ``cute.Pointer``/``Int32``/... objects
+#   in Python on every launch (a whole cutedsl CE chunk call took 107 us of host time on
+#   the H200's machine that way, the Triton one 39 us).
+#
+# ``FLCE_CUTEDSL_TVM_FFI=0`` forces the second (to compare, or where TVM FFI misbehaves).
+# The launch-argument helpers below (``gmem_ptr``, ``arg_i32``, ``arg_i64``, ``arg_f32``,
+# ``cuda_stream``) produce what the compiled entry point takes, so call sites are the same
+# either way; compile-time placeholders are always DSL objects (``null_ptr``, ``Int32(1)``).
+
+TVM_FFI_ENV_VAR = "FLCE_CUTEDSL_TVM_FFI"
+
+
+def _tvm_ffi_calls() -> bool:
+    if (os.environ.get(TVM_FFI_ENV_VAR) or "1").strip() == "0":
+        return False
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+TVM_FFI_CALLS = _tvm_ffi_calls()  # decided once per process: compiled kernels and launches must agree
+
+_COMPILED: dict = {}  # (kind, key, config) -> launcher
+_KEEP_ALIVE: list = []  # the compiled functions whose raw TVM FFI entry points are cached
 
 
 def compile_cached(cache_key: Hashable, build: Callable[[], object]):
-    """The compiled kernel for ``cache_key`` (everything the kernel bakes in: a frozen key
-    and launch config; the row count stays symbolic), built by ``build()`` on first use."""
+    """The launcher of the kernel for ``cache_key`` (everything the kernel bakes in: a
+    frozen key and launch config; the row count stays symbolic), built by ``build()`` on
+    first use; ``build`` compiles with ``compile_launcher``."""
     fn = _COMPILED.get(cache_key)
     if fn is None:
         fn = _COMPILED[cache_key] = build()
     return fn
 
 
-_STREAMS: dict = {}
+def compile_launcher(kernel, *placeholders):
+    """``cute.compile(kernel, *placeholders)``, through TVM FFI where it is available, and
+    the cheapest callable that launches it: with TVM FFI the raw ``tvm_ffi.Function``
+    (positional plain values; the DSL's Python wrapper around it would re-check every
+    argument), else the DSL's compiled function."""
+    if not TVM_FFI_CALLS:
+        return cute.compile(kernel, *placeholders)
+    import tvm_ffi
+
+    compiled = cute.compile(kernel, *placeholders, options="--enable-tvm-ffi")
+    raw = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else None
+    if raw is None and isinstance(compiled, tvm_ffi.Function):
+        raw = tvm_ffi.Function.__call__.__get__(compiled)  # the C call, not the subclass's Python one
+    if raw is None:
+        return compiled
+    _KEEP_ALIVE.append(compiled)  # the raw entry point lives in the compiled module
+    return raw
+
+
 _NULL_PTRS: dict = {}
 
 
 def null_ptr(dtype, align: int) -> cute.Pointer:
-    """A cached placeholder for an absent optional tensor (never dereferenced); its
-    type (element, alignment) matches what the kernel was compiled with."""
+    """A cached compile-time placeholder of a pointer argument (element type, alignment),
+    also the DSL entry point's absent optional tensor (never dereferenced)."""
     p = _NULL_PTRS.get((dtype, align))
     if p is None:
         p = cute.runtime.make_ptr(dtype, 0, cute.AddressSpace.gmem, assumed_align=align)
@@ -476,13 +528,38 @@ def null_ptr(dtype, align: int) -> cute.Pointer:
     return p
 
 
-def cuda_stream(device: torch.device) -> cuda.CUstream:
-    raw = torch.cuda.current_stream(device).cuda_stream
-    s = _STREAMS.get(raw)
-    if s is None:
-        s = cuda.CUstream(raw)
-        _STREAMS[raw] = s
-    return s
+if TVM_FFI_CALLS:
+
+    def gmem_ptr(tensor: torch.Tensor | None, dtype, align: int) -> int:
+        """A launch's pointer argument: the tensor's address (0 for an absent tensor). The
+        caller guarantees the ``align`` the kernel was compiled with."""
+        return 0 if tensor is None else tensor.data_ptr()
+
+    def cuda_stream(device: torch.device) -> int:
+        """A launch's stream argument: the current stream's handle."""
+        return torch.cuda.current_stream(device).cuda_stream
+
+    arg_i32 = arg_i64 = int  # a launch's Int32 / Int64 argument
+    arg_f32 = float  # a launch's Float32 argument
+
+else:
+    _STREAMS: dict = {}
+
+    def gmem_ptr(tensor: torch.Tensor | None, dtype, align: int) -> cute.Pointer:
+        """A launch's pointer argument (``null_ptr`` for an absent tensor)."""
+        if tensor is None:
+            return null_ptr(dtype, align)
+        return cute.runtime.make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+    def cuda_stream(device: torch.device) -> cuda.CUstream:
+        """A launch's stream argument: the current stream (its wrapper cached per handle)."""
+        raw = torch.cuda.current_stream(device).cuda_stream
+        s = _STREAMS.get(raw)
+        if s is None:
+            s = _STREAMS[raw] = cuda.CUstream(raw)
+        return s
+
+    arg_i32, arg_i64, arg_f32 = Int32, Int64, Float32
 
 
 def vector_width(logits: torch.Tensor) -> int:
@@ -496,9 +573,3 @@ def vector_width(logits: torch.Tensor) -> int:
     while vec > 1 and (vocab % vec or stride % vec or addr % vec):
         vec //= 2
     return vec
-
-
-def gmem_ptr(tensor: torch.Tensor | None, dtype, align: int) -> cute.Pointer:
-    if tensor is None:
-        return null_ptr(dtype, align)
-    return cute.runtime.make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)

@@ -69,7 +69,16 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.cutedsl.common import cdiv, compile_cached, cuda_stream, gmem_ptr, null_ptr
+from flce.backends.cutedsl.common import (
+    arg_f32,
+    arg_i32,
+    cdiv,
+    compile_cached,
+    compile_launcher,
+    cuda_stream,
+    gmem_ptr,
+    null_ptr,
+)
 
 LOG2_E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
@@ -730,7 +739,7 @@ def _build_fused_forward(key: FusedForwardKey, config: FusedForwardConfig):
     kernel = FusedForwardKernel(key, config)
     dtype = WGMMA_DTYPES[key.dtype]
     target_t = Int64 if key.target_int64 else Int32
-    return cute.compile(
+    return compile_launcher(
         kernel,
         null_ptr(dtype, 16),
         null_ptr(dtype, 16),
@@ -895,37 +904,38 @@ def fused_forward_statistics(
         stream = cuda_stream(dev)
         for r0 in range(0, num_rows, chunk):
             rows = min(chunk, num_rows - r0)
-            tmax = ws_max[: T * rows].view(T, rows)
-            tse = ws_sumexp[: T * rows].view(T, rows)
-            targ = ws_arg[: T * rows].view(T, rows)
-            tsum = ws_sum[: T * rows].view(T, rows) if ws_sum is not None else None
-            x = input[r0 : r0 + rows]
-            y = target[r0 : r0 + rows]
+
+            def rows_of(t: torch.Tensor | None, r0=r0, rows=rows) -> torch.Tensor | None:
+                # The kernels take a base pointer and a row count: the first launch (the
+                # only one, mostly) passes the tensors as they are, with no view op.
+                return t if t is None or r0 == 0 else t[r0 : r0 + rows]
+
+            # Each launch's (T, rows) tile statistics start at the workspace's base.
             fn(
-                gmem_ptr(x, WGMMA_DTYPES[input.dtype], 16),
+                gmem_ptr(rows_of(input), WGMMA_DTYPES[input.dtype], 16),
                 gmem_ptr(weight, WGMMA_DTYPES[input.dtype], 16),
-                gmem_ptr(y, Int64 if key.target_int64 else Int32, y.element_size()),
+                gmem_ptr(rows_of(target), Int64 if key.target_int64 else Int32, target.element_size()),
                 gmem_ptr(bias32, Float32, 4),
-                gmem_ptr(tmax, Float32, 4),
-                gmem_ptr(tse, Float32, 4),
-                gmem_ptr(targ, Int32, 4),
-                gmem_ptr(tsum, Float32, 4),
-                gmem_ptr(out["target_logit"][r0 : r0 + rows], Float32, 4),
-                Int32(rows),
-                Float32(c),
-                Float32(1.0 / c),
-                Int32(max_clusters),
+                gmem_ptr(ws_max, Float32, 4),
+                gmem_ptr(ws_sumexp, Float32, 4),
+                gmem_ptr(ws_arg, Int32, 4),
+                gmem_ptr(ws_sum, Float32, 4),
+                gmem_ptr(rows_of(out["target_logit"]), Float32, 4),
+                arg_i32(rows),
+                arg_f32(c),
+                arg_f32(1.0 / c),
+                arg_i32(max_clusters),
                 stream,
             )
             combine(
-                gmem_ptr(tmax, Float32, 4),
-                gmem_ptr(tse, Float32, 4),
-                gmem_ptr(targ, Int32, 4),
-                gmem_ptr(tsum, Float32, 4),
-                gmem_ptr(out["lse"][r0 : r0 + rows], Float32, 4),
-                gmem_ptr(out["predicted"][r0 : r0 + rows], Int64, 8),
-                gmem_ptr(out["logit_sum"][r0 : r0 + rows] if with_logit_sum else None, Float32, 4),
-                Int32(rows),
+                gmem_ptr(ws_max, Float32, 4),
+                gmem_ptr(ws_sumexp, Float32, 4),
+                gmem_ptr(ws_arg, Int32, 4),
+                gmem_ptr(ws_sum, Float32, 4),
+                gmem_ptr(rows_of(out["lse"]), Float32, 4),
+                gmem_ptr(rows_of(out["predicted"]), Int64, 8),
+                gmem_ptr(rows_of(out.get("logit_sum")), Float32, 4),
+                arg_i32(rows),
                 stream,
             )
     return out
@@ -1072,7 +1082,7 @@ def compile_combine(num_tiles: int, with_logit_sum: bool):
 
 
 def _build_combine(num_tiles: int, with_logit_sum: bool):
-    return cute.compile(
+    return compile_launcher(
         CombineTileStatisticsKernel(num_tiles, with_logit_sum),
         null_ptr(Float32, 4),
         null_ptr(Float32, 4),

@@ -36,8 +36,12 @@ from flce.backends.cutedsl.common import (
     KernelConfig,
     RowStream,
     SmemAllocator,
+    arg_f32,
+    arg_i32,
+    arg_i64,
     cdiv,
     compile_cached,
+    compile_launcher,
     cuda_stream,
     gmem_ptr,
     null_ptr,
@@ -298,7 +302,7 @@ class PartialGradient(RowStream):
 def _compile(kernel_cls, key, config: KernelConfig, args: tuple):
     """The compiled ``kernel_cls(key, config)`` (cached); ``args`` are placeholders of
     the launch arguments' types (pointers with their alignment, scalars, a stream)."""
-    return compile_cached((kernel_cls, key, config), lambda: cute.compile(kernel_cls(key, config), *args))
+    return compile_cached((kernel_cls, key, config), lambda: compile_launcher(kernel_cls(key, config), *args))
 
 
 def _check_logits(logits: torch.Tensor) -> None:
@@ -346,7 +350,7 @@ def _class_weights(ce_weight: torch.Tensor, vocab_local: int) -> torch.Tensor:
 
 
 def _softcap_args(softcap: float | None) -> tuple:
-    return (Float32(1.0), Float32(1.0)) if softcap is None else (Float32(softcap), Float32(1.0 / softcap))
+    return (arg_f32(1.0), arg_f32(1.0)) if softcap is None else (arg_f32(softcap), arg_f32(1.0 / softcap))
 
 
 def partial_statistics(
@@ -420,8 +424,8 @@ def partial_statistics(
             gmem_ptr(target_shifted, Float32, 4),
             gmem_ptr(smooth, Float32, 4),
             gmem_ptr(argmax, Int64, 8),
-            Int32(num_rows),
-            Int64(logits.stride(0)),
+            arg_i32(num_rows),
+            arg_i64(logits.stride(0)),
             *_softcap_args(softcap),
             cuda_stream(device),
         )
@@ -500,8 +504,8 @@ def partial_gradient(
             gmem_ptr(smooth_coef, Float32, 4),
             gmem_ptr(z_coef, Float32, 4),
             gmem_ptr(weight_sum, Float32, 4),
-            Int32(num_rows),
-            Int64(logits.stride(0)),
+            arg_i32(num_rows),
+            arg_i64(logits.stride(0)),
             *_softcap_args(softcap),
             cuda_stream(logits.device),
         )
