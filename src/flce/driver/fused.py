@@ -64,7 +64,7 @@ def run_fused_statistics(
         target,
         target != scalars.ignore_index,
         lse,
-        torch.zeros_like(lse),
+        None,  # log_s = 0: the reference point is the lse itself
         statistics["target_logit"] - lse,
         shifted_smooth,
         statistics["predicted"],

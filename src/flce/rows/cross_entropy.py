@@ -138,23 +138,30 @@ def loss_rows(
     shifted_target: torch.Tensor,  # (M,) z'_y - m
     shifted_smooth_sum: torch.Tensor | None,  # (M,) sum_i w_i (z'_i - m), with label smoothing
     lse: torch.Tensor,  # (M,) m + log_s
-    w_y: torch.Tensor,  # (M,) class weight of the target (1 without weights)
+    w_y: torch.Tensor | None,  # (M,) class weight of the target; None without weights (all 1)
     scalars: ChunkScalars,
     eps: float,  # label_smoothing / V (the whole vocabulary)
+    need_z: bool = True,  # whether the z-loss rows are wanted (None is returned otherwise)
 ):
     """-> (ce, zl, token_scale or None) per row, in terms of the shifted logits ``z' - m``
     (differences to the row max keep the precision that ``m + log s`` would round away).
-    The formulas hold for any reference point ``m`` of a row as long as ``log_s = lse - m``."""
+    The formulas hold for any reference point ``m`` of a row as long as ``log_s = lse - m``.
+    Factors of exactly 1 (no smoothing, no class weights) are not applied: the values are
+    the same, and each product is an op (a kernel, and host time) per call."""
     ls = scalars.label_smoothing
-    ce = (1.0 - ls) * w_y * (log_s - shifted_target)
+    ce = log_s - shifted_target
+    if w_y is not None:
+        ce = ((1.0 - ls) * w_y if ls else w_y) * ce  # the product's association as ever: ((1 - ls) w_y) ce
+    elif ls:
+        ce = (1.0 - ls) * ce
     if shifted_smooth_sum is not None:
         # sum_i w_i (lse - z'_i) = W * log(s) - sum_i w_i (z'_i - m)
         ce = ce + eps * (scalars.weight_sum * log_s - shifted_smooth_sum)
-    zl = scalars.lse_square_scale * lse * lse
+    zl = scalars.lse_square_scale * lse * lse if need_z else None
     token_scale = torch.exp(shifted_target - log_s) if scalars.use_token_scaling else None  # p_y, detached
     if token_scale is not None:
         ce = ce * token_scale
-        zl = zl * token_scale
+        zl = None if zl is None else zl * token_scale
     return ce, zl, token_scale
 
 
@@ -271,15 +278,15 @@ def store_rows(
     correct_out: torch.Tensor | None,
     predicted_out: torch.Tensor | None,
 ) -> None:
-    """The ``*_out`` rows of a chunk kernel, with the ignored-row values of the contract."""
-    zero = torch.zeros((), dtype=torch.float32, device=ce.device)
-    loss_out.copy_(torch.where(valid, ce, zero))
+    """The ``*_out`` rows of a chunk kernel, with the ignored-row values of the contract
+    (Python scalars in the selects: no op to make a constant tensor)."""
+    loss_out.copy_(torch.where(valid, ce, 0.0))
     if z_loss_out is not None:
-        z_loss_out.copy_(torch.where(valid, zl, zero))
+        z_loss_out.copy_(torch.where(valid, zl, 0.0))
     if correct_out is not None:
         correct_out.copy_(((argmax == target) & valid).float())
     if predicted_out is not None:
-        predicted_out.copy_(torch.where(valid, argmax, torch.full_like(argmax, -1)))
+        predicted_out.copy_(torch.where(valid, argmax, -1))
 
 
 @dataclass
@@ -335,7 +342,7 @@ def rows_from_statistics(
     target: torch.Tensor,  # (N,)
     valid: torch.Tensor,  # (N,) bool
     row_max: torch.Tensor,  # (N,) fp32 any reference point m of each row (its max, or its lse)
-    log_s: torch.Tensor,  # (N,) log sum_i exp(z'_i - m)
+    log_s: torch.Tensor | None,  # (N,) log sum_i exp(z'_i - m); None: 0 (m is the lse)
     shifted_target: torch.Tensor,  # (N,) z'_y - m (any value on ignored rows)
     shifted_smooth_sum: torch.Tensor | None,  # (N,) sum_i w_i (z'_i - m), with label smoothing
     argmax: torch.Tensor | None,  # (N,) int64 first argmax of z'
@@ -346,10 +353,18 @@ def rows_from_statistics(
     """Stores the per-row outputs computed from whole-row statistics (merged over
     vocabulary blocks or ranks, or reduced by a fused GEMM epilogue); returns the token
     scale (``p_y``, with ``use_token_scaling``) that the gradient needs."""
-    lse = row_max + log_s
-    w_y = ce_weight[gather_safe_target(target, valid, vocab)] if ce_weight is not None else torch.ones_like(lse)
+    lse = row_max if log_s is None else row_max + log_s
+    log_s = torch.zeros_like(lse) if log_s is None else log_s
+    w_y = ce_weight[gather_safe_target(target, valid, vocab)] if ce_weight is not None else None
     ce, zl, token_scale = loss_rows(
-        log_s, shifted_target, shifted_smooth_sum, lse, w_y, scalars, scalars.smoothing_eps(vocab)
+        log_s,
+        shifted_target,
+        shifted_smooth_sum,
+        lse,
+        w_y,
+        scalars,
+        scalars.smoothing_eps(vocab),
+        need_z=rows.z_loss is not None,
     )
     rows.store(valid, target, ce, zl, argmax)
     return token_scale

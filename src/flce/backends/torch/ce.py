@@ -62,7 +62,9 @@ def cross_entropy_chunk(
     log_s = torch.log(s_sum)
     lse = row_max + log_s
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
-    ce, zl, token_scale = loss_rows(log_s, shifted_target, shifted_smooth_sum, lse, w_y, scalars, eps)
+    ce, zl, token_scale = loss_rows(
+        log_s, shifted_target, shifted_smooth_sum, lse, w_y, scalars, eps, need_z=z_loss_out is not None
+    )
     store_rows(valid, target, ce, zl, argmax, loss_out, z_loss_out, correct_out, predicted_out)
     if not compute_grad:
         return
