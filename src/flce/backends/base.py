@@ -317,7 +317,7 @@ class BackendSpec:
     split_rows: Callable[[], SplitRowKernels] | None = None
     loss_only: LossOnlyStatistics | None = None
     scale_unless_one: Callable[[Sequence[torch.Tensor], torch.Tensor], None] | None = None
-    batch_statistics: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    batch_statistics: Callable[..., torch.Tensor] | None = None
     logprobs: LogprobsKernels | None = None
     distillation: DistillationKernels | None = None
 

@@ -99,6 +99,7 @@ def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> N
         # An unused slot gets a real pointer (never read: its size is 0).
         slots = [(values, values.numel()) for values in group]
         slots += [(group[0], 0)] * (TENSORS_PER_LAUNCH - len(group))
-        blocks = triton.cdiv(max(n for _, n in slots), BLOCK)  # the largest tensor's, one per program
+        largest = max(n for _, n in slots)
+        blocks = (largest + BLOCK - 1) // BLOCK  # the largest tensor's, one per program (not triton.cdiv: 5 calls)
         (a, a_n), (b, b_n), (c, c_n) = slots
         _scale_unless_one_kernel[(_program_count(device, blocks),)](a, a_n, b, b_n, c, c_n, scale32, BLOCK=BLOCK)
