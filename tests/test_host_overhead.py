@@ -113,8 +113,9 @@ def test_cuda_fused_forward_and_backward_ops(backend):
     """On CUDA the batch statistics and the upstream scaling are Triton launches, and the
     kernels are one launch per chunk: what is left are the driver's allocations, views,
     GEMMs and the reduction. Expected from the CPU count (not yet measured on a GPU): about
-    17 ops (statistics 2 and their pinned copy 2, the scales view, the row outputs, the
-    weight's transposes 2, dX and dW 2, the three GEMMs, the reduction 3, autograd's seed)."""
+    15 ops (the statistics' buffer 1 and its copy to a reused pinned buffer 1, the scales
+    view, the row outputs, the weight's transposes 2, dX and dW 2, the three GEMMs, the
+    reduction 3, autograd's seed)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     ok, why = flce.dispatch.availability(backend, torch.device("cuda"))
@@ -131,6 +132,29 @@ def test_cuda_fused_forward_and_backward_ops(backend):
 
     ops, python_calls = _work_per_call(call)
     assert ops <= 24, ops
+
+
+@pytest.mark.gpu
+def test_cuda_batch_statistics_ops():
+    """The statistics and the checks' counts share one buffer (one allocation), copied to
+    a pinned buffer reused from call to call (one copy, no allocation)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    ok, why = flce.dispatch.availability("triton", torch.device("cuda"))
+    if not ok:
+        pytest.skip(f"the one-launch statistics need triton: {why}")
+    from flce.driver.statistics import batch_statistics
+
+    target = torch.randint(0, V, (N,), device="cuda")
+
+    def call():
+        flce.check_errors()  # reads the previous call's counts: its pinned buffer is free again
+        batch_statistics(target, None, V, -100)
+
+    call()
+    with _AtenOps() as ops:
+        call()
+    assert ops.names == ["aten.empty.memory_format", "aten.copy_.default"], ops.names
 
 
 # ------------------------------------------------- what is cached still refuses bad input
