@@ -1,5 +1,7 @@
 """The in-place upstream-gradient rescale (flce.backends.triton.scale), through Triton's
-interpreter on CPU and natively on CUDA."""
+interpreter on CPU and natively on CUDA: one launch for every gradient of a call."""
+
+import itertools
 
 import pytest
 import torch
@@ -10,56 +12,122 @@ from flce.driver.scaling import scale_gradients_
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not availability(DEVICE)[0], reason=availability(DEVICE)[1] or "triton available")
 
+# The interpreter rounds fp32 -> bf16/fp16 toward zero: at most one ulp off there.
+_ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 0.0}
 
-def _scale(values, scale):
+
+def _scale(tensors, scale):
     from flce.backends.triton.scale import scale_unless_one_
 
-    return scale_unless_one_(values, torch.tensor(scale, device=values.device))
+    scale_unless_one_(tensors, torch.tensor(scale, device=DEVICE))
+
+
+def _assert_scaled_once(actual, before, scale):
+    expected = (before.float() * scale).to(before.dtype)
+    rtol = 0.0 if DEVICE.type == "cuda" else _ULP[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=0, equal_nan=True)
+
+
+def _bits(values):
+    return values.view({2: torch.int16, 4: torch.int32}[values.element_size()])
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The number of scaling launches made while the test runs."""
+    from flce.backends.triton import scale
+
+    count = [0]
+    kernel = scale._scale_unless_one_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            count[0] += 1
+            return kernel[grid]
+
+    monkeypatch.setattr(scale, "_scale_unless_one_kernel", Counted())
+    return count
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("n", [1, 4095, 4096, 10001])
 def test_scales_in_fp32_and_rounds_once(dtype, n):
     values = torch.randn(n, device=DEVICE).to(dtype)
-    expected = (values.float() * 2.7).to(dtype)
-    _scale(values, 2.7)
-    if DEVICE.type == "cuda":
-        assert torch.equal(values, expected)
-    else:  # the interpreter rounds fp32 -> bf16/fp16 toward zero: at most one ulp off
-        ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 0.0}[dtype]
-        torch.testing.assert_close(values.float(), expected.float(), rtol=ulp, atol=0)
-
-
-def test_scale_of_one_leaves_the_values_untouched():
-    values = torch.randn(5000, device=DEVICE, dtype=torch.bfloat16)
-    values[7] = float("nan")
     before = values.clone()
-    _scale(values, 1.0)
-    assert torch.equal(values[:7], before[:7]) and torch.equal(values[8:], before[8:])
-    assert values[7].isnan()
+    _scale([values], 2.7)
+    _assert_scaled_once(values, before, 2.7)
+
+
+# dX (N, H) and dW (V, H) in the input's dtype, db (V,) in the bias's: sizes that are not
+# multiples of the block, one of them smaller than a block and one of several blocks, so
+# that the programs of the launch cover tensors of different lengths.
+_GRADIENTS = {
+    "dx": ((3, 1367), torch.bfloat16),
+    "dw": ((7, 1500), torch.bfloat16),
+    "db": ((33,), torch.float32),
+}
+_SUBSETS = [c for r in range(1, 4) for c in itertools.combinations(_GRADIENTS, r)]
+
+
+@pytest.mark.parametrize("names", _SUBSETS, ids="+".join)
+@pytest.mark.parametrize("scale", [2.5, 1.0, float("nan")])
+def test_every_subset_of_the_gradients_in_one_launch(names, scale, launches):
+    gen = torch.Generator().manual_seed(len(names))
+    tensors = [torch.randn(*_GRADIENTS[n][0], generator=gen).to(_GRADIENTS[n][1]).to(DEVICE) for n in names]
+    tensors[0].view(-1)[5] = float("nan")  # a NaN gradient stays NaN, even under a scale of 1
+    before = [t.clone() for t in tensors]
+    _scale(tensors, scale)
+    assert launches[0] == 1
+    for actual, original in zip(tensors, before, strict=True):
+        if scale == 1.0:  # untouched, bit for bit
+            assert torch.equal(_bits(actual), _bits(original))
+        elif scale != scale:
+            assert actual.isnan().all()
+        else:
+            _assert_scaled_once(actual, original, scale)
+
+
+def test_more_tensors_than_slots_take_one_launch_per_three(launches):
+    tensors = [torch.ones(100 + i, device=DEVICE) for i in range(4)]
+    _scale(tensors, 3.0)
+    assert launches[0] == 2
+    assert all(torch.equal(t, torch.full_like(t, 3.0)) for t in tensors)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
 def test_special_scales_are_applied(scale):
     values = torch.linspace(-3, 3, 301, device=DEVICE)
     expected = values * scale
-    _scale(values, scale)
+    _scale([values], scale)
     torch.testing.assert_close(values, expected, equal_nan=True)
 
 
-def test_rejects_non_contiguous_values_and_accepts_empty():
-    from flce.backends.triton.scale import scale_unless_one_
-
+def test_rejects_non_contiguous_values_and_accepts_empty(launches):
     with pytest.raises(ValueError, match="contiguous"):
-        scale_unless_one_(torch.randn(4, 4, device=DEVICE).t(), torch.tensor(2.0))
-    scale_unless_one_(torch.empty(0, device=DEVICE), torch.tensor(2.0))
+        _scale([torch.ones(3, device=DEVICE), torch.randn(4, 4, device=DEVICE).t()], 2.0)
+    _scale([torch.empty(0, device=DEVICE)], 2.0)
+    _scale([], 2.0)
+    assert launches[0] == 0
 
 
-def test_scale_gradients_skips_missing_ones_and_takes_a_device_scalar():
+def test_scale_gradients_skips_missing_ones_and_takes_a_device_scalar(launches):
     a = torch.ones(3, 4, device=DEVICE, dtype=torch.bfloat16)
     b = torch.ones(6, device=DEVICE)
     scale_gradients_((a, None, b), torch.tensor(0.5, device=DEVICE))
     assert torch.equal(a, torch.full_like(a, 0.5)) and torch.equal(b, torch.full_like(b, 0.5))
+    assert launches[0] == 1
     strided = torch.ones(4, 4, device=DEVICE).t()  # not contiguous: the plain multiply
-    scale_gradients_((strided,), torch.tensor(3.0, device=DEVICE))
-    assert torch.equal(strided, torch.full_like(strided, 3.0))
+    c = torch.ones(5, device=DEVICE)
+    scale_gradients_((strided, c), torch.tensor(3.0, device=DEVICE))
+    assert torch.equal(strided, torch.full_like(strided, 3.0)) and torch.equal(c, torch.full_like(c, 3.0))
+    assert launches[0] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_fused_backward_scales_dx_dw_and_db_in_one_launch(dtype, launches):
+    """Upstream gradient 1.5 (``flce.testing``): every gradient against float64."""
+    from flce.testing import Case, run_case
+
+    outcome = run_case(Case(dtype=dtype, bias=True), "triton", DEVICE)
+    assert outcome.passed, outcome.failures
+    assert launches[0] == 1

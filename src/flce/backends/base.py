@@ -45,7 +45,7 @@ per-class vectors, with the helpers below); logits need unit stride along V only
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -316,8 +316,8 @@ class BackendSpec:
     description: str
     split_rows: Callable[[], SplitRowKernels] | None = None
     loss_only: LossOnlyStatistics | None = None
-    scale_unless_one: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    batch_statistics: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    scale_unless_one: Callable[[Sequence[torch.Tensor], torch.Tensor], None] | None = None
+    batch_statistics: Callable[..., torch.Tensor] | None = None
     logprobs: LogprobsKernels | None = None
     distillation: DistillationKernels | None = None
 

@@ -13,10 +13,12 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     """Multiplies each gradient by the 0-dim upstream gradient in place.
 
     Where a backend registers a scaling kernel for the device (Triton's, on CUDA and
-    under its interpreter) the pass over dW and dX is skipped on the device when
-    ``grad_loss`` is exactly 1, as it is for ``loss.backward()``, without reading it on
-    the host; elsewhere a plain ``mul_``. On the CPU the scale is read on the host and a
-    scale of exactly 1 skips every pass (multiplying by 1 changes no value, NaN included).
+    under its interpreter) the contiguous gradients (dX, dW, db: all the driver makes)
+    are scaled in one launch, which skips the pass on the device when ``grad_loss`` is
+    exactly 1, as it is for ``loss.backward()``, without reading it on the host; a
+    strided gradient, or a device without the kernel, gets a plain ``mul_``. On the
+    CPU the scale is read on the host and a scale of exactly 1 skips every pass
+    (multiplying by 1 changes no value, NaN included).
     """
     present = [g for g in gradients if g is not None]
     if not present:
@@ -25,11 +27,14 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     if device.type == "cpu" and grad_loss.item() == 1.0:
         return  # reading the scale costs no device sync on the CPU: skip the passes on the host
     scale_unless_one_ = device_helper("scale_unless_one", device)
+    in_one_launch, multiplied = [], []
     for gradient in present:
-        if scale_unless_one_ is not None and gradient.is_contiguous():
-            scale_unless_one_(gradient, grad_loss)
-        else:
-            gradient.mul_(grad_loss.to(gradient.dtype))
+        kernel_takes_it = scale_unless_one_ is not None and gradient.is_contiguous()
+        (in_one_launch if kernel_takes_it else multiplied).append(gradient)
+    if in_one_launch:
+        scale_unless_one_(in_one_launch, grad_loss)
+    for gradient in multiplied:
+        gradient.mul_(grad_loss.to(gradient.dtype))
 
 
 def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> list[torch.Tensor | None]:

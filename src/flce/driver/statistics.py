@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -16,7 +17,8 @@ from flce.options import LossOptions
 from flce.rows.cross_entropy import ChunkScalars
 
 # Slots of the fp32 statistics buffer (one launch writes them all: the Triton backend's
-# ``batch_statistics`` slot, or the PyTorch ops of ``_statistics_buffers``).
+# ``batch_statistics`` slot, or the PyTorch ops of ``_statistics_buffer``). The checks'
+# counts share it: one allocation, and one copy to the host for the asynchronous checks.
 STATISTICS_LAYOUT = (
     "n_valid",  # rows whose target is not ignore_index
     "ce_denominator",  # the mean's divisor of the CE part: sum of w_y, or n_valid
@@ -29,16 +31,23 @@ STATISTICS_LAYOUT = (
     "sum_ce_scale",  # ... and of "sum" / "none": poison,
     "sum_z_scale",  # poison,
     "sum_weight_sum",  # weight_sum
+    "bad_targets",  # the checks' counts: valid rows whose target is outside [0, V),
+    "bad_weights",  # negative or non-finite class weights (fp32: exact up to 2**24)
 )
 _SLOT = {name: index for index, name in enumerate(STATISTICS_LAYOUT)}
+_COUNTS = slice(_SLOT["bad_targets"], _SLOT["bad_weights"] + 1)
 
 
 @dataclass(frozen=True)
 class BatchStatistics:
     """Per-call statistics: views of one fp32 buffer on the call's device (``STATISTICS_LAYOUT``)."""
 
-    values: torch.Tensor  # (11,) fp32
-    counts: torch.Tensor  # (2,) int64: out-of-range targets, bad class weights
+    values: torch.Tensor  # (13,) fp32
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """(2,) fp32: out-of-range targets, bad class weights."""
+        return self.values[_COUNTS]
 
     def __getattr__(self, name: str) -> torch.Tensor:
         if name in _SLOT:
@@ -76,9 +85,9 @@ class _Reductions:
         return _Reductions(n_valid, bad_targets, ce_denominator, w.sum(), ((w < 0) | ~torch.isfinite(w)).sum())
 
 
-def _statistics_buffers(
+def _statistics_buffer(
     target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """``STATISTICS_LAYOUT`` with PyTorch ops (where no backend registers the one-launch kernel)."""
     f32 = torch.float32
     r = _Reductions.of(target, ce_weight, vocab, ignore_index)
@@ -92,7 +101,7 @@ def _statistics_buffers(
         counts = torch.stack([r.bad_targets, r.bad_weights])
     poison = torch.where(counts.sum() > 0, float("nan"), 1.0).to(f32)
     inv_valid, inv_denominator = _inverse_or_zero(n_valid), _inverse_or_zero(ce_denominator)
-    values = torch.stack(
+    scalars = torch.stack(
         [
             n_valid,
             ce_denominator,
@@ -107,7 +116,7 @@ def _statistics_buffers(
             weight_sum,
         ]
     )
-    return values, counts
+    return torch.cat([scalars, counts.to(f32)])
 
 
 def _inverse_or_zero(value: torch.Tensor) -> torch.Tensor:
@@ -127,10 +136,10 @@ def _host_inverse_or_zero(value: float) -> float:
 
 def _host_statistics(
     target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
-) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """``_statistics_buffers``'s values bit for bit, and the counts as Python ints, where
-    reading a value costs no device sync (the CPU, whose checks read the counts anyway):
-    the reductions are the same (``_Reductions``), the dozen scalars derived from them are
+) -> tuple[torch.Tensor, list[float]]:
+    """``_statistics_buffer``'s values bit for bit, and as Python floats, where reading a
+    value costs no device sync (the CPU, whose checks read the counts anyway): the
+    reductions are the same (``_Reductions``), the dozen scalars derived from them are
     computed in Python and stored with one op instead of a score of tiny ones."""
     r = _Reductions.of(target, ce_weight, vocab, ignore_index)
     n_valid, bad_targets = r.n_valid.item(), int(r.bad_targets)
@@ -143,13 +152,15 @@ def _host_statistics(
     # The products are exact (by 1) or NaN, as in fp32.
     values = [n_valid, ce_denominator, weight_sum, poison, inv_valid]
     values += [inv_denominator * poison, inv_valid * poison, weight_sum, poison, poison, weight_sum]
-    counts = [bad_targets, bad_weights]
-    return torch.tensor(values, dtype=torch.float32), torch.tensor(counts, dtype=torch.int64), counts
+    values += [float(bad_targets), float(bad_weights)]  # exact here, beyond 2**24 too
+    return torch.tensor(values, dtype=torch.float32), values
 
 
+@lru_cache(maxsize=64)  # a few (vocab, ignore_index) pairs per process: one closure each
 def _describe(vocab: int, ignore_index: int):
-    def describe(counts: list[int]) -> str | None:
-        bad_targets, bad_weights = counts
+    def describe(values: list[float]) -> str | None:
+        """The statistics' values (``STATISTICS_LAYOUT``) -> the error message, or None."""
+        bad_targets, bad_weights = int(values[_SLOT["bad_targets"]]), values[_SLOT["bad_weights"]]
         if bad_targets:
             return (
                 f"target values must be in [0, {vocab}) or equal ignore_index={ignore_index}; "
@@ -171,26 +182,27 @@ def batch_statistics(
     gradients) and raise ``ValueError`` as ``flce.driver.validation`` describes; with
     synchronous validation the error names the first offending values, before any kernel."""
     synchronous = validation.validates_synchronously(target.device)
-    host_counts = None
+    host_values = None
     if target.device.type == "cpu":
         # Reading on the host is free here (and Triton runs on CPU only as its interpreter).
-        values, counts, host_counts = _host_statistics(target, ce_weight, vocab, ignore_index)
+        values, host_values = _host_statistics(target, ce_weight, vocab, ignore_index)
     else:
         kernel = device_helper("batch_statistics", target.device) if target.device.type == "cuda" else None
-        values, counts = (kernel or _statistics_buffers)(target, ce_weight, vocab, ignore_index)
+        values = (kernel or _statistics_buffer)(target, ce_weight, vocab, ignore_index)
     describe = _describe(vocab, ignore_index)
     if synchronous:
         # The host read of synchronous validation (done already on the CPU).
-        message = describe(counts.tolist() if host_counts is None else host_counts)
+        host_values = values.tolist() if host_values is None else host_values
+        message = describe(host_values)
         if message is not None:
-            if counts[0]:
+            if host_values[_SLOT["bad_targets"]]:
                 valid = target != ignore_index
                 out_of_range = valid & ((target < 0) | (target >= vocab))
                 message += f" (e.g. {target[out_of_range][:3].tolist()})"
             raise ValueError(message)
     else:
-        validation.defer(counts, describe)
-    return BatchStatistics(values, counts)
+        validation.defer(values, describe)
+    return BatchStatistics(values)
 
 
 def chunk_scalars(options: LossOptions, stats: BatchStatistics) -> ChunkScalars:

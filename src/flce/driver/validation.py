@@ -35,27 +35,49 @@ def validates_synchronously(device: torch.device) -> bool:
     return device.type != "cuda" or mode == "sync"
 
 
-@dataclass
+@dataclass(frozen=True)
+class _Slot:
+    """Where one call's counts land on the host, reused by later calls: pinned memory
+    and an event cost host time to create (more than the copy itself)."""
+
+    key: tuple  # (device, shape, dtype) of the counts it takes
+    host: torch.Tensor  # the counts' shape and dtype, in pinned host memory
+    landed: torch.cuda.Event  # recorded after the copy, on the counts' device
+
+
+@dataclass(frozen=True)
 class _Pending:
-    counts: torch.Tensor  # (k,) int64 in pinned host memory, filled by a non-blocking copy
-    done: torch.cuda.Event
-    describe: Callable[[list[int]], str | None]  # the counts -> the error message, or None
+    slot: _Slot  # holding a non-blocking copy of the counts (in flight until ``landed``)
+    describe: Callable[[list], str | None]  # the counts -> the error message, or None
 
 
 _pending: deque[_Pending] = deque()
+# Slots whose counts have been read, by ``_Slot.key``: a call takes one instead of
+# allocating. Their number is the most calls ever pending at once (a few: each flce call
+# reads the counts that have landed first).
+_free_slots: dict[tuple, deque[_Slot]] = {}
 
 
-def defer(counts: torch.Tensor, describe: Callable[[list[int]], str | None]) -> None:
-    """Copies the device ``counts`` (k,) to pinned host memory in the background; the next
-    ``raise_pending`` raises ``describe(counts)`` once the copy has landed. Skipped during
-    CUDA-graph capture (a replay cannot report; the NaN poisoning still applies)."""
+def _new_slot(key: tuple) -> _Slot:
+    _, shape, dtype = key
+    return _Slot(key, torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event())
+
+
+def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
+    """Copies the device ``counts`` to pinned host memory in the background; the next
+    ``raise_pending`` raises ``describe(counts.tolist())`` once the copy has landed.
+    Skipped during CUDA-graph capture (a replay cannot report; the NaN poisoning still
+    applies)."""
     if torch.cuda.is_current_stream_capturing():
         return
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    _pending.append(_Pending(host, done, describe))
+    key = (counts.device, counts.shape, counts.dtype)
+    try:
+        slot = _free_slots[key].pop()
+    except (KeyError, IndexError):  # none free for these counts (yet)
+        slot = _new_slot(key)
+    slot.host.copy_(counts, non_blocking=True)  # on the current stream of the counts' device
+    slot.landed.record(torch.cuda.current_stream(counts.device))
+    _pending.append(_Pending(slot, describe))
 
 
 def raise_pending(wait: bool = False) -> None:
@@ -67,18 +89,21 @@ def raise_pending(wait: bool = False) -> None:
     while _pending:
         head = _pending[0]
         if wait:
-            head.done.synchronize()
-        elif not head.done.query():
+            head.slot.landed.synchronize()
+        elif not head.slot.landed.query():
             return
         _pending.popleft()
-        message = head.describe(head.counts.tolist())
+        message = head.describe(head.slot.host.tolist())
+        _free_slots.setdefault(head.slot.key, deque()).append(head.slot)  # read: free to reuse
         if message is not None:
-            _pending.clear()
+            discard_pending()
             raise ValueError(message)
 
 
 def discard_pending() -> None:
-    """Forgets the checks still pending (their calls' outputs stay NaN)."""
+    """Forgets the checks still pending (their calls' outputs stay NaN). Their slots are
+    dropped, not reused: a copy into one may still be in flight (PyTorch's pinned-memory
+    allocator keeps the memory until it has landed)."""
     _pending.clear()
 
 

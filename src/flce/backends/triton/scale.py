@@ -6,10 +6,16 @@ dW and dX (1.1 GiB at N=8192, H=4096, V=128256 in bf16: 1.5 ms on an H200) altho
 ``loss.backward()`` almost always passes exactly 1. Checking that on the host would
 cost a device sync (and break CUDA-graph capture), so each program reads the scale
 itself and returns at once when it is 1: the skip costs one small launch.
+
+One launch scales up to ``TENSORS_PER_LAUNCH`` tensors (dX, dW and db: every gradient
+of a call), of any dtypes: each pointer's element type is part of the compiled kernel's
+signature, so a mix of dtypes is one more compiled variant, not one more launch. A
+launch costs more host time than the skip saves GPU time, hence one for all.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 
 import torch
@@ -18,24 +24,44 @@ import triton.language as tl
 
 BLOCK = 4096  # elements per program step: 8 KiB of bf16, 16 B per thread at 4 warps x 32 x 4
 PROGRAMS_PER_SM = 8  # a grid-stride loop over enough programs to fill the GPU, no more
+TENSORS_PER_LAUNCH = 3  # the pointer slots of the kernel: dX, dW, db
+
+
+@triton.jit
+def _scale_in_place(
+    values_ptr,  # (n,) contiguous, bf16 / fp16 / fp32
+    n,
+    scale,  # fp32
+    BLOCK: tl.constexpr,
+):
+    """This program's blocks of ``values`` (every ``num_programs``-th) times ``scale``."""
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    for block_start in tl.range(start, n, step):
+        offsets = block_start + tl.arange(0, BLOCK)
+        mask = offsets < n
+        values = tl.load(values_ptr + offsets, mask=mask)
+        tl.store(values_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
 
 
 @triton.jit
 def _scale_unless_one_kernel(
-    values_ptr,  # (n,) contiguous, bf16 / fp16 / fp32, scaled in place
+    a_ptr,  # (a_n,) contiguous, bf16 / fp16 / fp32, scaled in place
+    a_n,
+    b_ptr,  # (b_n,) contiguous, any of those dtypes; b_n = 0 for an unused slot
+    b_n,
+    c_ptr,  # (c_n,) likewise
+    c_n,
     scale_ptr,  # () fp32 upstream gradient
-    n,
     BLOCK: tl.constexpr,
 ):
     scale = tl.load(scale_ptr)
     if scale != 1.0:  # NaN and Inf scales are applied (NaN != 1.0)
-        step = tl.num_programs(0).to(tl.int64) * BLOCK
-        start = tl.program_id(0).to(tl.int64) * BLOCK
-        for block_start in tl.range(start, n, step):
-            offsets = block_start + tl.arange(0, BLOCK)
-            mask = offsets < n
-            values = tl.load(values_ptr + offsets, mask=mask)
-            tl.store(values_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
+        # Each program strides over every tensor in turn: at most one block more than
+        # another program per tensor, with no table of where each tensor's blocks start.
+        _scale_in_place(a_ptr, a_n, scale, BLOCK)
+        _scale_in_place(b_ptr, b_n, scale, BLOCK)
+        _scale_in_place(c_ptr, c_n, scale, BLOCK)
 
 
 @cache
@@ -43,26 +69,37 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _program_count(device: torch.device, n: int) -> int:
-    blocks = triton.cdiv(n, BLOCK)
+def _program_count(device: torch.device, blocks: int) -> int:
+    """Programs of a launch whose largest tensor has ``blocks`` blocks."""
     if device.type != "cuda":  # the interpreter: one program per block is simplest
         return max(1, blocks)
     return max(1, min(blocks, _multiprocessors(device) * PROGRAMS_PER_SM))
 
 
-def scale_unless_one_(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``values *= scale`` in place (the product in fp32, rounded once), skipped on the
-    device when ``scale`` is exactly 1. ``values`` contiguous; ``scale`` a 0-dim tensor."""
-    if not values.is_contiguous():
-        raise ValueError("scale_unless_one_: values must be contiguous")
-    n = values.numel()
-    if n == 0:
-        return values
-    # Each step only when needed: the backward calls this per gradient, and each op costs host time.
+def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """``t *= scale`` in place for each of ``tensors`` (the product in fp32, rounded once),
+    skipped on the device when ``scale`` is exactly 1: one launch per
+    ``TENSORS_PER_LAUNCH`` tensors. Each tensor contiguous, all on one device; ``scale``
+    a 0-dim tensor."""
+    for values in tensors:
+        if not values.is_contiguous():
+            raise ValueError("scale_unless_one_: every tensor must be contiguous")
+    present = [values for values in tensors if values.numel()]
+    if not present:
+        return
+    device = present[0].device
+    # Each step only when needed: each op costs host time in the backward.
     if scale.requires_grad:
         scale = scale.detach()
     if scale.dim() != 0:
         scale = scale.reshape(())
-    scale32 = scale.to(device=values.device, dtype=torch.float32)  # no op when it already is
-    _scale_unless_one_kernel[(_program_count(values.device, n),)](values, scale32, n, BLOCK=BLOCK)
-    return values
+    scale32 = scale.to(device=device, dtype=torch.float32)  # no op when it already is
+    for first in range(0, len(present), TENSORS_PER_LAUNCH):
+        group = present[first : first + TENSORS_PER_LAUNCH]
+        # An unused slot gets a real pointer (never read: its size is 0).
+        slots = [(values, values.numel()) for values in group]
+        slots += [(group[0], 0)] * (TENSORS_PER_LAUNCH - len(group))
+        largest = max(n for _, n in slots)
+        blocks = (largest + BLOCK - 1) // BLOCK  # the largest tensor's, one per program (not triton.cdiv: 5 calls)
+        (a, a_n), (b, b_n), (c, c_n) = slots
+        _scale_unless_one_kernel[(_program_count(device, blocks),)](a, a_n, b, b_n, c, c_n, scale32, BLOCK=BLOCK)

@@ -15,18 +15,16 @@ import triton
 import triton.language as tl
 
 from flce.backends.base import kernel_class_weights, kernel_target
+from flce.driver.statistics import STATISTICS_LAYOUT
 
 BLOCK = 1024  # targets (or classes) per loop step of the one program
-# Layout of the fp32 output (flce.driver.statistics.STATISTICS_LAYOUT names each slot).
-N_FLOATS, N_COUNTS = 11, 2
 
 
 @triton.jit
 def _batch_statistics_kernel(
     target_ptr,  # (N,) integer, contiguous
     weight_ptr,  # (V,) fp32 contiguous class weights (read only if HAS_WEIGHT)
-    out_ptr,  # (11,) fp32: see flce.driver.statistics.STATISTICS_LAYOUT
-    counts_ptr,  # (2,) int64: out-of-range targets, bad class weights
+    out_ptr,  # (13,) fp32, in the order of flce.driver.statistics.STATISTICS_LAYOUT
     N,
     V,
     ignore_index,
@@ -79,25 +77,25 @@ def _batch_statistics_kernel(
     tl.store(out_ptr + 8, poison)  # sum's and none's
     tl.store(out_ptr + 9, poison)
     tl.store(out_ptr + 10, weight_sum)
-    tl.store(counts_ptr + 0, bad_targets.to(tl.int64))
-    tl.store(counts_ptr + 1, bad_weights.to(tl.int64))
+    tl.store(out_ptr + 11, bad_targets.to(tl.float32))  # the checks' counts
+    tl.store(out_ptr + 12, bad_weights.to(tl.float32))
 
 
-def batch_statistics_buffers(
+def batch_statistics_values(
     target: torch.Tensor,  # (N,) integer
     ce_weight: torch.Tensor | None,  # (V,) float
     vocab: int,
     ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> ((11,) fp32, (2,) int64) on the target's device, from one launch."""
+) -> torch.Tensor:
+    """-> (13,) fp32 (``STATISTICS_LAYOUT``) on the target's device, from one launch."""
     target = kernel_target(target)
     weight = kernel_class_weights(ce_weight)
-    out = torch.empty(N_FLOATS, dtype=torch.float32, device=target.device)
-    counts = torch.empty(N_COUNTS, dtype=torch.int64, device=target.device)
-    args = (target, weight if weight is not None else out, out, counts, target.numel(), vocab, int(ignore_index))
-    if target.device.type == "cuda":
-        with torch.cuda.device(target.device):
+    out = torch.empty(len(STATISTICS_LAYOUT), dtype=torch.float32, device=target.device)
+    args = (target, out if weight is None else weight, out, target.numel(), vocab, int(ignore_index))
+    device_index = target.device.index
+    if device_index is not None and device_index != torch.cuda.current_device():
+        with torch.cuda.device(device_index):  # Triton launches on the current device
             _batch_statistics_kernel[(1,)](*args, HAS_WEIGHT=weight is not None, BLOCK=BLOCK, num_warps=4)
     else:
         _batch_statistics_kernel[(1,)](*args, HAS_WEIGHT=weight is not None, BLOCK=BLOCK, num_warps=4)
-    return out, counts
+    return out

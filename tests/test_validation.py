@@ -1,0 +1,180 @@
+"""The asynchronous input checks (``flce.driver.validation``): the error at the next call
+or at ``check_errors()``, ``discard_pending()``, nothing under CUDA-graph capture, and
+the pinned buffers and events reused from call to call instead of allocated per call.
+
+Without a GPU the CUDA pieces are stand-ins (a CPU buffer for the pinned one, an event
+whose copy lands when the test says); ``test_gpu_*`` run the real ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flce
+from flce.driver import validation
+
+
+class _Event:
+    """A stand-in for ``torch.cuda.Event``: the copy lands when ``landed`` says."""
+
+    def __init__(self) -> None:
+        self.landed = True
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+class _FakeCuda:
+    def __init__(self) -> None:
+        self.capturing = False
+        self.slots: list = []  # every slot made, in order
+
+    def new_slot(self, key):
+        _, shape, dtype = key
+        slot = validation._Slot(key, torch.empty(shape, dtype=dtype), _Event())
+        self.slots.append(slot)
+        return slot
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """The CUDA side of ``validation`` stood in for on the CPU (where it is the real one,
+    its own fresh pool of slots)."""
+    fake = _FakeCuda()
+    monkeypatch.setattr(validation, "_free_slots", {})
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(validation, "_new_slot", fake.new_slot)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    yield fake
+    validation.discard_pending()
+
+
+def _describe(counts: list) -> str | None:
+    return f"{int(counts[0])} bad" if counts[0] else None
+
+
+def _counts(bad: int, size: int = 2) -> torch.Tensor:
+    return torch.tensor([bad] + [0] * (size - 1), dtype=torch.float32)
+
+
+def test_a_bad_call_raises_at_the_next_read_once(cuda):
+    validation.defer(_counts(0), _describe)
+    validation.defer(_counts(3), _describe)
+    validation.defer(_counts(5), _describe)  # after the first error: discarded with it
+    with pytest.raises(ValueError, match="^3 bad$"):
+        validation.raise_pending()
+    validation.raise_pending()
+    flce.check_errors()
+
+
+def test_a_copy_in_flight_is_read_when_it_lands_or_when_waited_for(cuda):
+    validation.defer(_counts(2), _describe)
+    cuda.slots[0].landed.landed = False
+    validation.raise_pending()  # not landed: nothing to read yet, no wait
+    with pytest.raises(ValueError, match="2 bad"):
+        flce.check_errors()  # waits
+
+
+def test_slots_are_reused_once_read(cuda):
+    for _ in range(5):
+        validation.defer(_counts(0), _describe)
+        validation.raise_pending()
+    assert len(cuda.slots) == 1
+    # Two calls pending at once take two slots; both come back.
+    cuda.slots[0].landed.landed = False
+    validation.defer(_counts(0), _describe)
+    validation.defer(_counts(0), _describe)
+    assert len(cuda.slots) == 2
+    validation.raise_pending()
+    assert len(validation._pending) == 2  # the first has not landed: neither is read
+    flce.check_errors()
+    assert not validation._pending
+    validation.defer(_counts(0), _describe)
+    validation.defer(_counts(0), _describe)
+    assert len(cuda.slots) == 2
+
+
+def test_a_bad_call_reuses_its_slot_too(cuda):
+    validation.defer(_counts(1), _describe)
+    with pytest.raises(ValueError):
+        validation.raise_pending()
+    validation.defer(_counts(0), _describe)
+    assert len(cuda.slots) == 1
+
+
+def test_counts_of_another_shape_or_dtype_get_their_own_slots(cuda):
+    validation.defer(_counts(0), _describe)
+    validation.raise_pending()
+    validation.defer(_counts(4, size=13), _describe)
+    validation.defer(_counts(0).long(), _describe)
+    assert [tuple(s.host.shape) for s in cuda.slots] == [(2,), (13,), (2,)]
+    assert cuda.slots[2].host.dtype == torch.int64
+    with pytest.raises(ValueError, match="4 bad"):
+        validation.raise_pending()
+
+
+def test_discarded_checks_never_raise_and_their_slots_are_not_reused(cuda):
+    validation.defer(_counts(7), _describe)
+    cuda.slots[0].landed.landed = False  # the copy may still be in flight
+    validation.discard_pending()
+    flce.check_errors()
+    validation.defer(_counts(0), _describe)
+    assert len(cuda.slots) == 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for capture on the CPU")
+def test_nothing_is_deferred_or_read_under_graph_capture(cuda):
+    validation.defer(_counts(1), _describe)
+    cuda.capturing = True
+    validation.defer(_counts(2), _describe)
+    assert len(validation._pending) == 1 and len(cuda.slots) == 1
+    validation.raise_pending(wait=True)  # capture: no read
+    cuda.capturing = False
+    with pytest.raises(ValueError, match="1 bad"):
+        flce.check_errors()
+
+
+# ------------------------------------------------------------------ on a GPU
+
+
+def _gpu() -> torch.device:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_counts_land_in_reused_pinned_slots(cuda):
+    device = _gpu()
+    for call in range(4):
+        validation.defer(_counts(call % 2).to(device), _describe)
+        if call % 2:
+            with pytest.raises(ValueError, match="1 bad"):
+                flce.check_errors()
+        else:
+            flce.check_errors()
+    (free,) = validation._free_slots.values()
+    assert len(free) == 1 and free[0].host.is_pinned()
+
+
+@pytest.mark.gpu
+def test_gpu_bad_targets_raise_at_the_next_call_with_reused_slots(cuda):
+    device = _gpu()
+    x = torch.randn(8, 16, device=device)
+    w = torch.randn(32, 16, device=device)
+    good = torch.randint(0, 32, (8,), device=device)
+    bad = good.clone()
+    bad[2] = 99
+    for _ in range(3):
+        assert flce.fused_linear_cross_entropy(x, w, bad).isnan().item()
+        with pytest.raises(ValueError, match="found 1 out of range"):
+            flce.fused_linear_cross_entropy(x, w, good)
+        flce.check_errors()
+    assert sum(len(free) for free in validation._free_slots.values()) == 1
