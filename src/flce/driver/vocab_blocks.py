@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from flce.backends.base import SplitRowKernels
-from flce.driver.chunks import Gradients, GradRequest, allocate_rows, in_compute_dtype
+from flce.driver.chunks import Gradients, GradRequest, allocate_rows, in_compute_dtype, row_range
 from flce.driver.gemm import (
     accumulate_product,
     full_precision_reductions,
@@ -77,26 +77,33 @@ def run_vocab_blocks(
     buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device) if n_rows else None
 
     def blocks():
+        # Each block's slices of the weights are taken once per pass, not per row chunk.
         for v0 in range(0, vocab, block):
             v1 = min(v0 + block, vocab)
-            yield v0, v1, None if ce_weight is None else ce_weight[v0:v1]
+            ce_block = None if ce_weight is None else ce_weight[v0:v1]
+            yield v0, v1, ce_block, w[v0:v1], None if b is None else b[v0:v1]
 
-    def logits_of(r0: int, r1: int, v0: int, v1: int, x: torch.Tensor) -> torch.Tensor:
-        logits = buffer[: (r1 - r0) * (v1 - v0)].view(r1 - r0, v1 - v0)  # (C, V_b) contiguous
-        if b is None:
-            torch.mm(x, w[v0:v1].t(), out=logits)
+    # The buffer seen as one full (chunk, block) tile: every logits tile but the last row
+    # chunk's and the last block's, without a view op each.
+    full_tile = buffer.view(chunk, block) if buffer is not None else None
+
+    def logits_of(r0: int, r1: int, x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None):
+        rows_, cols = r1 - r0, w_block.shape[0]
+        logits = full_tile if (rows_, cols) == (chunk, block) else buffer[: rows_ * cols].view(rows_, cols)  # (C, V_b)
+        if b_block is None:
+            torch.mm(x, w_block.t(), out=logits)
         else:
-            torch.addmm(b[v0:v1], x, w[v0:v1].t(), out=logits)
+            torch.addmm(b_block, x, w_block.t(), out=logits)
         return logits
 
     def chunks():
         for r0 in range(0, n_rows, chunk):
             r1 = min(r0 + chunk, n_rows)
-            yield r0, r1, in_compute_dtype(input[r0:r1], compute_dtype)
+            yield r0, r1, in_compute_dtype(row_range(input, r0, r1), compute_dtype)
 
     def local_target(r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        local = safe_target[r0:r1] - v0
-        return local, valid[r0:r1] & (local >= 0) & (local < v1 - v0)
+        local = row_range(safe_target, r0, r1) - v0
+        return local, row_range(valid, r0, r1) & (local >= 0) & (local < v1 - v0)
 
     # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
     # and block), then combined over the blocks the way the vocab-parallel loss combines
@@ -112,11 +119,11 @@ def run_vocab_blocks(
     )
     owned_by = torch.zeros(len(block_starts), n_rows, dtype=torch.bool, device=device)
     block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
-    for index, (v0, v1, ce_block) in enumerate(blocks()):
+    for index, (v0, v1, ce_block, w_block, b_block) in enumerate(blocks()):
         for r0, r1, x in chunks():
             local, owned = local_target(r0, r1, v0, v1)
             stats = kernels.statistics(
-                logits_of(r0, r1, v0, v1, x),
+                logits_of(r0, r1, x, w_block, b_block),
                 torch.where(owned, local, v1 - v0),
                 ce_block,
                 scalars.softcap,
@@ -157,7 +164,7 @@ def run_vocab_blocks(
     # One row chunk per block: each dW block is written directly, which saves the
     # V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
     dw_direct = request.weight and weight_grad_in_one_gemm(n_rows, chunk, weight.dtype, compute_dtype, acc_dtype)
-    for v0, v1, ce_block in blocks():
+    for v0, v1, ce_block, w_block, b_block in blocks():
         if dw_direct:
             dw_block = dw[v0:v1]  # (V_b, H) contiguous rows of dW
         elif request.weight:
@@ -166,22 +173,22 @@ def run_vocab_blocks(
             dw_block = None
         for r0, r1, x in chunks():
             local, owned = local_target(r0, r1, v0, v1)
-            grad_target = torch.where(owned, local, torch.where(valid[r0:r1], v1 - v0, -1))
-            grad = logits_of(r0, r1, v0, v1, x)
+            grad_target = torch.where(owned, local, torch.where(row_range(valid, r0, r1), v1 - v0, -1))
+            grad = logits_of(r0, r1, x, w_block, b_block)
             kernels.gradient(
                 grad,
                 grad_target,
                 ce_block,
-                row_max[r0:r1],
-                inv_sum[r0:r1],
-                w_y[r0:r1],
-                lse[r0:r1],
-                scale[r0:r1],
+                row_range(row_max, r0, r1),
+                row_range(inv_sum, r0, r1),
+                row_range(w_y, r0, r1),
+                row_range(lse, r0, r1),
+                row_range(scale, r0, r1),
                 scalars,
                 eps,
             )
             if dx_acc is not None:
-                accumulate_product(dx_acc[r0:r1], grad, w[v0:v1], first=False)
+                accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False)
             if dw_direct:
                 with full_precision_reductions():
                     torch.mm(grad.t(), x, out=dw_block)
