@@ -463,8 +463,8 @@ class RowStream:
 #   floats; the stream's handle) and decodes them in compiled code. The launch costs a few
 #   microseconds of host time.
 # - otherwise the DSL's own entry point, which converts ``cute.Pointer``/``Int32``/... objects
-#   in Python on every launch (a whole cutedsl CE chunk call took 107 us of host time on
-#   the H200's machine that way, the Triton one 39 us).
+#   in Python on every launch (a whole cutedsl CE chunk call took 89 us of host time that
+#   way on the H200's machine, 21 us through TVM FFI: benchmarks/results/host-overhead-h200).
 #
 # ``FLCE_CUTEDSL_TVM_FFI=0`` forces the second (to compare, or where TVM FFI misbehaves).
 # The launch-argument helpers below (``gmem_ptr``, ``arg_i32``, ``arg_i64``, ``arg_f32``,
