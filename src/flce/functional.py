@@ -245,13 +245,14 @@ def fused_linear_logprobs_with_options(
     if torch.compiler.is_compiling():
         from flce import ops  # registers the ops on first use
 
-        logprobs, entropy = ops.compiled_logprobs(operands, options, compute_dtype)
+        logprobs, entropy, predicted = ops.compiled_logprobs(operands, options, compute_dtype)
     else:
         plan = make_logprobs_plan(options, operands, compute_dtype, backward_request(operands))
-        logprobs, entropy = run_loss(plan, operands)
+        logprobs, entropy, predicted = run_loss(plan, operands)
     return LogprobsOutput(
         logprobs=logprobs.view(target.shape),
         entropy=entropy.view(target.shape) if options.return_entropy else None,
+        predicted_tokens=predicted.view(target.shape) if options.return_predicted_tokens else None,
     )
 
 
@@ -263,6 +264,7 @@ def fused_linear_logprobs(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    return_predicted_tokens: bool = False,
     ignore_index: int = -100,
     backend: str | None = None,
     chunk_size: int | None = None,
@@ -279,6 +281,10 @@ def fused_linear_logprobs(
         bias: optional ``(V,)``.
         temperature: > 0; the logits are divided by it (the sampler's temperature).
         return_entropy: also return each token's entropy ``-sum_i p_i log p_i``.
+        return_predicted_tokens: also return each token's most likely class (the first
+            maximum of the temperature-scaled logits; -1 at ignored tokens), computed in
+            the same pass over the logits: ``predicted_tokens == target`` is whether the
+            target is the top-1 token, with no second GEMM.
         ignore_index: target value whose tokens get logprob 0, entropy 0 and no gradient.
         backend: ``"torch"``, ``"triton"`` or ``None`` (``FLCE_BACKEND``, then the best
             backend with logprobs kernels); ``"cutedsl"`` has none and is refused.
@@ -292,11 +298,12 @@ def fused_linear_logprobs(
         A ``LogprobsOutput``: ``logprobs`` and ``entropy`` (None without
         ``return_entropy``), fp32, shaped like ``target``, differentiable with any upstream
         gradients (e.g. ``exp(logprobs - old_logprobs) * advantages`` and an entropy
-        bonus).
+        bonus); ``predicted_tokens`` (None without ``return_predicted_tokens``), int64.
     """
     options = LogprobsOptions(
         temperature=temperature,
         return_entropy=return_entropy,
+        return_predicted_tokens=return_predicted_tokens,
         ignore_index=ignore_index,
         backend=backend,
         chunk_size=chunk_size,

@@ -288,13 +288,14 @@ def _logprobs_plan(operands: LogprobsOperands, options: LogprobsOptions, compute
 
 
 def _logprobs_forward(*args):
-    """-> (logprobs, entropy (empty without return_entropy), lse (N,) float64 for the backward op)."""
+    """-> (logprobs, entropy (empty without return_entropy), predicted tokens (empty without
+    return_predicted_tokens), lse (N,) float64 for the backward op)."""
     tensors, options, (compute_dtype,) = _split(args, 4, LogprobsOptions)
     operands = LogprobsOperands(*tensors)
     result = forward(_logprobs_plan(operands, options, compute_dtype), operands, NO_GRADIENTS)
-    logprobs, entropy = result.outputs.as_tuple()
+    logprobs, entropy, predicted = result.outputs.as_tuple()
     lse, _ = result.residuals
-    return logprobs, _or_empty(entropy, logprobs, torch.float32), lse
+    return logprobs, _or_empty(entropy, logprobs, torch.float32), _or_empty(predicted, logprobs, torch.int64), lse
 
 
 def _logprobs_forward_fake(*args):
@@ -303,6 +304,7 @@ def _logprobs_forward_fake(*args):
     return (
         input.new_empty(rows, dtype=torch.float32),
         input.new_empty(rows if options.return_entropy else _EMPTY, dtype=torch.float32),
+        input.new_empty(rows if options.return_predicted_tokens else _EMPTY, dtype=torch.int64),
         input.new_empty(rows, dtype=torch.float64),
     )
 
@@ -329,7 +331,7 @@ def _logprobs_backward_fake(*args):
 fused_linear_logprobs_fwd = _define(
     "fused_linear_logprobs_fwd",
     f"{_LOGPROBS}, {_LOGPROBS_OPTIONS}, ScalarType compute_dtype",
-    "Tensor logprobs, Tensor entropy, Tensor lse",
+    "Tensor logprobs, Tensor entropy, Tensor predicted, Tensor lse",
     _logprobs_forward,
     _logprobs_forward_fake,
 )
@@ -348,11 +350,12 @@ def _logprobs_setup_context(ctx, inputs, output):
     ctx.arguments = inputs[4:]  # the options and compute_dtype, for the backward op
     ctx.return_entropy = options.return_entropy
     ctx.has_bias = tensors[2] is not None
-    _, entropy, lse = output
+    _, entropy, predicted, lse = output
+    ctx.mark_non_differentiable(predicted)
     ctx.save_for_backward(*tensors, lse, entropy)
 
 
-def _logprobs_backward_autograd(ctx, grad_logprobs, grad_entropy, _grad_lse):
+def _logprobs_backward_autograd(ctx, grad_logprobs, grad_entropy, _grad_predicted, _grad_lse):
     refuse_create_graph("flce.fused_linear_logprobs (compiled)")
     grad_input, grad_weight, grad_bias = ctx.needs_input_grad[:3]
     grad_bias = grad_bias and ctx.has_bias
@@ -490,13 +493,13 @@ def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch
 
 
 def compiled_logprobs(operands: LogprobsOperands, options: LogprobsOptions, compute_dtype: torch.dtype) -> tuple:
-    """``(logprobs, entropy)`` of a call under ``torch.compile`` (entropy an empty
-    placeholder without ``return_entropy``)."""
+    """``(logprobs, entropy, predicted)`` of a call under ``torch.compile`` (entropy and
+    predicted empty placeholders without ``return_entropy``/``return_predicted_tokens``)."""
     o = operands
-    logprobs, entropy, _ = fused_linear_logprobs_fwd(
+    logprobs, entropy, predicted, _ = fused_linear_logprobs_fwd(
         o.input, o.weight, o.bias, o.target, *option_values(options), compute_dtype
     )
-    return logprobs, entropy
+    return logprobs, entropy, predicted
 
 
 def compiled_distillation(

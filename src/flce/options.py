@@ -93,6 +93,7 @@ class LogprobsOptions:
 
     temperature: float = 1.0
     return_entropy: bool = False
+    return_predicted_tokens: bool = False
     ignore_index: int = -100
     backend: str | None = None
     chunk_size: int | None = None
@@ -103,6 +104,7 @@ class LogprobsOptions:
     def __post_init__(self) -> None:
         _set_field(self, "temperature", as_temperature(self.temperature))
         _set_field(self, "return_entropy", as_bool("return_entropy", self.return_entropy))
+        _set_field(self, "return_predicted_tokens", as_bool("return_predicted_tokens", self.return_predicted_tokens))
         _set_field(self, "ignore_index", as_ignore_index(self.ignore_index))
         _set_field(self, "backend", backend_name(self.backend))
         for name in ("chunk_size", "memory_budget"):

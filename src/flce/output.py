@@ -23,11 +23,13 @@ LossResult = torch.Tensor | CrossEntropyOutput
 
 @dataclass
 class LogprobsOutput:
-    """Per-token results of ``flce.fused_linear_logprobs``, shaped like the target, fp32,
-    0 at ignored tokens, both differentiable."""
+    """Per-token results of ``flce.fused_linear_logprobs``, shaped like the target: the
+    logprobs and the entropy fp32, 0 at ignored tokens, differentiable; the predicted
+    tokens int64, -1 at ignored tokens."""
 
     logprobs: torch.Tensor  # log softmax(z)_y, z = (x W^T + b) / temperature
     entropy: torch.Tensor | None = None  # -sum_i p_i log p_i, with return_entropy
+    predicted_tokens: torch.Tensor | None = None  # first argmax_i z_i, with return_predicted_tokens
 
 
 def package_result(

@@ -194,6 +194,58 @@ def test_autocast_computes_in_its_dtype_with_fp32_gradients():
     assert all(leaf.grad.dtype == torch.float32 for leaf in head.tensors())
 
 
+def expected_predicted(head: Head, target: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The first maximum of the fp32 logits scaled by 1 / temperature (as the kernels form
+    z), -1 at ignored tokens: the reference of ``return_predicted_tokens``."""
+    logits = F.linear(head.input.detach(), head.weight.detach(), None if head.bias is None else head.bias.detach())
+    z = logits.reshape(-1, head.weight.shape[0]) * (1.0 / temperature)
+    flat = target.reshape(-1)
+    return torch.where(flat != -100, z.argmax(dim=-1), -1).reshape(target.shape)
+
+
+@pytest.mark.parametrize("chunk_size", [CHUNK, None], ids=["chunks", "one_chunk"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_predicted_tokens(backend, chunk_size):
+    """``return_predicted_tokens``: the first maximum of the scaled logits, -1 at ignored
+    tokens, from the same pass as the logprobs (which it leaves unchanged), through
+    chunks and through one chunk whose logits are kept for the backward. Columns 3, 7
+    (one tile) and 280 (the second tile of 256 columns) are made equal and the largest on
+    the rows of a lifted bias: ties go to the first column, within a tile and across."""
+    leading = (2, 6)
+    head = make_head(leading, HIDDEN, VOCAB, torch.float32, seed=21)
+    with torch.no_grad():
+        head.weight[7] = head.weight[280] = head.weight[3]
+        head.bias[3] = head.bias[7] = head.bias[280] = 40.0
+    target = make_target(head, seed=21)
+    flat = target.reshape(-1)
+    flat[::4] = 3  # the tied columns' first, as a target, on some rows
+    leaves = head.leaves(torch.float32)
+    out = _call(
+        backend, leaves, target, temperature=0.7, return_entropy=True, return_predicted_tokens=True,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+    (out.logprobs.sum() + out.entropy.sum()).backward()  # the kept-logits backward still works
+    plain = _call(backend, head.leaves(torch.float32, requires_grad=False), target, temperature=0.7)
+    assert plain.predicted_tokens is None
+    assert out.predicted_tokens.shape == target.shape and out.predicted_tokens.dtype == torch.int64
+    assert not out.predicted_tokens.requires_grad
+    expected = expected_predicted(head, target, 0.7)
+    assert torch.equal(out.predicted_tokens, expected)
+    assert torch.all(expected[target != -100] == 3)  # the tie decided every valid row
+    torch.testing.assert_close(out.logprobs.detach(), plain.logprobs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_predicted_tokens_without_ties(backend):
+    """On a head without ties the predicted tokens are the float64 logits' argmax wherever
+    its margin exceeds the fp32 rounding of the logits (every row here)."""
+    head = make_head(LEADING, HIDDEN, VOCAB, torch.float32, seed=22)
+    target = make_target(head, seed=22)
+    out = _call(backend, head.leaves(torch.float32, requires_grad=False), target, return_predicted_tokens=True)
+    truth = expected_predicted(head.leaves(torch.float64, requires_grad=False), target, 1.0)
+    assert torch.equal(out.predicted_tokens, truth)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_out_of_range_target_raises(backend):
     head = make_head((6,), HIDDEN, VOCAB, torch.float32, seed=11)
@@ -205,9 +257,11 @@ def test_out_of_range_target_raises(backend):
 
 def test_compiled_fullgraph_matches_eager():
     def step(x, w, b, t, advantages):
-        out = flce.fused_linear_logprobs(torch.tanh(x), w, t, bias=b, temperature=0.8, return_entropy=True)
+        out = flce.fused_linear_logprobs(
+            torch.tanh(x), w, t, bias=b, temperature=0.8, return_entropy=True, return_predicted_tokens=True
+        )
         ratio = torch.exp(out.logprobs - out.logprobs.detach())
-        return -(ratio * advantages).mean() - 0.01 * out.entropy.mean(), out.logprobs
+        return -(ratio * advantages).mean() - 0.01 * out.entropy.mean(), out.logprobs, out.predicted_tokens
 
     head = make_head((2, 5), HIDDEN, 37, torch.float32, seed=12, bias=True)
     target = make_target(head, seed=12)
@@ -217,9 +271,9 @@ def test_compiled_fullgraph_matches_eager():
     results = []
     for fn in (step, compiled):
         leaves = head.leaves(torch.float32)
-        loss, logprobs = fn(leaves.input, leaves.weight, leaves.bias, target, advantages)
+        loss, logprobs, predicted = fn(leaves.input, leaves.weight, leaves.bias, target, advantages)
         loss.backward()
-        results.append([loss.detach(), logprobs.detach(), *(leaf.grad for leaf in leaves.tensors())])
+        results.append([loss.detach(), logprobs.detach(), predicted, *(leaf.grad for leaf in leaves.tensors())])
     for expected, got in zip(*results, strict=True):
         torch.testing.assert_close(got, expected)
 
@@ -344,3 +398,18 @@ def plan_of(output: torch.Tensor):
     while not hasattr(node, "plan"):
         node = node.next_functions[0][0]  # through the reshape back to the call's node
     return node.plan
+
+
+@gpu
+@requires_cuda
+@requires_triton
+@pytest.mark.parametrize("chunk_size", [None, 100], ids=["kept", "recomputed"])
+def test_gpu_predicted_tokens(chunk_size):
+    """The Triton kernel's predicted tokens on the GPU (several launch tiles per row),
+    against the first maximum of the same fp32 logits scaled as the kernel scales them."""
+    head = make_head((4, 64), HIDDEN, 32003, torch.float32, seed=23)
+    target = make_target(head, seed=23)
+    leaves = head.leaves(torch.float32)
+    out = _call("triton", leaves, target, temperature=0.7, return_predicted_tokens=True, chunk_size=chunk_size)
+    out.logprobs.sum().backward()
+    assert torch.equal(out.predicted_tokens, expected_predicted(head, target, 0.7))

@@ -173,28 +173,34 @@ class LogprobsRows:
     logprob: torch.Tensor  # (N,) fp32, 0 on ignored rows
     entropy: torch.Tensor | None  # (N,) fp32, with return_entropy
     lse: torch.Tensor  # (N,) float64, what the backward needs
+    predicted: torch.Tensor | None  # (N,) int64 first argmax of z, -1 on ignored rows; with return_predicted_tokens
 
     @staticmethod
-    def allocate(n_rows: int, device: torch.device, with_entropy: bool) -> LogprobsRows:
+    def allocate(n_rows: int, device: torch.device, options: LogprobsOptions) -> LogprobsRows:
         return LogprobsRows(
             logprob=torch.empty(n_rows, dtype=torch.float32, device=device),
-            entropy=torch.empty(n_rows, dtype=torch.float32, device=device) if with_entropy else None,
+            entropy=torch.empty(n_rows, dtype=torch.float32, device=device) if options.return_entropy else None,
             lse=torch.empty(n_rows, dtype=torch.float64, device=device),
+            predicted=torch.empty(n_rows, dtype=torch.int64, device=device)
+            if options.return_predicted_tokens
+            else None,
         )
 
 
 @dataclass
 class LogprobsOutputs:
-    """The public outputs, both differentiable."""
+    """The public outputs: the logprobs and the entropy (differentiable), the predicted
+    tokens (not)."""
 
     logprobs: torch.Tensor  # (N,) fp32
     entropy: torch.Tensor | None  # (N,) fp32
+    predicted: torch.Tensor | None  # (N,) int64
 
     def as_tuple(self) -> tuple:
-        return self.logprobs, self.entropy
+        return self.logprobs, self.entropy, self.predicted
 
     def non_differentiable(self) -> list[torch.Tensor]:
-        return []
+        return [] if self.predicted is None else [self.predicted]
 
 
 @dataclass(frozen=True)
@@ -234,7 +240,7 @@ class LogprobsPlan:
             chunk_size=self.scheme.rows, accum_dtype=None, extra_bytes_per_logit=kernels.extra_bytes_per_logit
         )
         if upstream is None:
-            rows = LogprobsRows.allocate(o.n_rows, o.input.device, options.return_entropy)
+            rows = LogprobsRows.allocate(o.n_rows, o.input.device, options)
 
             def forward_kernel(logits, start, end, compute_grad, constant_logits) -> None:
                 if self.scheme.keeps_logits:  # one chunk: ``logits`` is the whole (N, V) buffer
@@ -247,6 +253,7 @@ class LogprobsPlan:
                     logprob_out=rows.logprob[start:end],
                     entropy_out=None if rows.entropy is None else rows.entropy[start:end],
                     lse_out=rows.lse[start:end],
+                    predicted_out=None if rows.predicted is None else rows.predicted[start:end],
                 )
 
             run_token_chunks(head, forward_kernel, NO_GRADIENTS, **sizing)
@@ -273,15 +280,16 @@ class LogprobsPlan:
 
     def reduce(self, rows: LogprobsRows) -> LogprobsOutputs:
         # The poison (1, or NaN for bad targets) reaches every output, as the CE's scales do.
+        # The predicted tokens are indices: not poisoned, as the cross-entropy's are not.
         entropy = None if rows.entropy is None else rows.entropy * self.poison
-        return LogprobsOutputs(rows.logprob * self.poison, entropy)
+        return LogprobsOutputs(rows.logprob * self.poison, entropy, rows.predicted)
 
     def residuals(self, rows: LogprobsRows) -> tuple:
         return rows.lse, rows.entropy
 
     def upstream(self, grad_outputs: tuple, residuals: tuple, n_rows: int) -> LogprobsUpstream | None:
         kept_logits = self.kept.take()  # this backward's alone, used or not
-        grad_logprob, grad_entropy = grad_outputs
+        grad_logprob, grad_entropy = grad_outputs[:2]  # the predicted tokens take none
         lse, entropy = residuals
         if entropy is None:
             grad_entropy = None  # not returned: nothing flows into it

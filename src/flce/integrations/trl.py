@@ -17,8 +17,9 @@ The quantities come from flce's public functions, none materialises the logits:
 
 - ``log_probs`` and ``entropy`` (differentiable): ``flce.fused_linear_logprobs`` with
   ``return_entropy``, TRL's ``temperature`` divided by the model's logit scale;
-- ``is_top1`` (a metric): the argmax of ``flce.fused_linear_cross_entropy`` with
-  ``return_predicted_tokens``, a forward without gradient;
+- ``is_top1`` (a metric): the predicted tokens of the same ``fused_linear_logprobs`` call
+  (``return_predicted_tokens``: the first maximum of the scaled logits, from the same pass
+  over them; no second GEMM);
 - ``mean_logits`` (a metric): the mean over the vocabulary of a linear map is the map of the
   weight's mean row, ``(x . mean_v W_v + mean_v b_v) * scale / T``, exact in fp32;
 - ``log_sum_sq_probs`` (DPO's WPO weights, no gradient): ``log sum_v p_v^2 = lse(2z) -
@@ -133,6 +134,7 @@ class FlceLogProbKernel:
             bias=bias,
             temperature=effective_temperature,
             return_entropy="entropy" in outputs,
+            return_predicted_tokens="is_top1" in outputs,
             **head,
         )
         with torch.no_grad():
@@ -152,11 +154,8 @@ class FlceLogProbKernel:
                     mean_logits = mean_logits + bias.mean(dtype=torch.float32)
                 mean_logits = mean_logits / effective_temperature
             if "is_top1" in outputs:
-                # A positive scale and temperature keep the argmax (the first maximum, as TRL's).
-                predicted = flce.fused_linear_cross_entropy(
-                    hidden, weight, targets, bias=bias, reduction="none", return_predicted_tokens=True, **head
-                ).predicted_tokens
-                is_top1 = predicted == targets
+                # The first maximum of the scaled logits, as TRL's is_top1 takes it.
+                is_top1 = result.predicted_tokens == targets
         return result.logprobs, result.entropy, log_sum_sq_probs, mean_logits, is_top1
 
 

@@ -63,6 +63,9 @@ class LogprobsForwardKernel(Protocol):
     entropy_out   (M,) fp32 or None.
     lse_out       (M,) float64 (or float32: see the numerics above), written (0 on
                   ignored rows): what the backward pass needs.
+    predicted_out (M,) int64 or None: the first index of the max of z, -1 on ignored rows
+                  (as the cross-entropy's predicted tokens; z, not the raw logits: what
+                  a positive temperature leaves tied, it ties).
     """
 
     def __call__(
@@ -75,6 +78,7 @@ class LogprobsForwardKernel(Protocol):
         logprob_out: torch.Tensor,
         entropy_out: torch.Tensor | None,
         lse_out: torch.Tensor,
+        predicted_out: torch.Tensor | None = None,
     ) -> None: ...
 
 
@@ -138,13 +142,16 @@ def check_inv_temperature(inv_temperature: float) -> None:
         raise ValueError(f"inv_temperature must be finite and > 0, got {inv_temperature}")
 
 
-def check_forward_arguments(logits, target, inv_temperature, logprob_out, entropy_out, lse_out) -> None:
+def check_forward_arguments(
+    logits, target, inv_temperature, logprob_out, entropy_out, lse_out, predicted_out=None
+) -> None:
     check_logits(logits)
     check_row_vector(target, "target", logits, INDEX_DTYPES)
     check_inv_temperature(inv_temperature)
     check_row_vector(logprob_out, "logprob_out", logits, (torch.float32,))
     check_row_vector(entropy_out, "entropy_out", logits, (torch.float32,))
     check_row_vector(lse_out, "lse_out", logits, LSE_DTYPES)
+    check_row_vector(predicted_out, "predicted_out", logits, (torch.int64,))
 
 
 def check_backward_arguments(logits, target, lse, entropy, grad_logprob, grad_entropy, inv_temperature) -> None:

@@ -29,8 +29,9 @@ def logprobs_forward_chunk(
     logprob_out: torch.Tensor,  # (M,) fp32
     entropy_out: torch.Tensor | None,  # (M,) fp32
     lse_out: torch.Tensor,  # (M,) float64 (or float32)
+    predicted_out: torch.Tensor | None = None,  # (M,) int64
 ) -> None:
-    rows.check_forward_arguments(logits, target, inv_temperature, logprob_out, entropy_out, lse_out)
+    rows.check_forward_arguments(logits, target, inv_temperature, logprob_out, entropy_out, lse_out, predicted_out)
     if logits.shape[0] == 0:
         return
     valid = target != ignore_index  # (M,)
@@ -38,6 +39,8 @@ def logprobs_forward_chunk(
     safe_target = gather_safe_target(target, valid, logits.shape[1])  # (M,) int64
     z = _scaled_fp32(logits, inv_temperature)
     target_logit = z.gather(1, safe_target[:, None]).squeeze(1)  # (M,)
+    if predicted_out is not None:  # before the statistics consume z; argmax takes the first maximum
+        predicted_out.copy_(torch.where(valid, z.argmax(dim=-1), -1))
     values = rows.row_values(rows.block_statistics(z, with_spread=entropy_out is not None), target_logit)
     logprob_out.copy_(values.logprob.masked_fill_(~valid, 0.0))
     lse_out.copy_(values.lse.masked_fill_(~valid, 0.0))  # rounded to lse_out's dtype here

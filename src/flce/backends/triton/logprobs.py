@@ -92,10 +92,13 @@ def _logprobs_forward_kernel(
     entropy_stride,
     lse_ptr,  # (M,) float64 or float32 out
     lse_stride,
+    predicted_ptr,  # (M,) int64 out (WRITE_PREDICTED): first argmax of z, -1 on ignored rows
+    predicted_stride,
     V,
     ignore_index,
     inv_temperature,
     WRITE_ENTROPY: tl.constexpr,
+    WRITE_PREDICTED: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     LN2: tl.constexpr = 0.6931471805599453
@@ -106,7 +109,7 @@ def _logprobs_forward_kernel(
         # Out-of-range targets are the caller's error (the driver checks them); the mask
         # only keeps a bad one from reading outside the row.
         z_y = scaled_logits(tl.load(row_ptr + y, mask=(y >= 0) & (y < V), other=0.0).to(tl.float32), inv_temperature)
-        m, s, u, _ = row_softmax_statistics(row_ptr, V, inv_temperature, WRITE_ENTROPY, False, BLOCK_V)
+        m, s, u, argmax = row_softmax_statistics(row_ptr, V, inv_temperature, WRITE_ENTROPY, WRITE_PREDICTED, BLOCK_V)
         log_s = tl.log2(s) * LN2  # >= 0
         tl.store(logprob_ptr + row * logprob_stride, -((m - z_y) + log_s))  # -(d_y + log s), terms >= 0
         # m + log s in float64, rounded once to lse's dtype (see flce.rows.logprobs)
@@ -114,11 +117,15 @@ def _logprobs_forward_kernel(
         tl.store(lse_ptr + row * lse_stride, lse.to(lse_ptr.dtype.element_ty))
         if WRITE_ENTROPY:
             tl.store(entropy_ptr + row * entropy_stride, log_s + u / s)  # both terms >= 0
+        if WRITE_PREDICTED:
+            tl.store(predicted_ptr + row * predicted_stride, argmax.to(tl.int64))
     else:
         tl.store(logprob_ptr + row * logprob_stride, 0.0)
         tl.store(lse_ptr + row * lse_stride, 0.0)  # cast to lse's dtype by the store
         if WRITE_ENTROPY:
             tl.store(entropy_ptr + row * entropy_stride, 0.0)
+        if WRITE_PREDICTED:
+            tl.store(predicted_ptr + row * predicted_stride, -1)
 
 
 @triton.jit
@@ -204,17 +211,19 @@ def logprobs_forward_chunk(
     logprob_out: torch.Tensor,  # (M,) fp32, any stride
     entropy_out: torch.Tensor | None,  # (M,) fp32, any stride
     lse_out: torch.Tensor,  # (M,) float64 (or float32), any stride
+    predicted_out: torch.Tensor | None = None,  # (M,) int64, any stride
     config: CEKernelConfig | None = None,
 ) -> None:
     """``flce.rows.logprobs.LogprobsForwardKernel`` (one launch). ``config`` overrides
     the launch heuristic (the CE kernel's: same streaming loop); tests use it to force
     several tiles per row."""
-    rows.check_forward_arguments(logits, target, inv_temperature, logprob_out, entropy_out, lse_out)
+    rows.check_forward_arguments(logits, target, inv_temperature, logprob_out, entropy_out, lse_out, predicted_out)
     num_rows, vocab = logits.shape
     if num_rows == 0:
         return
     config = config or ce_kernel_config(vocab, logits.dtype, logits.device.type)
     entropy = entropy_out if entropy_out is not None else logprob_out  # stand-in, never written
+    predicted = predicted_out if predicted_out is not None else target  # stand-in, never written
     args = (
         logits,
         logits.stride(0),
@@ -226,11 +235,15 @@ def logprobs_forward_chunk(
         entropy.stride(0),
         lse_out,
         lse_out.stride(0),
+        predicted,
+        predicted.stride(0),
         vocab,
         int(ignore_index),
         float(inv_temperature),
     )
-    flags = dict(WRITE_ENTROPY=entropy_out is not None, BLOCK_V=config.block_v)
+    flags = dict(
+        WRITE_ENTROPY=entropy_out is not None, WRITE_PREDICTED=predicted_out is not None, BLOCK_V=config.block_v
+    )
     launch_per_row(_logprobs_forward_kernel, logits, config, args, flags)
 
 
