@@ -110,18 +110,16 @@ def _auto_backend(device_type: str, device_index: int | None, needs: str | None 
     return max(usable, key=lambda spec: spec.auto_priority)
 
 
-# Each spec's split-row kernels, built once (they hold no state): the plan asks every call.
-_split_rows: dict[int, tuple[BackendSpec, SplitRowKernels]] = {}
-
-
 def split_rows_of(spec: BackendSpec) -> SplitRowKernels:
     """``spec``'s split-row kernels (vocabulary blocks, vocab parallelism)."""
     if spec.split_rows is None:
         raise BackendUnavailableError(f"backend {spec.name!r} has no split-row kernels")
-    built = _split_rows.get(id(spec))
-    if built is None or built[0] is not spec:  # held with the spec: its id is never reused meanwhile
-        built = _split_rows[id(spec)] = (spec, spec.split_rows())
-    return built[1]
+    return _built_split_rows(spec)
+
+
+@cache  # built once per spec (they hold no state): the plan asks every call
+def _built_split_rows(spec: BackendSpec) -> SplitRowKernels:
+    return spec.split_rows()
 
 
 def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKernels:

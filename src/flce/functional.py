@@ -300,7 +300,8 @@ def fused_linear_logprobs(
         gradients (e.g. ``exp(logprobs - old_logprobs) * advantages`` and an entropy
         bonus); ``predicted_tokens`` (None without ``return_predicted_tokens``), int64.
     """
-    options = LogprobsOptions(
+    options = cached_options(
+        LogprobsOptions,
         temperature=temperature,
         return_entropy=return_entropy,
         return_predicted_tokens=return_predicted_tokens,
@@ -431,7 +432,8 @@ def fused_linear_distillation(
         The fp32 loss. Gradients reach ``student_input``, ``student_weight`` and
         ``student_bias`` only: the teacher's tensors are treated as constants.
     """
-    options = DistillationOptions(
+    options = cached_options(
+        DistillationOptions,
         beta=beta,
         temperature=temperature,
         ignore_index=ignore_index,

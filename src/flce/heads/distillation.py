@@ -27,7 +27,7 @@ import torch
 
 from flce.backends.base import BackendSpec
 from flce.dispatch import resolve_backend
-from flce.driver.chunks import Gradients, GradRequest, LinearHead, run_token_chunks
+from flce.driver.chunks import Gradients, GradRequest, LinearHead, row_range, run_token_chunks
 from flce.driver.statistics import batch_statistics
 from flce.options import DistillationOptions
 
@@ -114,12 +114,12 @@ class DistillationPlan:
             kernels.chunk(
                 logits,
                 teacher_logits,
-                None if o.target is None else o.target[start:end],
+                row_range(o.target, start, end),
                 beta=options.beta,
                 inv_temperature=options.inv_temperature,
                 ignore_index=options.ignore_index,
-                loss_out=losses[start:end],
-                row_grad_scale=row_grad_scale[start:end],
+                loss_out=row_range(losses, start, end),
+                row_grad_scale=row_range(row_grad_scale, start, end),
                 compute_grad=compute_grad,
             )
 

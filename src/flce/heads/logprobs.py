@@ -51,7 +51,7 @@ import torch
 
 from flce.backends.base import BackendSpec
 from flce.dispatch import resolve_backend
-from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, LinearHead, run_token_chunks
+from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, LinearHead, row_range, run_token_chunks
 from flce.driver.gemm import fp32_output_gemm_supported, weight_accumulator_dtype
 from flce.driver.schemes import MemoryBudgetError, scheme_for_call
 from flce.driver.sizing import CallShape
@@ -247,31 +247,28 @@ class LogprobsPlan:
                     self.kept.logits = logits
                 kernels.forward(
                     logits,
-                    o.target[start:end],
+                    row_range(o.target, start, end),
                     inv_temperature=options.inv_temperature,
                     ignore_index=options.ignore_index,
-                    logprob_out=rows.logprob[start:end],
-                    entropy_out=None if rows.entropy is None else rows.entropy[start:end],
-                    lse_out=rows.lse[start:end],
-                    predicted_out=None if rows.predicted is None else rows.predicted[start:end],
+                    logprob_out=row_range(rows.logprob, start, end),
+                    entropy_out=row_range(rows.entropy, start, end),
+                    lse_out=row_range(rows.lse, start, end),
+                    predicted_out=row_range(rows.predicted, start, end),
                 )
 
             run_token_chunks(head, forward_kernel, NO_GRADIENTS, **sizing)
             return rows, Gradients(None, None, None)
-
-        def part(vector: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
-            return None if vector is None else vector[start:end]
 
         u = upstream
 
         def backward_kernel(logits, start, end, compute_grad, constant_logits) -> None:
             kernels.backward(
                 logits,
-                o.target[start:end],
-                u.lse[start:end],
-                part(u.entropy, start, end),
-                part(u.grad_logprob, start, end),
-                part(u.grad_entropy, start, end),
+                row_range(o.target, start, end),
+                row_range(u.lse, start, end),
+                row_range(u.entropy, start, end),
+                row_range(u.grad_logprob, start, end),
+                row_range(u.grad_entropy, start, end),
                 inv_temperature=options.inv_temperature,
                 ignore_index=options.ignore_index,
             )

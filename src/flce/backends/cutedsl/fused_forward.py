@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -904,12 +904,7 @@ def fused_forward_statistics(
         stream = cuda_stream(dev)
         for r0 in range(0, num_rows, chunk):
             rows = min(chunk, num_rows - r0)
-
-            def rows_of(t: torch.Tensor | None, r0=r0, rows=rows) -> torch.Tensor | None:
-                # The kernels take a base pointer and a row count: the first launch (the
-                # only one, mostly) passes the tensors as they are, with no view op.
-                return t if t is None or r0 == 0 else t[r0 : r0 + rows]
-
+            rows_of = partial(_rows_from, r0)
             # Each launch's (T, rows) tile statistics start at the workspace's base.
             fn(
                 gmem_ptr(rows_of(input), WGMMA_DTYPES[input.dtype], 16),
@@ -939,6 +934,12 @@ def fused_forward_statistics(
                 stream,
             )
     return out
+
+
+def _rows_from(r0: int, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` from row ``r0`` on: the kernels take a base pointer and a row count, so the
+    first launch (the only one, mostly) passes the tensors as they are, with no view op."""
+    return t if t is None or r0 == 0 else t[r0:]
 
 
 def combine_tile_statistics(
