@@ -2,7 +2,7 @@
 or at ``check_errors()``, ``discard_pending()``, nothing under CUDA-graph capture, and
 the pinned buffers and events reused from call to call instead of allocated per call.
 
-Without a GPU the CUDA pieces are stand-ins (a CPU buffer for the pinned one, an event
+The CUDA pieces are stand-ins (a CPU buffer for the pinned one, an event
 whose copy lands when the test says); ``test_gpu_*`` run the real ones."""
 
 from __future__ import annotations
@@ -44,15 +44,22 @@ class _FakeCuda:
 
 @pytest.fixture
 def cuda(monkeypatch):
-    """The CUDA side of ``validation`` stood in for on the CPU (where it is the real one,
-    its own fresh pool of slots)."""
+    """The CUDA side of ``validation`` stood in for, on any machine: the counts these tests
+    defer are CPU tensors, and the stand-in's slots are what they inspect."""
     fake = _FakeCuda()
     monkeypatch.setattr(validation, "_free_slots", {})
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(validation, "_new_slot", fake.new_slot)
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(validation, "_new_slot", fake.new_slot)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake.capturing)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     yield fake
+    validation.discard_pending()
+
+
+@pytest.fixture
+def pool(monkeypatch):
+    """The real pinned slots and events, in a fresh pool of their own (GPU tests)."""
+    monkeypatch.setattr(validation, "_free_slots", {})
+    yield
     validation.discard_pending()
 
 
@@ -129,7 +136,6 @@ def test_discarded_checks_never_raise_and_their_slots_are_not_reused(cuda):
     assert len(cuda.slots) == 2
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for capture on the CPU")
 def test_nothing_is_deferred_or_read_under_graph_capture(cuda):
     validation.defer(_counts(1), _describe)
     cuda.capturing = True
@@ -151,7 +157,7 @@ def _gpu() -> torch.device:
 
 
 @pytest.mark.gpu
-def test_gpu_counts_land_in_reused_pinned_slots(cuda):
+def test_gpu_counts_land_in_reused_pinned_slots(pool):
     device = _gpu()
     for call in range(4):
         validation.defer(_counts(call % 2).to(device), _describe)
@@ -165,7 +171,7 @@ def test_gpu_counts_land_in_reused_pinned_slots(cuda):
 
 
 @pytest.mark.gpu
-def test_gpu_bad_targets_raise_at_the_next_call_with_reused_slots(cuda):
+def test_gpu_bad_targets_raise_at_the_next_call_with_reused_slots(pool):
     device = _gpu()
     x = torch.randn(8, 16, device=device)
     w = torch.randn(32, 16, device=device)
