@@ -96,6 +96,21 @@ class ChunkCEKernel(Protocol):
     ) -> None: ...
 
 
+def softcap_tanh_is_approximate(logits_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the compiled GPU kernels take the softcap's ``tanh`` from the hardware's
+    approximation (PTX ``tanh.approx.f32``: one special-function op, relative error about
+    2^-11 by the PTX ISA) instead of the accurate formula (two special-function ops and about fifteen
+    FMAs): for bf16 and fp16 logits, whose own rounding (2^-9, 2^-11) is as large. The
+    accurate one made the CE pass bound by the special-function unit: softcap cost 5.1%
+    (cutedsl) and 7.4% (triton) of a fwd+bwd call at the reference shape on an H200
+    (benchmarks/results/features-h200). fp32 logits and the CPU (Triton's interpreter)
+    keep the accurate ``tanh``. The kernels of one call (row statistics, target logit,
+    gradient, the split-row ones) apply the same one, so a row's ``z'`` agrees between them
+    bit for bit; the loss-only fused GEMM (``backends/cutedsl/fused_forward.py``) uses it
+    too."""
+    return device.type == "cuda" and logits_dtype in (torch.float16, torch.bfloat16)
+
+
 def unit_stride_along_vocabulary(logits: torch.Tensor) -> bool:
     """Whether a row's classes are adjacent in memory (the kernels' only layout demand on
     logits; the row stride is free). A single column is, whatever its stride says."""

@@ -67,6 +67,7 @@ from flce.backends.cutedsl.common import (
     null_ptr,
     pow2_ceil,
     row_threads,
+    softcap_tanh,
     softcapped,
     store_to_peer,
     vector_width,
@@ -320,7 +321,7 @@ class ChunkCrossEntropy(RowStream):
         lse = m + log_d
         zp_y = z_y
         if const_expr(key.has_softcap):
-            zp_y = softcapped(cute.math.tanh(z_y * inv_softcap), softcap)
+            zp_y = softcapped(softcap_tanh(z_y * inv_softcap, self.tanh_approx), softcap)
         one_m_ls = Float32(1.0) - label_smoothing
         ce = one_m_ls * w_y * ((m - zp_y) + log_d)  # m - z'_y first: exact near the max
         if const_expr(key.has_smoothing):

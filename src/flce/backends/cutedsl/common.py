@@ -25,6 +25,8 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
+from flce.backends.base import softcap_tanh_is_approximate
+
 try:
     from cutlass.memory import SmemAllocator as _SmemAllocator
 except ImportError:  # older nvidia-cutlass-dsl
@@ -102,6 +104,13 @@ def argmax_combine(best_v: Float32, best_i: Int32, v_o: Float32, i_o: Int32):
     return cute.arch.fmax(best_v, v_o), best_i
 
 
+def softcap_tanh(x: Float32, approximate: bool) -> Float32:
+    """tanh of ``z / c`` for the softcap: the hardware's ``tanh.approx.f32`` where
+    ``flce.backends.base.softcap_tanh_is_approximate`` says so (16-bit logits), else the
+    accurate libdevice ``tanh``. ``approximate`` is a Python bool, decided at compile time."""
+    return cute.math.tanh(x, approx=True) if approximate else cute.math.tanh(x)
+
+
 @cute.jit
 def softcapped(t: Float32, softcap: Float32) -> Float32:
     """``softcap * t`` rounded on its own, as ``fma(softcap, t, +0)``: a plain product
@@ -143,6 +152,7 @@ class RowStream:
         self.key = key
         self.dtype = TORCH_TO_CUTE[key.dtype]
         self.esize = torch.empty((), dtype=key.dtype).element_size()
+        self.tanh_approx = softcap_tanh_is_approximate(key.dtype, torch.device("cuda"))
         self.vocab = key.vocab
         self.vec = key.vec
         self.num_vec = key.vocab // key.vec
@@ -368,7 +378,7 @@ class RowStream:
             best_v, best_i = self._argmax_step(x, vidx, best_v, best_i)
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
-                x[j] = softcapped(cute.math.tanh(x[j] * inv_softcap), softcap)
+                x[j] = softcapped(softcap_tanh(x[j] * inv_softcap, self.tanh_approx), softcap)
         if const_expr(self.need_argmax and self.argmax_of_softcapped):
             best_v, best_i = self._argmax_step(x, vidx, best_v, best_i)
         if const_expr(key.has_smoothing):
@@ -411,7 +421,7 @@ class RowStream:
         t = cute.make_rmem_tensor((VEC,), Float32)
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
-                t[j] = cute.math.tanh(x[j] * inv_softcap)
+                t[j] = softcap_tanh(x[j] * inv_softcap, self.tanh_approx)
                 x[j] = softcapped(t[j], softcap)
         p = cute.make_rmem_tensor((VEC,), Float32)
         for j in cutlass.range_constexpr(VEC):

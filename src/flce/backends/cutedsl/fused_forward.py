@@ -12,7 +12,8 @@ cluster per tile). The epilogue never writes Z. For every row ``n`` of the tile 
 tile's vocabulary slice ``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
 
 - ``tile_max[t, n]``: the max of ``z'`` over the tile's valid columns, with ``z`` the
-  logit plus the optional bias and ``z' = c * tanh(z / c)`` under the optional softcap,
+  logit plus the optional bias and ``z' = c * tanh(z / c)`` under the optional softcap
+  (the hardware's approximate tanh: ``flce.backends.base.softcap_tanh_is_approximate``),
 - ``tile_sumexp[t, n]``: ``sum exp(z' - tile_max)``, each term one FMA and one exp2,
 - ``tile_argmax[t, n]``: the first (smallest) global column achieving the tile max,
 - ``tile_sum[t, n]`` (``with_logit_sum`` only): ``sum z'``, the label-smoothing term,
@@ -69,6 +70,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
+from flce.backends.base import softcap_tanh_is_approximate
 from flce.backends.cutedsl.common import (
     arg_f32,
     arg_i32,
@@ -78,6 +80,7 @@ from flce.backends.cutedsl.common import (
     cuda_stream,
     gmem_ptr,
     null_ptr,
+    softcap_tanh,
 )
 
 LOG2_E = math.log2(math.e)
@@ -211,6 +214,7 @@ class FusedForwardKernel:
         self.config = config
         self.dtype = WGMMA_DTYPES[key.dtype]
         self.esize = torch.empty((), dtype=key.dtype).element_size()
+        self.tanh_approx = softcap_tanh_is_approximate(key.dtype, torch.device("cuda"))  # always: 16-bit
         self.bm, self.bn = config.tile_m, config.tile_n
         self.tile_shape_mnk = (self.bm, self.bn, BLOCK_K)
         self.num_tiles_n = cdiv(key.vocab, self.bn)  # T
@@ -646,9 +650,9 @@ class FusedForwardKernel:
 
             m = vmax
             if const_expr(key.has_softcap):
-                m = softcap * cute.math.tanh(vmax * inv_softcap)
+                m = softcap * softcap_tanh(vmax * inv_softcap, self.tanh_approx)
                 for c in cutlass.range_constexpr(C):
-                    accs[r, c] = softcap * cute.math.tanh(accs[r, c] * inv_softcap)
+                    accs[r, c] = softcap * softcap_tanh(accs[r, c] * inv_softcap, self.tanh_approx)
                 if const_expr(partial_last):
                     if is_last:
                         self._mask_row(accs, crds, r, n0, neg_inf)

@@ -47,6 +47,7 @@ from flce.backends.cutedsl.common import (
     null_ptr,
     pow2_ceil,
     row_threads,
+    softcap_tanh,
     softcapped,
     vector_width,
 )
@@ -187,7 +188,7 @@ class PartialStatistics(RowStream):
             zp_y = z_y
             if const_expr(key.has_softcap):
                 # The same operations as pass 1, so z'_y - m is exactly 0 at the max.
-                zp_y = softcapped(cute.math.tanh(z_y * inv_softcap), softcap)
+                zp_y = softcapped(softcap_tanh(z_y * inv_softcap, self.tanh_approx), softcap)
             mTargetShifted[row] = zp_y - m if owned != Int32(0) else Float32(0.0)
             if const_expr(key.has_smoothing):
                 # sum_i w_i z'_i - m sum_i w_i, with one rounding for the product and the

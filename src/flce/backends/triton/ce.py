@@ -23,8 +23,9 @@ from flce.backends.base import (
     kernel_class_weights,
     kernel_row_vector,
     kernel_target,
+    softcap_tanh_is_approximate,
 )
-from flce.backends.triton.common import row_statistics, softcapped, tanh_fp32, write_gradient_row
+from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 
 # In-place kernel: no fp32 workspace beyond the chunk itself.
@@ -54,6 +55,7 @@ def _ce_chunk_kernel(
     inv_softcap,  # 1 / c
     HAS_WEIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,  # softcap_tanh_is_approximate
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_LOSS: tl.constexpr,
     HAS_Z_GRAD: tl.constexpr,  # lse_square_scale > 0
@@ -82,7 +84,7 @@ def _ce_chunk_kernel(
         y_in_range = (y >= 0) & (y < V)
         z_y = tl.load(row_ptr + y, mask=y_in_range, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z_y = softcapped(tanh_fp32(z_y * inv_softcap), softcap)
+            z_y = softcapped(softcap_tanh(z_y * inv_softcap, TANH_APPROX), softcap)
         if HAS_WEIGHT:
             w_y = tl.load(weight_ptr + y, mask=y_in_range, other=0.0)
         else:
@@ -97,6 +99,7 @@ def _ce_chunk_kernel(
             inv_softcap,
             HAS_WEIGHT,
             HAS_SOFTCAP,
+            TANH_APPROX,
             HAS_SMOOTHING,
             False,
             WRITE_ARGMAX,
@@ -156,6 +159,7 @@ def _ce_chunk_kernel(
                 inv_softcap,
                 HAS_WEIGHT,
                 HAS_SOFTCAP,
+                TANH_APPROX,
                 HAS_SMOOTHING,
                 HAS_Z_GRAD,
                 BF16_ROUND_BY_BITS,
@@ -237,6 +241,7 @@ def cross_entropy_chunk(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
+        TANH_APPROX=softcap_tanh_is_approximate(logits.dtype, logits.device),
         HAS_SMOOTHING=ls > 0.0,
         HAS_Z_LOSS=z_loss_out is not None,
         HAS_Z_GRAD=float(scalars.lse_square_scale) > 0.0,

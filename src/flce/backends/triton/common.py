@@ -1,5 +1,6 @@
 """Triton device functions the kernels of this backend share: fp32 tanh and its
-derivative without libdevice, the single-rounding softcap product, the interpreter's
+derivative without libdevice (or the hardware's approximate one), the single-rounding
+softcap product, the interpreter's
 bf16 rounding, the online-softmax row pass and the gradient row writer of the
 cross-entropy (``ce``, ``partial``; the loss heads ``logprobs`` and ``distillation``)."""
 
@@ -44,6 +45,37 @@ def tanh_and_derivative(x):
 
 
 @triton.jit
+def tanh_approx(x):
+    """PTX ``tanh.approx.f32`` (sm_75+): one special-function op, relative error about
+    2^-11 by the PTX ISA (``flce.backends.base.softcap_tanh_is_approximate`` says where it is used).
+    Compiled kernels only: Triton's interpreter cannot run inline PTX."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def softcap_tanh(x, APPROX: tl.constexpr):
+    """tanh of ``z / c`` for the softcap: ``tanh_approx`` or the accurate ``tanh_fp32``."""
+    if APPROX:
+        t = tanh_approx(x)
+    else:
+        t = tanh_fp32(x)
+    return t
+
+
+@triton.jit
+def softcap_tanh_and_derivative(x, APPROX: tl.constexpr):
+    """``(tanh(x), 1 - tanh(x)^2)``: from ``tanh_approx`` (the derivative's absolute error
+    is then ~2^-10, within what the 16-bit logits' own rounding gives PyTorch's), or the
+    accurate ``tanh_and_derivative``."""
+    if APPROX:
+        t = tanh_approx(x)
+        derivative = 1.0 - t * t
+    else:
+        t, derivative = tanh_and_derivative(x)
+    return t, derivative
+
+
+@triton.jit
 def softcapped(t, softcap):
     """``softcap * t`` rounded on its own, as ``fma(softcap, t, +0)``: a plain product
     may be contracted by the compiler into a different FMA at each use (``z' - m``,
@@ -72,6 +104,7 @@ def row_statistics(
     inv_softcap,
     HAS_WEIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,  # softcap_tanh_is_approximate
     HAS_SMOOTHING: tl.constexpr,
     SUM_WEIGHTS: tl.constexpr,  # also sum the class weights (a shard's share of W)
     WRITE_ARGMAX: tl.constexpr,
@@ -93,7 +126,7 @@ def row_statistics(
         mask = offs < V
         z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            z = softcapped(tanh_fp32(z * inv_softcap), softcap)
+            z = softcapped(softcap_tanh(z * inv_softcap, TANH_APPROX), softcap)
         if HAS_SMOOTHING:
             if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
                 w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
@@ -131,6 +164,7 @@ def write_gradient_row(
     inv_softcap,
     HAS_WEIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,  # softcap_tanh_is_approximate
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_GRAD: tl.constexpr,
     BF16_ROUND_BY_BITS: tl.constexpr,
@@ -146,7 +180,7 @@ def write_gradient_row(
         mask = offs < V
         z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_SOFTCAP:
-            t, softcap_derivative = tanh_and_derivative(z * inv_softcap)
+            t, softcap_derivative = softcap_tanh_and_derivative(z * inv_softcap, TANH_APPROX)
             z = softcapped(t, softcap)
         p = tl.exp2((z - m) * L2E) * inv_s
         g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))

@@ -21,8 +21,9 @@ from flce.backends.base import (
     kernel_class_weights,
     kernel_row_vector,
     kernel_target,
+    softcap_tanh_is_approximate,
 )
-from flce.backends.triton.common import row_statistics, softcapped, tanh_fp32, write_gradient_row
+from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
 
 
@@ -42,6 +43,7 @@ def _partial_statistics_kernel(
     inv_softcap,
     HAS_WEIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,  # softcap_tanh_is_approximate
     HAS_SMOOTHING: tl.constexpr,
     WRITE_ARGMAX: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -52,7 +54,7 @@ def _partial_statistics_kernel(
     owned = (y >= 0) & (y < V)
     z_y = tl.load(row_ptr + y, mask=owned, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        z_y = softcapped(tanh_fp32(z_y * inv_softcap), softcap)
+        z_y = softcapped(softcap_tanh(z_y * inv_softcap, TANH_APPROX), softcap)
 
     # smooth_sum = sum_i w_i z'_i is made relative to m below, with this shard's sum of w.
     m, s, smooth_sum, weight_sum, best_idx = row_statistics(
@@ -63,6 +65,7 @@ def _partial_statistics_kernel(
         inv_softcap,
         HAS_WEIGHT,
         HAS_SOFTCAP,
+        TANH_APPROX,
         HAS_SMOOTHING,
         True,
         WRITE_ARGMAX,
@@ -97,6 +100,7 @@ def _partial_gradient_kernel(
     inv_softcap,
     HAS_WEIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,  # softcap_tanh_is_approximate
     HAS_SMOOTHING: tl.constexpr,
     HAS_Z_GRAD: tl.constexpr,
     BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only (see flce.backends.triton.ce)
@@ -133,6 +137,7 @@ def _partial_gradient_kernel(
             inv_softcap,
             HAS_WEIGHT,
             HAS_SOFTCAP,
+            TANH_APPROX,
             HAS_SMOOTHING,
             HAS_Z_GRAD,
             BF16_ROUND_BY_BITS,
@@ -196,6 +201,7 @@ def partial_statistics(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
+        TANH_APPROX=softcap_tanh_is_approximate(logits.dtype, logits.device),
         HAS_SMOOTHING=with_smoothing,
         WRITE_ARGMAX=with_argmax,
     )
@@ -249,6 +255,7 @@ def partial_gradient(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
+        TANH_APPROX=softcap_tanh_is_approximate(logits.dtype, logits.device),
         HAS_SMOOTHING=smooth_coef is not None,
         HAS_Z_GRAD=z_coef is not None,
         BF16_ROUND_BY_BITS=logits.dtype == torch.bfloat16 and logits.device.type == "cpu",

@@ -1,0 +1,92 @@
+"""The softcap's tanh: where the kernels take the hardware's approximation, and how far
+it is from float64 (``flce.backends.base.softcap_tanh_is_approximate``).
+
+The approximation is PTX, so its accuracy is measured on a GPU only; Triton's
+interpreter checks the accurate device function on the CPU. The losses and gradients
+with a softcap are judged against float64 with every other feature in the parity
+tests (``tests/gpu``, ``flce check``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import pytest
+import torch
+
+from flce.backends.base import softcap_tanh_is_approximate
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton compiles the test kernel
+
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    "dtype,device,approximate",
+    [
+        (torch.bfloat16, GPU, True),
+        (torch.float16, GPU, True),
+        (torch.float32, GPU, False),
+        (torch.bfloat16, CPU, False),  # Triton's interpreter: no PTX
+        (torch.float32, CPU, False),
+    ],
+    ids=str,
+)
+def test_the_approximation_is_taken_for_16_bit_logits_on_a_gpu(dtype, device, approximate):
+    assert softcap_tanh_is_approximate(dtype, device) is approximate
+
+
+HAS_TRITON = importlib.util.find_spec("numpy") is not None and importlib.util.find_spec("triton") is not None
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from flce.backends.triton.common import softcap_tanh_and_derivative
+
+    @triton.jit
+    def _tanh_and_derivative_kernel(x_ptr, t_ptr, d_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        t, d = softcap_tanh_and_derivative(x, APPROX)
+        tl.store(t_ptr + offs, t, mask=mask)
+        tl.store(d_ptr + offs, d, mask=mask)
+
+
+def _errors(approx: bool, device: torch.device, points: int) -> tuple[float, float]:
+    """Max relative error of tanh and max absolute error of its derivative over
+    ``points`` fp32 values spanning [-12, 12] (saturated at both ends)."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton and numpy (Triton's interpreter)")
+    x = torch.linspace(-12.0, 12.0, points, dtype=torch.float32, device=device)
+    x = torch.cat([x, torch.tensor([0.0, 1e-30, -1e-6, 0.625, -0.625, 20.0], device=device)])
+    t, d = torch.empty_like(x), torch.empty_like(x)
+    block = 1024
+    _tanh_and_derivative_kernel[(triton.cdiv(x.numel(), block),)](x, t, d, x.numel(), APPROX=approx, BLOCK=block)
+    exact = torch.tanh(x.double())
+    nonzero = exact != 0
+    rel = ((t.double() - exact).abs()[nonzero] / exact.abs()[nonzero]).max().item()
+    assert (t[~nonzero] == 0).all()
+    deriv_abs = (d.double() - (1 - exact * exact)).abs().max().item()
+    return rel, deriv_abs
+
+
+def test_the_accurate_tanh_is_within_a_few_ulp():
+    rel, deriv_abs = _errors(False, GPU if HAS_CUDA else CPU, 20_001)
+    assert rel <= 4 * torch.finfo(torch.float32).eps, rel
+    assert deriv_abs <= 4 * torch.finfo(torch.float32).eps, deriv_abs
+
+
+@pytest.mark.gpu
+def test_gpu_the_approximation_is_within_its_documented_bound():
+    """PTX documents about 2^-11 relative for ``tanh.approx.f32``: the bound is checked
+    with a little room (2^-10.5), and the derivative ``1 - t^2`` from it to 2^-9.5
+    absolute, below a bf16 ulp of 1 (2^-8) and near an fp16 one (2^-10)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    rel, deriv_abs = _errors(True, GPU, 2_000_001)
+    assert rel <= 2**-10.5, f"tanh.approx.f32 relative error {rel:.3g} (log2 {math.log2(rel):.2f})"
+    assert deriv_abs <= 2**-9.5, f"1 - t^2 absolute error {deriv_abs:.3g} (log2 {math.log2(deriv_abs):.2f})"
