@@ -11,7 +11,8 @@ functions with the most own time, per call, to ``OUT/host_profile.txt``.
 
 With ``--ops`` it also counts, per call, the aten ops and the kernel launches
 (``torch.profiler``): the per-op and per-launch host costs are what remains once the
-Python is lean.
+Python is lean. ``--timeline`` lists one call's host-side events in order, with their
+start and duration: the gaps between them are the Python around the ops.
 """
 
 from __future__ import annotations
@@ -57,6 +58,38 @@ def op_counts(step, device: torch.device, calls: int = 10) -> str:
     lines = [f"\n  {'events per call':>16}  {'host us per call':>16}  name"]
     for event in rows[:40]:
         lines.append(f"  {event.count / calls:16.1f}  {event.cpu_time_total / calls:16.1f}  {event.key[:90]}")
+    return "\n".join(lines) + "\n"
+
+
+def timeline(step, device: torch.device, calls: int = 20) -> str:
+    """The host-side events of one call (the last of ``calls``), in order: each one's
+    start after the call's start, its duration and its name, in microseconds. Ops nested
+    in another are indented; the gaps between them are Python time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            with torch.profiler.record_function("## call ##"):
+                step()
+        synchronize(device)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    last = max((e for e in events if e.name == "## call ##"), key=lambda e: e.time_range.start)
+    t0, t1 = last.time_range.start, last.time_range.end
+    inside = sorted(
+        (e for e in events if t0 <= e.time_range.start and e.time_range.end <= t1 and e is not last),
+        key=lambda e: (e.time_range.start, -e.time_range.end),
+    )
+    lines = [f"\n  one call: {(t1 - t0):.1f} us; start, duration, name (nested ops indented)"]
+    open_ends: list[float] = []
+    for e in inside:
+        while open_ends and e.time_range.start >= open_ends[-1]:
+            open_ends.pop()
+        lines.append(
+            f"  {e.time_range.start - t0:8.1f} {e.time_range.end - e.time_range.start:8.1f}  "
+            f"{'  ' * len(open_ends)}{e.name[:80]}"
+        )
+        open_ends.append(e.time_range.end)
     return "\n".join(lines) + "\n"
 
 
@@ -238,6 +271,7 @@ def main() -> int:
     parser.add_argument("--backends", default="cutedsl,triton")
     parser.add_argument("--shape", default=None, help="N,V,H (default: the host-overhead shape)")
     parser.add_argument("--ops", action="store_true", help="count aten ops and kernel launches per call")
+    parser.add_argument("--timeline", action="store_true", help="the host-side events of one call, in order")
     parser.add_argument("--parts", action="store_true", help="time the building blocks of a call, unprofiled")
     parser.add_argument("--wrap", action="store_true", help="inclusive unprofiled time of the driver's main steps")
     args = parser.parse_args()
@@ -288,6 +322,8 @@ def main() -> int:
             stats.sort_stats("cumulative").print_stats(25)
             if args.ops:
                 report.write(op_counts(step, device))
+            if args.timeline:
+                report.write(timeline(step, device))
     text = import_relative_paths(report.getvalue())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_profile.txt").write_text(text)
