@@ -245,7 +245,7 @@ def time_dtype(ce, dtype, sweep: bool, results: dict, copy_gbs: float, flush, li
         )
 
     rw = 2 * n * vocab * es
-    print(f"  default config: {ce.default_config(ce.KernelKey(dtype, vocab, 16 // es, True, *[False] * 8, True))}")
+    print(f"  default config: {ce.default_config(ce.KernelKey(dtype, vocab, 16 // es, True, *[False] * 9, True))}")
     report("cutedsl loss+grad", time_ms(ours(), src, buf, flush=flush), rw)
     report("cutedsl +weights+ls+zloss+argmax", time_ms(ours(s=sc_feat, features=True), src, buf, flush=flush), rw)
     report(

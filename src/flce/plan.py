@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from flce.backends.base import BackendSpec, SplitRowKernels
+from flce.backends.base import BackendSpec, SplitRowKernels, softcap_tanh_is_approximate
 from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics
@@ -266,15 +266,23 @@ def make_plan(
     ce_weight: torch.Tensor | None,  # (V,) fp32
     vocab: int,
     compute_dtype: torch.dtype,
+    *,
+    logits_are_products: bool = False,
 ) -> Plan:
     """Backend (and its split-row kernels, for vocabulary blocks), the batch statistics
-    and the kernel scalars: everything decided before the first kernel."""
+    and the kernel scalars: everything decided before the first kernel.
+
+    ``logits_are_products``: the loss computes the logits itself (``x W^T + b`` in
+    ``compute_dtype``), so a softcap may take the hardware's approximate tanh where
+    ``softcap_tanh_is_approximate`` allows it; logits given by the caller are exact inputs
+    and always get the accurate one."""
     backend = resolve_backend(options.backend, device)
     # Vocabulary blocks run when vocab_chunk_size asks for them or the memory budget needs them.
     has_split_rows = options.vocab_chunk_size is not None or backend.split_rows is not None
     split_kernels = split_rows_of(backend) if has_split_rows else None
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
-    return Plan(options, backend, split_kernels, compute_dtype, stats, chunk_scalars(options, stats))
+    approximate_tanh = logits_are_products and softcap_tanh_is_approximate(compute_dtype, device)
+    return Plan(options, backend, split_kernels, compute_dtype, stats, chunk_scalars(options, stats, approximate_tanh))
 
 
 # ------------------------------------------------------- forward / backward

@@ -1,5 +1,6 @@
-"""The softcap's tanh: where the kernels take the hardware's approximation, and how far
-it is from float64 (``flce.backends.base.softcap_tanh_is_approximate``).
+"""The softcap's tanh: where the kernels take the hardware's approximation (16-bit logits
+that a fused call computed itself, on a GPU), and how far each tanh is from float64
+(``flce.backends.base.softcap_tanh_is_approximate``).
 
 The approximation is PTX, so its accuracy is measured on a GPU only; Triton's
 interpreter checks the accurate device function on the CPU. The losses and gradients
@@ -90,3 +91,45 @@ def test_gpu_the_approximation_is_within_its_documented_bound():
     rel, deriv_abs = _errors(True, GPU, 2_000_001)
     assert rel <= 2**-10.5, f"tanh.approx.f32 relative error {rel:.3g} (log2 {math.log2(rel):.2f})"
     assert deriv_abs <= 2**-9.5, f"1 - t^2 absolute error {deriv_abs:.3g} (log2 {math.log2(deriv_abs):.2f})"
+
+
+@pytest.mark.parametrize(
+    "products,softcap,expected",
+    [(True, 30.0, True), (False, 30.0, False), (True, None, False)],
+    ids=["fused", "given-logits", "no-softcap"],
+)
+def test_only_the_logits_a_loss_computes_itself_get_the_approximation(monkeypatch, products, softcap, expected):
+    """Where the policy allows it (stood in for: the CPU never does), a plan approximates
+    the softcap's tanh for the logits of a fused call only."""
+    import flce.plan
+    from flce.options import LossOptions
+
+    monkeypatch.setattr(flce.plan, "softcap_tanh_is_approximate", lambda dtype, device: True)
+    plan = flce.plan.make_plan(
+        LossOptions(softcap=softcap),
+        CPU,
+        torch.tensor([1, 2]),
+        None,
+        8,
+        torch.bfloat16,
+        logits_are_products=products,
+    )
+    assert plan.scalars.approximate_tanh is expected
+
+
+def test_the_public_functions_say_whose_logits_they_are(monkeypatch):
+    import flce
+    import flce.functional
+
+    seen = []
+    original = flce.functional.make_plan
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("logits_are_products", False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(flce.functional, "make_plan", spy)
+    x, w, y = torch.randn(4, 8), torch.randn(16, 8), torch.tensor([0, 3, 5, 15])
+    flce.fused_linear_cross_entropy(x, w, y, softcap=30.0, backend="torch")
+    flce.cross_entropy(x @ w.T, y, softcap=30.0, backend="torch")
+    assert seen == [True, False]

@@ -97,17 +97,22 @@ class ChunkCEKernel(Protocol):
 
 
 def softcap_tanh_is_approximate(logits_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the compiled GPU kernels take the softcap's ``tanh`` from the hardware's
+    """Whether the compiled GPU kernels may take the softcap's ``tanh`` from the hardware's
     approximation (PTX ``tanh.approx.f32``: one special-function op, relative error about
-    2^-11 by the PTX ISA) instead of the accurate formula (two special-function ops and about fifteen
-    FMAs): for bf16 and fp16 logits, whose own rounding (2^-9, 2^-11) is as large. The
-    accurate one made the CE pass bound by the special-function unit: softcap cost 5.1%
-    (cutedsl) and 7.4% (triton) of a fwd+bwd call at the reference shape on an H200
-    (benchmarks/results/features-h200). fp32 logits and the CPU (Triton's interpreter)
-    keep the accurate ``tanh``. The kernels of one call (row statistics, target logit,
-    gradient, the split-row ones) apply the same one, so a row's ``z'`` agrees between them
-    bit for bit; the loss-only fused GEMM (``backends/cutedsl/fused_forward.py``) uses it
-    too."""
+    2^-11 by the PTX ISA) instead of the accurate one (two special-function ops and about
+    fifteen FMAs), for logits the loss computes itself (``ChunkScalars.approximate_tanh``,
+    set by the plan of a fused call): bf16 and fp16 logits on a GPU, whose own rounding
+    (2^-9, 2^-11) is as large. The accurate one made the CE pass bound by the
+    special-function unit: softcap cost 5.1% (cutedsl) and 7.4% (triton) of a fwd+bwd call
+    at the reference shape on an H200 (benchmarks/results/features-h200).
+
+    Logits given by the caller (``flce.cross_entropy``) are exact inputs: there the
+    approximation's error showed as 10-50x PyTorch's fp32 error on the loss (H200), so
+    they always get the accurate ``tanh``, as do fp32 logits and the CPU (Triton's
+    interpreter). The kernels of one call (row statistics, target logit, gradient, the
+    split-row ones) apply the same one, so a row's ``z'`` agrees between them bit for bit;
+    the loss-only fused GEMM (``backends/cutedsl/fused_forward.py``) takes the
+    approximation too (16-bit products only)."""
     return device.type == "cuda" and logits_dtype in (torch.float16, torch.bfloat16)
 
 
@@ -209,6 +214,7 @@ class SplitRowKernels(Protocol):
         *,
         with_smoothing: bool,
         with_argmax: bool,
+        approximate_tanh: bool = False,  # ChunkScalars.approximate_tanh
     ) -> BlockStatistics: ...
 
     def gradient(
@@ -240,9 +246,13 @@ class InPlaceSplitRowKernels:
     def _kernels(self):
         return importlib.import_module(self._module)
 
-    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax) -> BlockStatistics:
+    def statistics(
+        self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax, approximate_tanh=False
+    ) -> BlockStatistics:
         return BlockStatistics(
-            *self._kernels().partial_statistics(logits, local_target, ce_local, softcap, with_smoothing, with_argmax)
+            *self._kernels().partial_statistics(
+                logits, local_target, ce_local, softcap, with_smoothing, with_argmax, approximate_tanh
+            )
         )
 
     def gradient(
@@ -266,6 +276,7 @@ class InPlaceSplitRowKernels:
             z_coef,
             scalars.weight_sum,
             scalars.softcap,
+            scalars.approximate_tanh,
         )
 
 

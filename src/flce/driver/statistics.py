@@ -205,9 +205,11 @@ def batch_statistics(
     return BatchStatistics(values)
 
 
-def chunk_scalars(options: LossOptions, stats: BatchStatistics) -> ChunkScalars:
+def chunk_scalars(options: LossOptions, stats: BatchStatistics, approximate_tanh: bool = False) -> ChunkScalars:
     """Kernel scalars; the mean reduction is folded into the gradient scales (on the
-    device: the kernels read them from memory), and a bad input's NaN into both."""
+    device: the kernels read them from memory), and a bad input's NaN into both.
+    ``approximate_tanh``: the logits are the loss's own 16-bit GEMM output on a GPU
+    (``flce.backends.base.softcap_tanh_is_approximate``)."""
     return ChunkScalars(
         ignore_index=options.ignore_index,
         label_smoothing=float(options.label_smoothing),
@@ -215,4 +217,5 @@ def chunk_scalars(options: LossOptions, stats: BatchStatistics) -> ChunkScalars:
         softcap=None if options.softcap is None else float(options.softcap),
         use_token_scaling=options.use_token_scaling,
         scales=stats.scales(options.reduction),
+        approximate_tanh=approximate_tanh and options.softcap is not None,
     )

@@ -129,6 +129,7 @@ def run_vocab_blocks(
                 scalars.softcap,
                 with_smoothing=smoothing,
                 with_argmax=per_block.argmax is not None,
+                approximate_tanh=scalars.approximate_tanh,
             )
             per_block.store(index, slice(r0, r1), stats, column_offset=v0)
             owned_by[index, r0:r1] = owned

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flce.backends.base import BackendSpec, SplitRowKernels
+from flce.backends.base import BackendSpec, SplitRowKernels, softcap_tanh_is_approximate
 from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
@@ -178,7 +178,8 @@ def _plan(
         compute_dtype=compute_dtype,
         chunk_size=max(1, min(chunk, max(n_rows, 1))),
         stats=stats,
-        scalars=chunk_scalars(options, stats),
+        # The shards' logits are this loss's own GEMM output (softcap_tanh_is_approximate).
+        scalars=chunk_scalars(options, stats, softcap_tanh_is_approximate(compute_dtype, input.device)),
         local_kernels=kernels,
     )
     return plan, ce_full
@@ -241,6 +242,7 @@ def _chunk(
         sc.softcap,
         with_smoothing=sc.label_smoothing > 0,
         with_argmax=need_argmax,
+        approximate_tanh=sc.approximate_tanh,
     )
 
     # 1. Global row maximum (and first global argmax): one MAX all-reduce.

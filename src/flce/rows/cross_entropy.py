@@ -65,6 +65,9 @@ class ChunkScalars:
     softcap: float | None
     use_token_scaling: bool
     scales: torch.Tensor  # (3,) fp32 on the device: ce_grad_scale, z_grad_scale, weight_sum
+    # The softcap's tanh may be the hardware's approximation: the logits are the loss's own
+    # 16-bit GEMM output on a GPU (flce.backends.base.softcap_tanh_is_approximate).
+    approximate_tanh: bool = False
 
     @classmethod
     def from_numbers(

@@ -43,6 +43,7 @@ from flce.backends.base import (
     kernel_class_weights,
     kernel_row_vector,
     kernel_target,
+    softcap_tanh_is_approximate,
 )
 from flce.backends.cutedsl.common import (
     CLUSTER_SLICE_BYTES,
@@ -85,6 +86,7 @@ class KernelKey:
     has_weight: bool
     has_smoothing: bool
     has_softcap: bool
+    approximate_tanh: bool  # the softcap's tanh: ChunkScalars.approximate_tanh
     token_scaling: bool
     write_z_loss: bool
     write_correct: bool
@@ -474,6 +476,9 @@ def cross_entropy_chunk(
         has_weight=weight is not None,
         has_smoothing=ls > 0.0,
         has_softcap=c is not None,
+        approximate_tanh=c is not None
+        and scalars.approximate_tanh
+        and softcap_tanh_is_approximate(logits.dtype, logits.device),
         token_scaling=bool(scalars.use_token_scaling),
         write_z_loss=z_loss_out is not None,
         write_correct=correct_out is not None,

@@ -138,7 +138,7 @@ class RowStream:
     ``flce.backends.cutedsl.partial``.
 
     ``key`` is any frozen key with the fields ``dtype``, ``vocab``, ``vec``,
-    ``has_weight``, ``has_smoothing`` and ``has_softcap``. ``keep_resident``: the
+    ``has_weight``, ``has_smoothing``, ``has_softcap`` and ``approximate_tanh``. ``keep_resident``: the
     gradient follows in the same kernel, so tiles may stay in shared memory for it.
     """
 
@@ -152,7 +152,7 @@ class RowStream:
         self.key = key
         self.dtype = TORCH_TO_CUTE[key.dtype]
         self.esize = torch.empty((), dtype=key.dtype).element_size()
-        self.tanh_approx = softcap_tanh_is_approximate(key.dtype, torch.device("cuda"))
+        self.tanh_approx = key.approximate_tanh and softcap_tanh_is_approximate(key.dtype, torch.device("cuda"))
         self.vocab = key.vocab
         self.vec = key.vec
         self.num_vec = key.vocab // key.vec

@@ -66,6 +66,7 @@ class StatisticsKey:
     has_weight: bool  # class weights in the smoothing sum (only with has_smoothing)
     has_smoothing: bool
     has_softcap: bool
+    approximate_tanh: bool  # the softcap's tanh: ChunkScalars.approximate_tanh
     write_argmax: bool
 
 
@@ -80,6 +81,7 @@ class GradientKey:
     has_weight: bool  # class weights in the smoothing term (only with has_smoothing)
     has_smoothing: bool
     has_softcap: bool
+    approximate_tanh: bool  # the softcap's tanh: ChunkScalars.approximate_tanh
     has_z_grad: bool
 
 
@@ -361,6 +363,7 @@ def partial_statistics(
     softcap: float | None,
     with_smoothing: bool,
     with_argmax: bool,
+    approximate_tanh: bool = False,  # ChunkScalars.approximate_tanh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """-> (local max, sum exp(z' - max), z'_y - max or 0, smoothing sum or None, argmax or None),
     all (M,): fp32, the argmax int64."""
@@ -388,6 +391,7 @@ def partial_statistics(
         has_weight=weight is not None,
         has_smoothing=bool(with_smoothing),
         has_softcap=softcap is not None,
+        approximate_tanh=softcap is not None and approximate_tanh,
         write_argmax=bool(with_argmax),
     )
     dtype = TORCH_TO_CUTE[key.dtype]
@@ -444,6 +448,7 @@ def partial_gradient(
     z_coef: torch.Tensor | None,  # (M,) fp32, with z-loss
     weight_sum: torch.Tensor,  # () fp32 on the device: read by the kernel, no host sync
     softcap: float | None,
+    approximate_tanh: bool = False,  # ChunkScalars.approximate_tanh
 ) -> None:
     """Writes dL/dlogits over ``logits``: zeros on ignored rows (``local_target < 0``)."""
     _check_logits(logits)
@@ -467,6 +472,7 @@ def partial_gradient(
         has_weight=weight is not None,
         has_smoothing=smooth_coef is not None,
         has_softcap=softcap is not None,
+        approximate_tanh=softcap is not None and approximate_tanh,
         has_z_grad=z_coef is not None,
     )
     dtype = TORCH_TO_CUTE[key.dtype]

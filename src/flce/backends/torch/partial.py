@@ -21,7 +21,10 @@ class TorchSplitRowKernels:
     name = "torch"
     extra_bytes_per_logit = EXTRA_BYTES_PER_LOGIT
 
-    def statistics(self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax) -> BlockStatistics:
+    def statistics(
+        self, logits, local_target, ce_local, softcap, *, with_smoothing, with_argmax, approximate_tanh=False
+    ) -> BlockStatistics:
+        del approximate_tanh  # the accurate torch.tanh always
         # logits (C, V_b); local_target (C,) int64, outside [0, V_b) where the block lacks y
         z, _ = apply_softcap(fp32_working_copy(logits), softcap, False)
         block_max = z.amax(dim=-1)

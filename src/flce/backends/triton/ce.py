@@ -241,7 +241,7 @@ def cross_entropy_chunk(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
-        TANH_APPROX=softcap_tanh_is_approximate(logits.dtype, logits.device),
+        TANH_APPROX=scalars.approximate_tanh and softcap_tanh_is_approximate(logits.dtype, logits.device),
         HAS_SMOOTHING=ls > 0.0,
         HAS_Z_LOSS=z_loss_out is not None,
         HAS_Z_GRAD=float(scalars.lse_square_scale) > 0.0,

@@ -170,6 +170,7 @@ def partial_statistics(
     softcap: float | None,
     with_smoothing: bool,
     with_argmax: bool,
+    approximate_tanh: bool = False,  # ChunkScalars.approximate_tanh
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """-> (local max, sum exp(z' - max), z'_y - max or 0, smoothing sum or None, argmax or None)."""
     rows = logits.shape[0]
@@ -201,7 +202,7 @@ def partial_statistics(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
-        TANH_APPROX=softcap_tanh_is_approximate(logits.dtype, logits.device),
+        TANH_APPROX=approximate_tanh and softcap_tanh_is_approximate(logits.dtype, logits.device),
         HAS_SMOOTHING=with_smoothing,
         WRITE_ARGMAX=with_argmax,
     )
@@ -220,6 +221,7 @@ def partial_gradient(
     z_coef: torch.Tensor | None,  # (M,) fp32, with z-loss
     weight_sum: torch.Tensor,  # () fp32 on the device
     softcap: float | None,
+    approximate_tanh: bool = False,  # ChunkScalars.approximate_tanh
 ) -> None:
     gradient_destination(logits, None, True)  # written in place: each row needs its own memory
     # Read at ptr + row (ptr + class): strided or expanded vectors are copied (tiny).
@@ -255,7 +257,7 @@ def partial_gradient(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
-        TANH_APPROX=softcap_tanh_is_approximate(logits.dtype, logits.device),
+        TANH_APPROX=approximate_tanh and softcap_tanh_is_approximate(logits.dtype, logits.device),
         HAS_SMOOTHING=smooth_coef is not None,
         HAS_Z_GRAD=z_coef is not None,
         BF16_ROUND_BY_BITS=logits.dtype == torch.bfloat16 and logits.device.type == "cpu",
