@@ -184,3 +184,35 @@ def test_gpu_bad_targets_raise_at_the_next_call_with_reused_slots(pool):
             flce.fused_linear_cross_entropy(x, w, good)
         flce.check_errors()
     assert sum(len(free) for free in validation._free_slots.values()) == 1
+
+
+def test_deferred_statistics_follow_the_first_gemm_and_are_still_checked(cuda, monkeypatch):
+    """With asynchronous validation a call launches its first logits GEMM before the batch
+    statistics (the GPU starts while the host works), and a bad target still poisons the
+    call and raises at the next read."""
+    from flce.driver import chunks, statistics
+
+    monkeypatch.setattr(validation, "validates_synchronously", lambda device: False)
+    order = []
+    logits_into, deferred = chunks._logits_into, statistics._deferred_statistics
+
+    def gemm(*args, **kwargs):
+        order.append("gemm")
+        return logits_into(*args, **kwargs)
+
+    def stats(*args):
+        order.append("statistics")
+        return deferred(*args)
+
+    monkeypatch.setattr(chunks, "_logits_into", gemm)
+    monkeypatch.setattr(statistics, "_deferred_statistics", stats)
+    x, w = torch.randn(6, 8), torch.randn(16, 8)
+    good = torch.tensor([0, 3, 5, 15, -100, 2])
+    flce.fused_linear_cross_entropy(x, w, good, backend="torch")
+    flce.check_errors()
+    assert order == ["gemm", "statistics"]
+    bad = good.clone()
+    bad[1] = 99
+    assert flce.fused_linear_cross_entropy(x, w, bad, backend="torch").isnan()
+    with pytest.raises(ValueError, match="found 1 out of range"):
+        flce.check_errors()

@@ -160,6 +160,7 @@ class CrossEntropyPlan:
         return self.options.reduction == "none"
 
     def reduce(self, rows: RowOutputs) -> Reduced:
+        self.stats.ensure_computed()  # a call's checks run even where no kernel needed its statistics
         o = self.options
         accuracy_scale = None if rows.correct is None else self.stats.accuracy_scale  # a view: only when used
         return reduce_rows(rows, o.reduction, o.lse_square_scale > 0, o.return_z_loss, self.scalars, accuracy_scale)
@@ -270,7 +271,8 @@ def make_plan(
     logits_are_products: bool = False,
 ) -> Plan:
     """Backend (and its split-row kernels, for vocabulary blocks), the batch statistics
-    and the kernel scalars: everything decided before the first kernel.
+    (launched on first use with asynchronous validation: ``BatchStatistics``) and the
+    kernel scalars: everything decided before the first kernel.
 
     ``logits_are_products``: the loss computes the logits itself (``x W^T + b`` in
     ``compute_dtype``), so a softcap may take the hardware's approximate tanh where

@@ -6,8 +6,9 @@ reads a value on the host unless validation is synchronous."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -38,11 +39,35 @@ _SLOT = {name: index for index, name in enumerate(STATISTICS_LAYOUT)}
 _COUNTS = slice(_SLOT["bad_targets"], _SLOT["bad_weights"] + 1)
 
 
-@dataclass(frozen=True)
 class BatchStatistics:
-    """Per-call statistics: views of one fp32 buffer on the call's device (``STATISTICS_LAYOUT``)."""
+    """Per-call statistics: views of one fp32 buffer on the call's device (``STATISTICS_LAYOUT``).
 
-    values: torch.Tensor  # (13,) fp32
+    With asynchronous validation they are computed on first use (``compute``): the drivers
+    first need them for the first CE kernel, after the first logits GEMM is launched, so
+    the GPU starts on the GEMM while the host launches the statistics and copies their
+    counts for the checks. ``CrossEntropyPlan.reduce`` makes sure every call computes them."""
+
+    __slots__ = ("_values", "_compute", "_scales")
+
+    def __init__(self, values: torch.Tensor | None = None, compute: Callable[[], torch.Tensor] | None = None) -> None:
+        if (values is None) == (compute is None):
+            raise ValueError("BatchStatistics takes the values or a function computing them")
+        self._values = values
+        self._compute = compute
+        self._scales: dict[str, torch.Tensor] = {}
+
+    @property
+    def values(self) -> torch.Tensor:
+        """(13,) fp32, computed here on first use."""
+        if self._values is None:
+            self._values = self._compute()
+            self._compute = None
+        return self._values
+
+    def ensure_computed(self) -> None:
+        """Computes them now if nothing has asked yet: every call's checks run."""
+        if self._values is None:
+            self.values  # noqa: B018 (the property computes them)
 
     @property
     def counts(self) -> torch.Tensor:
@@ -55,9 +80,12 @@ class BatchStatistics:
         raise AttributeError(name)
 
     def scales(self, reduction: str) -> torch.Tensor:
-        """(3,) ``ChunkScalars.scales`` for ``reduction``: a view, no new kernel."""
-        start = _SLOT["mean_ce_scale"] if reduction == "mean" else _SLOT["sum_ce_scale"]
-        return self.values[start : start + 3]
+        """(3,) ``ChunkScalars.scales`` for ``reduction``: a view (made once), no new kernel."""
+        view = self._scales.get(reduction)
+        if view is None:
+            start = _SLOT["mean_ce_scale"] if reduction == "mean" else _SLOT["sum_ce_scale"]
+            view = self._scales[reduction] = self.values[start : start + 3]
+        return view
 
 
 @dataclass(frozen=True)
@@ -180,8 +208,12 @@ def batch_statistics(
     a backend registers the ``batch_statistics`` kernel for the device). Out-of-range
     targets and negative or non-finite class weights poison the call (NaN loss and
     gradients) and raise ``ValueError`` as ``flce.driver.validation`` describes; with
-    synchronous validation the error names the first offending values, before any kernel."""
+    synchronous validation the error names the first offending values, before any kernel.
+    With asynchronous validation (the default on CUDA) they are launched on first use
+    (``BatchStatistics``), after the call's first GEMM."""
     synchronous = validation.validates_synchronously(target.device)
+    if not synchronous:
+        return BatchStatistics(compute=partial(_deferred_statistics, target, ce_weight, vocab, ignore_index))
     host_values = None
     if target.device.type == "cpu":
         # Reading on the host is free here (and Triton runs on CPU only as its interpreter).
@@ -189,20 +221,27 @@ def batch_statistics(
     else:
         kernel = device_helper("batch_statistics", target.device) if target.device.type == "cuda" else None
         values = (kernel or _statistics_buffer)(target, ce_weight, vocab, ignore_index)
-    describe = _describe(vocab, ignore_index)
-    if synchronous:
-        # The host read of synchronous validation (done already on the CPU).
-        host_values = values.tolist() if host_values is None else host_values
-        message = describe(host_values)
-        if message is not None:
-            if host_values[_SLOT["bad_targets"]]:
-                valid = target != ignore_index
-                out_of_range = valid & ((target < 0) | (target >= vocab))
-                message += f" (e.g. {target[out_of_range][:3].tolist()})"
-            raise ValueError(message)
-    else:
-        validation.defer(values, describe)
+    # The host read of synchronous validation (done already on the CPU).
+    host_values = values.tolist() if host_values is None else host_values
+    message = _describe(vocab, ignore_index)(host_values)
+    if message is not None:
+        if host_values[_SLOT["bad_targets"]]:
+            valid = target != ignore_index
+            out_of_range = valid & ((target < 0) | (target >= vocab))
+            message += f" (e.g. {target[out_of_range][:3].tolist()})"
+        raise ValueError(message)
     return BatchStatistics(values)
+
+
+def _deferred_statistics(
+    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
+) -> torch.Tensor:
+    """The statistics of asynchronous validation, on the device, and their checks' counts
+    on their way to the host (``flce.driver.validation.defer``)."""
+    kernel = device_helper("batch_statistics", target.device)
+    values = (kernel or _statistics_buffer)(target, ce_weight, vocab, ignore_index)
+    validation.defer(values, _describe(vocab, ignore_index))
+    return values
 
 
 def chunk_scalars(options: LossOptions, stats: BatchStatistics, approximate_tanh: bool = False) -> ChunkScalars:
@@ -216,6 +255,6 @@ def chunk_scalars(options: LossOptions, stats: BatchStatistics, approximate_tanh
         lse_square_scale=float(options.lse_square_scale),
         softcap=None if options.softcap is None else float(options.softcap),
         use_token_scaling=options.use_token_scaling,
-        scales=stats.scales(options.reduction),
+        scales_source=partial(stats.scales, options.reduction),
         approximate_tanh=approximate_tanh and options.softcap is not None,
     )

@@ -39,6 +39,7 @@ whole-row results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,9 @@ class ChunkScalars:
     numbers, which kernels may bake in) and the batch's (``scales``, on the device, which
     kernels read from memory so that no host sync is needed to know them).
 
-    ``scales`` is ``(3,)`` fp32: ``ce_grad_scale``, ``z_grad_scale`` and ``weight_sum``.
+    ``scales`` is ``(3,)`` fp32: ``ce_grad_scale``, ``z_grad_scale`` and ``weight_sum``,
+    from ``scales_source``: the tensor, or a function giving it on first use (a call's
+    batch statistics are launched after its first GEMM, ``flce.driver.statistics``).
     The first two fold the reduction into the gradient: for ``reduction="mean"`` they are
     ``1 / sum(w_y)`` (``1 / n_valid`` without weights) and ``1 / n_valid``; for ``"sum"``
     and ``"none"`` both are 1. They are 0 when their divisor is 0 (every row ignored, or
@@ -64,7 +67,7 @@ class ChunkScalars:
     lse_square_scale: float
     softcap: float | None
     use_token_scaling: bool
-    scales: torch.Tensor  # (3,) fp32 on the device: ce_grad_scale, z_grad_scale, weight_sum
+    scales_source: torch.Tensor | Callable[[], torch.Tensor]  # -> (3,) fp32 on the device
     # The softcap's tanh may be the hardware's approximation: the logits are the loss's own
     # 16-bit GEMM output on a GPU (flce.backends.base.softcap_tanh_is_approximate).
     approximate_tanh: bool = False
@@ -87,6 +90,12 @@ class ChunkScalars:
         ``scales`` on the device, ``flce.driver.statistics.chunk_scalars``)."""
         scales = torch.tensor([ce_grad_scale, z_grad_scale, weight_sum], dtype=torch.float32, device=device)
         return cls(ignore_index, label_smoothing, lse_square_scale, softcap, use_token_scaling, scales)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """(3,) fp32 on the device: ce_grad_scale, z_grad_scale, weight_sum."""
+        source = self.scales_source
+        return source if isinstance(source, torch.Tensor) else source()
 
     @property
     def ce_grad_scale(self) -> torch.Tensor:
