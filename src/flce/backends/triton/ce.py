@@ -27,6 +27,7 @@ from flce.backends.base import (
 )
 from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
+from flce.backends.triton.launch import launch
 
 # In-place kernel: no fp32 workspace beyond the chunk itself.
 EXTRA_BYTES_PER_LOGIT = 0
@@ -254,8 +255,4 @@ def cross_entropy_chunk(
         BF16_ROUND_BY_BITS=logits.dtype == torch.bfloat16 and logits.device.type == "cpu",
         BLOCK_V=config.block_v,
     )
-    if logits.device.type == "cuda":
-        with torch.cuda.device(logits.device):
-            _ce_chunk_kernel[(num_rows,)](*args, **flags, num_warps=config.num_warps)
-    else:
-        _ce_chunk_kernel[(num_rows,)](*args, **flags, num_warps=config.num_warps)
+    launch(_ce_chunk_kernel, (num_rows,), args, flags, num_warps=config.num_warps, device=logits.device)

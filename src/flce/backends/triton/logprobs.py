@@ -20,6 +20,7 @@ from flce.backends.base import gradient_destination
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
 from flce.backends.triton.common import fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
+from flce.backends.triton.launch import launch
 from flce.rows import logprobs as rows
 
 # In-place kernels: no fp32 workspace beyond the chunk itself.
@@ -195,11 +196,7 @@ def _logprobs_backward_kernel(
 
 def launch_per_row(kernel, logits: torch.Tensor, config: CEKernelConfig, args, flags) -> None:
     """One program per row of ``logits`` (M, V), on the logits' device."""
-    if logits.device.type == "cuda":
-        with torch.cuda.device(logits.device):
-            kernel[(logits.shape[0],)](*args, **flags, num_warps=config.num_warps)
-    else:
-        kernel[(logits.shape[0],)](*args, **flags, num_warps=config.num_warps)
+    launch(kernel, (logits.shape[0],), args, flags, num_warps=config.num_warps, device=logits.device)
 
 
 def logprobs_forward_chunk(

@@ -25,6 +25,7 @@ from flce.backends.base import (
 )
 from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
+from flce.backends.triton.launch import launch
 
 
 @triton.jit
@@ -156,11 +157,8 @@ def _launch(kernel, logits: torch.Tensor, args: tuple, flags: dict) -> None:
         return
     check_logits_layout(logits)
     config = ce_kernel_config(vocab_local, logits.dtype, logits.device.type)
-    if logits.device.type == "cuda":
-        with torch.cuda.device(logits.device):
-            kernel[(num_rows,)](*args, **flags, BLOCK_V=config.block_v, num_warps=config.num_warps)
-    else:
-        kernel[(num_rows,)](*args, **flags, BLOCK_V=config.block_v, num_warps=config.num_warps)
+    flags = {**flags, "BLOCK_V": config.block_v}
+    launch(kernel, (num_rows,), args, flags, num_warps=config.num_warps, device=logits.device)
 
 
 def partial_statistics(

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flce.backends.triton.launch import launch
+
 BLOCK = 4096  # elements per program step: 8 KiB of bf16, 16 B per thread at 4 warps x 32 x 4
 PROGRAMS_PER_SM = 8  # a grid-stride loop over enough programs to fill the GPU, no more
 TENSORS_PER_LAUNCH = 3  # the pointer slots of the kernel: dX, dW, db
@@ -102,4 +104,11 @@ def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> N
         largest = max(n for _, n in slots)
         blocks = (largest + BLOCK - 1) // BLOCK  # the largest tensor's, one per program (not triton.cdiv: 5 calls)
         (a, a_n), (b, b_n), (c, c_n) = slots
-        _scale_unless_one_kernel[(_program_count(device, blocks),)](a, a_n, b, b_n, c, c_n, scale32, BLOCK=BLOCK)
+        launch(
+            _scale_unless_one_kernel,
+            (_program_count(device, blocks),),
+            (a, a_n, b, b_n, c, c_n, scale32),
+            dict(BLOCK=BLOCK),
+            num_warps=4,
+            device=device,
+        )

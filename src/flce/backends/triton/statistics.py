@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from flce.backends.base import kernel_class_weights, kernel_target
+from flce.backends.triton.launch import launch
 from flce.driver.statistics import STATISTICS_LAYOUT
 
 BLOCK = 1024  # targets (or classes) per loop step of the one program
@@ -92,10 +93,12 @@ def batch_statistics_values(
     weight = kernel_class_weights(ce_weight)
     out = torch.empty(len(STATISTICS_LAYOUT), dtype=torch.float32, device=target.device)
     args = (target, out if weight is None else weight, out, target.numel(), vocab, int(ignore_index))
-    device_index = target.device.index
-    if device_index is not None and device_index != torch.cuda.current_device():
-        with torch.cuda.device(device_index):  # Triton launches on the current device
-            _batch_statistics_kernel[(1,)](*args, HAS_WEIGHT=weight is not None, BLOCK=BLOCK, num_warps=4)
-    else:
-        _batch_statistics_kernel[(1,)](*args, HAS_WEIGHT=weight is not None, BLOCK=BLOCK, num_warps=4)
+    launch(
+        _batch_statistics_kernel,
+        (1,),
+        args,
+        dict(HAS_WEIGHT=weight is not None, BLOCK=BLOCK),
+        num_warps=4,
+        device=target.device,
+    )
     return out
