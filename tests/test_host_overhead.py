@@ -149,7 +149,7 @@ def test_cuda_batch_statistics_ops():
 
     def call():
         flce.check_errors()  # reads the previous call's counts: its pinned buffer is free again
-        batch_statistics(target, None, V, -100)
+        batch_statistics(target, None, V, -100).ensure_computed()  # computed on first use
 
     call()
     with _AtenOps() as ops:

@@ -107,7 +107,8 @@ def test_gpu_direct_launches_match_triton_s_own(monkeypatch):
                 results[(direct, name, repeat)] = _chunk_call(logits, target)
         if direct:
             # One compiled kernel per specialization: the aligned and the shifted logits.
-            assert len(launch_module._LAUNCHERS[_ce_chunk_kernel].compiled) == 2
+            compiled = launch_module._LAUNCHERS[_ce_chunk_kernel].compiled
+            assert len(compiled) == 2, (list(compiled), launch_module._launch_hooks_installed())
     for (direct, name, repeat), (loss, grad) in results.items():
         ref_loss, ref_grad = results[(False, name, 0)]
         assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad), (direct, name, repeat)

@@ -54,10 +54,20 @@ def fingerprint(value: Any) -> tuple:
     return (type(value), value)
 
 
+def _hook_installed(hook) -> bool:
+    """A launch hook is set: a function, or a non-empty ``HookChain`` (Triton >= 3.5 always
+    holds a chain, empty unless a profiler adds to it)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if calls is not None else True
+
+
 def _launch_hooks_installed() -> bool:
-    knobs = getattr(triton, "knobs", None)
-    runtime = getattr(knobs, "runtime", None)
-    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:
+        return False
+    return _hook_installed(runtime.launch_enter_hook) or _hook_installed(runtime.launch_exit_hook)
 
 
 class Launcher:
@@ -126,5 +136,8 @@ def launch(
         return
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
+        if not hasattr(kernel, "params"):  # not a JITFunction (a wrapper around one): Triton's path
+            kernel[grid](*args, **constexprs, num_warps=num_warps)
+            return
         launcher = _LAUNCHERS[kernel] = Launcher(kernel)
     launcher(grid, args, constexprs, num_warps, device)
