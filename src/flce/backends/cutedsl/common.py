@@ -138,8 +138,9 @@ class RowStream:
     ``flce.backends.cutedsl.partial``.
 
     ``key`` is any frozen key with the fields ``dtype``, ``vocab``, ``vec``,
-    ``has_weight``, ``has_smoothing``, ``has_softcap`` and ``approximate_tanh``. ``keep_resident``: the
-    gradient follows in the same kernel, so tiles may stay in shared memory for it.
+    ``has_weight``, ``has_smoothing``, ``has_softcap`` and ``approximate_tanh``.
+    ``keep_resident``: the gradient follows in the same kernel, so tiles may stay in shared
+    memory for it.
     """
 
     # The argmax is taken on the raw logits: softcap is strictly increasing, so it is the
