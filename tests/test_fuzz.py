@@ -12,7 +12,7 @@ from tests.test_properties import cases
 CPU = torch.device("cpu")
 
 
-@settings(max_examples=900, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=700, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_fuzz_torch_backend(case):
     outcome = run_case(case, "torch", CPU)
@@ -20,10 +20,10 @@ def test_fuzz_torch_backend(case):
 
 
 @pytest.mark.skipif(not availability("triton", CPU)[0], reason=availability("triton", CPU)[1] or "triton usable")
-# ~1 s a case through Triton's interpreter: 80 keep the CI suite within its time; the
+# ~1 s a case through Triton's interpreter: 60 keep the CI suite within its time; the
 # kernels' own tests cover the features one by one, and the GPU fuzz
 # (tests/gpu/test_gpu_fuzz.py) runs the compiled kernels on many more cases.
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=cases())
 def test_fuzz_triton_backend(case):
     outcome = run_case(case, "triton", CPU)
