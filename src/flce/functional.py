@@ -71,9 +71,7 @@ def fused_linear_cross_entropy_with_options(
 
         outputs = ops.compiled_loss(operands, options, compute_dtype)
     else:
-        plan = make_plan(
-            options, input.device, operands.target, operands.ce_weight, vocab, compute_dtype, logits_are_products=True
-        )
+        plan = make_plan(options, input.device, operands.target, operands.ce_weight, vocab, compute_dtype)
         outputs = run_loss(plan, operands)
     return package_result(options, tuple(target.shape), *outputs)
 

@@ -186,7 +186,10 @@ class Plan(CrossEntropyPlan):
     split_kernels: SplitRowKernels | None  # the backend's (None: it has none)
     compute_dtype: torch.dtype
     stats: BatchStatistics
-    scalars: ChunkScalars
+    scalars: ChunkScalars  # for logits the caller gives (LogitsOperands)
+    # For the logits this plan's GEMMs compute (LinearOperands): the scalars, with the
+    # softcap's approximate tanh where softcap_tanh_is_approximate allows it.
+    product_scalars: ChunkScalars
 
     def run(
         self, operands: Operands, request: GradRequest, row_grad_scale: torch.Tensor | None = None
@@ -207,7 +210,7 @@ class Plan(CrossEntropyPlan):
                 o.ce_weight,
                 self.options,
                 self.compute_dtype,
-                self.scalars,
+                self.product_scalars,
             )
             return rows, Gradients(None, None, None)
         scheme = self.scheme(o, request)
@@ -222,7 +225,7 @@ class Plan(CrossEntropyPlan):
                 options,
                 self.split_kernels,
                 self.compute_dtype,
-                self.scalars,
+                self.product_scalars,
                 request,
                 row_grad_scale,
             )
@@ -235,7 +238,7 @@ class Plan(CrossEntropyPlan):
             options,
             self.backend,
             self.compute_dtype,
-            self.scalars,
+            self.product_scalars,
             request,
             row_grad_scale,
         )
@@ -267,24 +270,21 @@ def make_plan(
     ce_weight: torch.Tensor | None,  # (V,) fp32
     vocab: int,
     compute_dtype: torch.dtype,
-    *,
-    logits_are_products: bool = False,
 ) -> Plan:
     """Backend (and its split-row kernels, for vocabulary blocks), the batch statistics
     (launched on first use with asynchronous validation: ``BatchStatistics``) and the
-    kernel scalars: everything decided before the first kernel.
-
-    ``logits_are_products``: the loss computes the logits itself (``x W^T + b`` in
-    ``compute_dtype``), so a softcap may take the hardware's approximate tanh where
-    ``softcap_tanh_is_approximate`` allows it; logits given by the caller are exact inputs
-    and always get the accurate one."""
+    kernel scalars: everything decided before the first kernel. Logits given by the caller
+    are exact inputs and keep the softcap's accurate tanh (``scalars``); those the plan's
+    GEMMs compute in ``compute_dtype`` may take the approximate one (``product_scalars``)."""
     backend = resolve_backend(options.backend, device)
     # Vocabulary blocks run when vocab_chunk_size asks for them or the memory budget needs them.
     has_split_rows = options.vocab_chunk_size is not None or backend.split_rows is not None
     split_kernels = split_rows_of(backend) if has_split_rows else None
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
-    approximate_tanh = logits_are_products and softcap_tanh_is_approximate(compute_dtype, device)
-    return Plan(options, backend, split_kernels, compute_dtype, stats, chunk_scalars(options, stats, approximate_tanh))
+    scalars = chunk_scalars(options, stats)
+    approximate = options.softcap is not None and softcap_tanh_is_approximate(compute_dtype, device)
+    product_scalars = chunk_scalars(options, stats, approximate_tanh=True) if approximate else scalars
+    return Plan(options, backend, split_kernels, compute_dtype, stats, scalars, product_scalars)
 
 
 # ------------------------------------------------------- forward / backward

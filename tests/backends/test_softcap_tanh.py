@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from flce.backends.base import softcap_tanh_is_approximate
+from flce.rows.cross_entropy import ChunkScalars
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -100,35 +101,34 @@ def test_gpu_the_approximation_is_within_its_documented_bound():
 )
 def test_only_the_logits_a_loss_computes_itself_get_the_approximation(monkeypatch, products, softcap, expected):
     """Where the policy allows it (stood in for: the CPU never does), a plan approximates
-    the softcap's tanh for the logits of a fused call only."""
+    the softcap's tanh for the logits its GEMMs compute only (``product_scalars``), not
+    for logits the caller gives (``scalars``)."""
     import flce.plan
     from flce.options import LossOptions
 
     monkeypatch.setattr(flce.plan, "softcap_tanh_is_approximate", lambda dtype, device: True)
-    plan = flce.plan.make_plan(
-        LossOptions(softcap=softcap),
-        CPU,
-        torch.tensor([1, 2]),
-        None,
-        8,
-        torch.bfloat16,
-        logits_are_products=products,
-    )
-    assert plan.scalars.approximate_tanh is expected
+    plan = flce.plan.make_plan(LossOptions(softcap=softcap), CPU, torch.tensor([1, 2]), None, 8, torch.bfloat16)
+    scalars = plan.product_scalars if products else plan.scalars
+    assert scalars.approximate_tanh is expected
 
 
 def test_the_public_functions_say_whose_logits_they_are(monkeypatch):
+    """The scalars each driver receives: approximate for the fused call's own logits, not
+    for the logits given to ``cross_entropy``."""
     import flce
-    import flce.functional
+    import flce.plan
 
+    monkeypatch.setattr(flce.plan, "softcap_tanh_is_approximate", lambda dtype, device: True)
     seen = []
-    original = flce.functional.make_plan
+    for name in ("run_chunks", "run_logits_chunks"):
+        original = getattr(flce.plan, name)
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("logits_are_products", False))
-        return original(*args, **kwargs)
+        def spy(*args, _original=original, **kwargs):
+            seen.append(next(a for a in args if isinstance(a, ChunkScalars)).approximate_tanh)
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(flce.functional, "make_plan", spy)
+        monkeypatch.setattr(flce.plan, name, spy)
+    # The torch backend's kernels take the accurate torch.tanh whatever the scalars say.
     x, w, y = torch.randn(4, 8), torch.randn(16, 8), torch.tensor([0, 3, 5, 15])
     flce.fused_linear_cross_entropy(x, w, y, softcap=30.0, backend="torch")
     flce.cross_entropy(x @ w.T, y, softcap=30.0, backend="torch")

@@ -244,11 +244,11 @@ def _deferred_statistics(
     return values
 
 
-def chunk_scalars(options: LossOptions, stats: BatchStatistics, approximate_tanh: bool = False) -> ChunkScalars:
+def chunk_scalars(options: LossOptions, stats: BatchStatistics, *, approximate_tanh: bool = False) -> ChunkScalars:
     """Kernel scalars; the mean reduction is folded into the gradient scales (on the
     device: the kernels read them from memory), and a bad input's NaN into both.
-    ``approximate_tanh``: the logits are the loss's own 16-bit GEMM output on a GPU
-    (``flce.backends.base.softcap_tanh_is_approximate``)."""
+    ``approximate_tanh``: the logits are the loss's own 16-bit GEMM output on a GPU, where
+    ``flce.backends.base.softcap_tanh_is_approximate`` allows the approximate tanh."""
     return ChunkScalars(
         ignore_index=options.ignore_index,
         label_smoothing=float(options.label_smoothing),

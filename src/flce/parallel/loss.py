@@ -179,7 +179,9 @@ def _plan(
         chunk_size=max(1, min(chunk, max(n_rows, 1))),
         stats=stats,
         # The shards' logits are this loss's own GEMM output (softcap_tanh_is_approximate).
-        scalars=chunk_scalars(options, stats, softcap_tanh_is_approximate(compute_dtype, input.device)),
+        scalars=chunk_scalars(
+            options, stats, approximate_tanh=softcap_tanh_is_approximate(compute_dtype, input.device)
+        ),
         local_kernels=kernels,
     )
     return plan, ce_full

@@ -43,7 +43,6 @@ from flce.backends.base import (
     kernel_class_weights,
     kernel_row_vector,
     kernel_target,
-    softcap_tanh_is_approximate,
 )
 from flce.backends.cutedsl.common import (
     CLUSTER_SLICE_BYTES,
@@ -476,9 +475,7 @@ def cross_entropy_chunk(
         has_weight=weight is not None,
         has_smoothing=ls > 0.0,
         has_softcap=c is not None,
-        approximate_tanh=c is not None
-        and scalars.approximate_tanh
-        and softcap_tanh_is_approximate(logits.dtype, logits.device),
+        approximate_tanh=scalars.approximate_tanh,
         token_scaling=bool(scalars.use_token_scaling),
         write_z_loss=z_loss_out is not None,
         write_correct=correct_out is not None,

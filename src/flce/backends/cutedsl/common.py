@@ -25,8 +25,6 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
-from flce.backends.base import softcap_tanh_is_approximate
-
 try:
     from cutlass.memory import SmemAllocator as _SmemAllocator
 except ImportError:  # older nvidia-cutlass-dsl
@@ -153,7 +151,7 @@ class RowStream:
         self.key = key
         self.dtype = TORCH_TO_CUTE[key.dtype]
         self.esize = torch.empty((), dtype=key.dtype).element_size()
-        self.tanh_approx = key.approximate_tanh and softcap_tanh_is_approximate(key.dtype, torch.device("cuda"))
+        self.tanh_approx = key.approximate_tanh  # decided by the plan (ChunkScalars.approximate_tanh)
         self.vocab = key.vocab
         self.vec = key.vec
         self.num_vec = key.vocab // key.vec

@@ -391,7 +391,7 @@ def partial_statistics(
         has_weight=weight is not None,
         has_smoothing=bool(with_smoothing),
         has_softcap=softcap is not None,
-        approximate_tanh=softcap is not None and approximate_tanh,
+        approximate_tanh=softcap is not None and approximate_tanh,  # one key without a softcap
         write_argmax=bool(with_argmax),
     )
     dtype = TORCH_TO_CUTE[key.dtype]

@@ -23,7 +23,6 @@ from flce.backends.base import (
     kernel_class_weights,
     kernel_row_vector,
     kernel_target,
-    softcap_tanh_is_approximate,
 )
 from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
@@ -242,7 +241,7 @@ def cross_entropy_chunk(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
-        TANH_APPROX=scalars.approximate_tanh and softcap_tanh_is_approximate(logits.dtype, logits.device),
+        TANH_APPROX=scalars.approximate_tanh,
         HAS_SMOOTHING=ls > 0.0,
         HAS_Z_LOSS=z_loss_out is not None,
         HAS_Z_GRAD=float(scalars.lse_square_scale) > 0.0,

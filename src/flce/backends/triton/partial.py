@@ -21,7 +21,6 @@ from flce.backends.base import (
     kernel_class_weights,
     kernel_row_vector,
     kernel_target,
-    softcap_tanh_is_approximate,
 )
 from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import ce_kernel_config
@@ -200,7 +199,7 @@ def partial_statistics(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
-        TANH_APPROX=approximate_tanh and softcap_tanh_is_approximate(logits.dtype, logits.device),
+        TANH_APPROX=approximate_tanh,
         HAS_SMOOTHING=with_smoothing,
         WRITE_ARGMAX=with_argmax,
     )
@@ -255,7 +254,7 @@ def partial_gradient(
     flags = dict(
         HAS_WEIGHT=ce_weight is not None,
         HAS_SOFTCAP=softcap is not None,
-        TANH_APPROX=approximate_tanh and softcap_tanh_is_approximate(logits.dtype, logits.device),
+        TANH_APPROX=approximate_tanh,
         HAS_SMOOTHING=smooth_coef is not None,
         HAS_Z_GRAD=z_coef is not None,
         BF16_ROUND_BY_BITS=logits.dtype == torch.bfloat16 and logits.device.type == "cpu",
