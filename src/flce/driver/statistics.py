@@ -219,8 +219,7 @@ def batch_statistics(
         # Reading on the host is free here (and Triton runs on CPU only as its interpreter).
         values, host_values = _host_statistics(target, ce_weight, vocab, ignore_index)
     else:
-        kernel = device_helper("batch_statistics", target.device) if target.device.type == "cuda" else None
-        values = (kernel or _statistics_buffer)(target, ce_weight, vocab, ignore_index)
+        values = _device_statistics(target, ce_weight, vocab, ignore_index)
     # The host read of synchronous validation (done already on the CPU).
     host_values = values.tolist() if host_values is None else host_values
     message = _describe(vocab, ignore_index)(host_values)
@@ -238,10 +237,18 @@ def _deferred_statistics(
 ) -> torch.Tensor:
     """The statistics of asynchronous validation, on the device, and their checks' counts
     on their way to the host (``flce.driver.validation.defer``)."""
-    kernel = device_helper("batch_statistics", target.device)
-    values = (kernel or _statistics_buffer)(target, ce_weight, vocab, ignore_index)
+    values = _device_statistics(target, ce_weight, vocab, ignore_index)
     validation.defer(values, _describe(vocab, ignore_index))
     return values
+
+
+def _device_statistics(
+    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
+) -> torch.Tensor:
+    """``STATISTICS_LAYOUT`` on the target's device: one launch where a backend registers
+    the kernel for it (``device_helper``), else PyTorch ops."""
+    kernel = device_helper("batch_statistics", target.device)
+    return (kernel or _statistics_buffer)(target, ce_weight, vocab, ignore_index)
 
 
 def chunk_scalars(options: LossOptions, stats: BatchStatistics, *, approximate_tanh: bool = False) -> ChunkScalars:

@@ -95,8 +95,9 @@ class Launcher:
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any], num_warps: int, device):
         """``kernel[grid](*args, **constexprs, num_warps=num_warps)`` on the CUDA ``device``:
         ``args`` are the leading parameters in order, ``constexprs`` the rest by name."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index != torch.cuda.current_device():
+        current = torch.cuda.current_device()
+        index = current if device.index is None else device.index
+        if index != current:
             with torch.cuda.device(index):  # Triton launches on the current device
                 self._launch_cuda(grid, args, constexprs, num_warps, index)
         else:
