@@ -7,9 +7,10 @@
    ``err(ours) <= 3 * err(torch logits in the input dtype) + 1e-4`` for lse, target
    logit and logit sum (relative to its scale); predicted must be a maximum of the
    float64 logits.
-2. Timing with CUDA events (warm-up, then 20 repetitions, median) of the fused forward
-   against ``torch.mm(x, w.t())`` into a preallocated bf16 (N, V) output, at N=8192,
-   H=4096, V in {128256, 32000}, bf16, for a few launch shapes; one JSON line each with
+2. Timing with CUDA events of the fused forward against ``torch.mm(x, w.t())`` into a
+   preallocated bf16 (N, V) output, at N=8192, H=4096, V in {128256, 32000}, bf16, for a
+   few launch shapes: interleaved round by round, each call after ``--heat-ms`` of GEMMs
+   (the power state of a training step), median of ``--rounds``; one JSON line each with
    ms, TFLOP/s (2 N V H / t), the ratio to the torch GEMM and the peak extra memory
    (``torch.cuda.max_memory_allocated`` above what the inputs hold).
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from flce.backends.cutedsl import fused_forward as ff  # noqa: E402
+from flce.bench.timing import Heater, Workload, rotated, time_once  # noqa: E402
 
 DEV = torch.device("cuda")
 IGNORE = -100
@@ -112,79 +114,59 @@ def check(name, n, vocab, hidden, dtype, bias=False, softcap=None, config=None, 
     return ok
 
 
-def time_ms(fn, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True)
-        e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
-def bench(n, hidden, vocab, configs):
+def bench(n, hidden, vocab, configs, rounds, heat_ms, sums=(False, True)):
+    """Every launch shape and ``torch.mm`` of the same logits, interleaved round by round
+    (the order rotates each round), each timed call after ``heat_ms`` of bf16 GEMMs so
+    that all start in the power state of a training step (``flce.bench.timing.Heater``);
+    the median of ``rounds`` calls each."""
     dtype = torch.bfloat16
     x, w, y, _ = make_problem(n, vocab, hidden, dtype, seed=1)
     flop = 2.0 * n * vocab * hidden
     logits = torch.empty(n, vocab, dtype=dtype, device=DEV)
-    t_mm = time_ms(lambda out=logits: torch.mm(x, w.t(), out=out))
-    del logits
-    torch.cuda.empty_cache()
-    print(
-        json.dumps(
-            {
-                "op": "torch.mm",
-                "N": n,
-                "H": hidden,
-                "V": vocab,
-                "ms": round(t_mm, 4),
-                "tflops": round(flop / t_mm / 1e9, 1),
-            }
-        ),
-        flush=True,
-    )
+    methods = {("torch.mm", None): Workload(setup=lambda: None, run=lambda _: torch.mm(x, w.t(), out=logits))}
+    extra_mib = {}
     for cname, cfg in configs.items():
-        for with_sum in (False, True):
+        for with_sum in sums:
             try:
                 ff.fused_forward_statistics(x, w, y, config=cfg, with_logit_sum=with_sum)  # compile
                 torch.cuda.synchronize()
-                torch.cuda.empty_cache()
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
                 ff.fused_forward_statistics(x, w, y, config=cfg, with_logit_sum=with_sum)
                 torch.cuda.synchronize()
-                extra = torch.cuda.max_memory_allocated() - base
-                t = time_ms(lambda c=cfg, s=with_sum: ff.fused_forward_statistics(x, w, y, config=c, with_logit_sum=s))
-                print(
-                    json.dumps(
-                        {
-                            "op": "fused_forward",
-                            "config": cname,
-                            "config_fields": cfg.__dict__,
-                            "with_logit_sum": with_sum,
-                            "N": n,
-                            "H": hidden,
-                            "V": vocab,
-                            "ms": round(t, 4),
-                            "tflops": round(flop / t / 1e9, 1),
-                            "ratio_to_torch_mm": round(t / t_mm, 4),
-                            "peak_extra_mib": round(extra / 2**20, 2),
-                            "launches": math.ceil(
-                                n / ff.rows_per_launch(n, vocab, with_sum, cfg, ff.DEFAULT_WORKSPACE_BYTES)
-                            ),
-                        }
-                    ),
-                    flush=True,
+                extra_mib[cname, with_sum] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                methods[cname, with_sum] = Workload(
+                    setup=lambda: None,
+                    run=lambda _, c=cfg, s=with_sum: ff.fused_forward_statistics(x, w, y, config=c, with_logit_sum=s),
                 )
             except Exception:
                 print(f"FAIL bench {cname} N={n} V={vocab} sum={with_sum}", flush=True)
                 traceback.print_exc()
+    heater = Heater(DEV, heat_ms)
+    names = list(methods)
+    times = {name: [] for name in names}
+    for r in range(rounds + 1):  # round 0 is a warm-up
+        for name in rotated(names, r):
+            t = time_once(methods[name], DEV, before=heater)
+            if r:
+                times[name].append(t)
+    t_mm = statistics.median(times["torch.mm", None])
+    for (cname, with_sum), ts in times.items():
+        t = statistics.median(ts)
+        row = {"op": cname if with_sum is None else "fused_forward", "N": n, "H": hidden, "V": vocab}
+        if with_sum is not None:
+            cfg = configs[cname]
+            row |= {
+                "config": cname,
+                "config_fields": cfg.__dict__,
+                "with_logit_sum": with_sum,
+                "ratio_to_torch_mm": round(t / t_mm, 4),
+                "peak_extra_mib": round(extra_mib[cname, with_sum], 2),
+                "launches": math.ceil(n / ff.rows_per_launch(n, vocab, with_sum, cfg, ff.DEFAULT_WORKSPACE_BYTES)),
+            }
+        row |= {"ms": round(t, 4), "min_ms": round(min(ts), 4), "max_ms": round(max(ts), 4)}
+        row |= {"tflops": round(flop / t / 1e9, 1), "rounds": rounds, "heat_ms": heat_ms}
+        print(json.dumps(row), flush=True)
 
 
 def main():
@@ -194,6 +176,9 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"launch shapes to time, of {list(CONFIGS)}")
     parser.add_argument("--vocab", default="128256,32000", help="vocabularies of the timing step")
     parser.add_argument("--no-checks", action="store_true", help="timing only")
+    parser.add_argument("--no-logit-sum", action="store_true", help="time only the kernels without the logit sum")
+    parser.add_argument("--rounds", type=int, default=10, help="timed calls per method (interleaved)")
+    parser.add_argument("--heat-ms", type=float, default=100.0, help="bf16 GEMM work before each timed call")
     args = parser.parse_args()
     for name in args.configs.split(","):
         if name not in CONFIGS:
@@ -204,7 +189,7 @@ def main():
         run_checks()
     for vocab in (int(v) for v in args.vocab.split(",")):
         try:
-            bench(8192, 4096, vocab, timed)
+            bench(8192, 4096, vocab, timed, args.rounds, args.heat_ms, (False,) if args.no_logit_sum else (False, True))
         except Exception:
             print(f"FAIL bench V={vocab}: exception", flush=True)
             traceback.print_exc()

@@ -4,7 +4,8 @@ At the host-overhead shape of ``flce bench --kernel ce`` (8 tokens) the GPU work
 few microseconds, so a call's wall time is host time (argument checks, dispatch,
 launches, the per-call device-to-host read). For each
 backend this profiles 200 calls of ``flce.cross_entropy`` and of
-``flce.fused_linear_cross_entropy`` (each with ``loss.backward()``) and writes the
+``flce.fused_linear_cross_entropy`` (each with ``loss.backward()``, or loss-only under
+``torch.no_grad()`` with ``--no-grad``) and writes the
 functions with the most own time, per call, to ``OUT/host_profile.txt``.
 
     python3 benchmarks/host_profile.py OUT [--backends cutedsl,triton] [--shape N,V,H]
@@ -274,6 +275,7 @@ def main() -> int:
     parser.add_argument("--timeline", action="store_true", help="the host-side events of one call, in order")
     parser.add_argument("--parts", action="store_true", help="time the building blocks of a call, unprofiled")
     parser.add_argument("--wrap", action="store_true", help="inclusive unprofiled time of the driver's main steps")
+    parser.add_argument("--no-grad", action="store_true", help="profile loss-only calls (no backward) instead")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -297,6 +299,9 @@ def main() -> int:
         for api, call in calls.items():
 
             def step(call=call):
+                if args.no_grad:
+                    with torch.no_grad():
+                        return call()
                 out = call()
                 (out if isinstance(out, torch.Tensor) else out.loss).backward()
 
@@ -314,8 +319,9 @@ def main() -> int:
                 step()
             synchronize(device)
             profiler.disable()
+            passes = "fwd" if args.no_grad else "fwd+bwd"
             report.write(
-                f"\n===== {api} backend={backend} N={n} V={v} H={h}: {wall_us:.1f} us per call (fwd+bwd, unprofiled)\n"
+                f"\n===== {api} backend={backend} N={n} V={v} H={h}: {wall_us:.1f} us per call ({passes}, unprofiled)\n"
             )
             stats = pstats.Stats(profiler, stream=report)
             stats.sort_stats("tottime").print_stats(25)
