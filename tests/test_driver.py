@@ -79,14 +79,25 @@ def test_memory_budget_env_var(monkeypatch):
 
 def test_default_memory_budget_rule():
     v, h = 128256, 4096
+
+    def budget(call, device_memory=None):
+        return sizing.default_memory_budget(call, device_memory)
+
     # dW of a bf16 weight accumulated in fp32: the accumulator's size, V*H*4 (2 GiB here) ...
-    assert sizing.default_memory_budget(v, h, True, None) == v * h * 4
+    assert budget(sizing.CallShape(8192, v, h)) == v * h * 4
     # ... at least 512 MiB (a small head), and nothing more without that accumulator.
-    assert sizing.default_memory_budget(1000, 64, True, None) == 512 * 2**20
-    assert sizing.default_memory_budget(v, h, False, None) == 512 * 2**20
+    assert budget(sizing.CallShape(8192, 1000, 64)) == 512 * 2**20
+    assert budget(sizing.CallShape(8192, v, h, accumulator_dtype=torch.bfloat16)) == 512 * 2**20
     # Never above 1/16 of the device: 1.5 GiB on a 24 GiB GPU, not binding on an 80 GB one.
-    assert sizing.default_memory_budget(v, h, True, 24 * 2**30) == 3 * 2**29
-    assert sizing.default_memory_budget(v, h, True, 80 * 10**9) == v * h * 4
+    assert budget(sizing.CallShape(8192, v, h), 24 * 2**30) == 3 * 2**29
+    assert budget(sizing.CallShape(8192, v, h), 80 * 10**9) == v * h * 4
+    # Plus what no scheme can save: db's fp32 sum beyond a bf16 db (2 bytes per class) ...
+    assert budget(sizing.CallShape(8192, v, h, bias_dtype=torch.bfloat16)) == v * h * 4 + 2 * v
+    assert budget(sizing.CallShape(8192, v, h, bias_dtype=torch.float32)) == v * h * 4
+    # ... and an fp32 weight's bf16 copy under autocast (its fp32 dW needs no accumulator).
+    autocast = sizing.CallShape(8192, v, h, torch.float32, torch.float32, torch.bfloat16, torch.float32)
+    assert budget(autocast) == 512 * 2**20 + v * h * 2
+    assert budget(autocast, 24 * 2**30) == 512 * 2**20 + v * h * 2  # the cap bounds the first term only
 
 
 def test_whole_row_chunk_size_is_the_default_budgets_choice(monkeypatch):

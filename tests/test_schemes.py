@@ -6,6 +6,7 @@ force each scheme."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -218,6 +219,57 @@ def test_the_default_keeps_one_chunk_where_it_fits_the_fp32_accumulator():
     # No dW (a frozen LM head): chunk logits within 512 MiB, as before the budget existed.
     frozen = CallShape(8192, 128256, 4096, grad_weight=False)
     assert scheme_for_call(frozen, options, CPU).rows == default_chunk_size(8192, 128256, torch.bfloat16)
+
+
+@st.composite
+def default_budget_calls(draw):
+    """Calls of LM-head sizes whose rows sit where the default budget decides: one chunk's
+    logits just at the 512 MiB floor or at the fp32 dW accumulator's size (N = 2H in bf16),
+    or anywhere."""
+    dtype = draw(st.sampled_from([torch.bfloat16, torch.float32]))
+    vocab, hidden = draw(st.integers(1000, 262144)), draw(st.integers(64, 8192))
+    accumulator = draw(st.sampled_from([torch.float32, dtype]))
+    boundaries = [512 * 2**20 // (vocab * dtype.itemsize), 4 * vocab * hidden // (vocab * dtype.itemsize)]
+    n_rows = max(1, draw(st.sampled_from(boundaries) | st.integers(1, 32768)) + draw(st.integers(-1, 1)))
+    return CallShape(n_rows, vocab, hidden, dtype, dtype, dtype, accumulator)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=default_budget_calls(), device_gib=st.sampled_from([None, 16, 80]))
+def test_what_no_scheme_saves_does_not_change_the_default_choice(call, device_gib):
+    """A trainable bias's fp32 db sum and an fp32 weight's copy under autocast are held by
+    every scheme: the default budget covers them, so they never move a call to another
+    scheme (a bias once took the reference shape from one chunk to two vocabulary blocks,
+    1.47x the GEMM floor instead of 1.06x; autocast with fp32 weights, to one row per chunk)."""
+    device_memory = None if device_gib is None else device_gib * 2**30
+
+    def default(c):
+        return schemes._scheme_for_call(c, LossOptions(), device_memory, (None, None))
+
+    plain = default(call)
+    with_bias = default(dataclasses.replace(call, bias_dtype=torch.bfloat16))
+    assert (with_bias.rows, with_bias.block) == (plain.rows, plain.block)
+    if call.weight_dtype == torch.float32 and call.accumulator_dtype == torch.float32:
+        # The same fp32 weight under bf16 autocast: its bf16 copy is the only new workspace,
+        # so the chunks are those of a bf16 call without an fp32 accumulator, or larger.
+        autocast = dataclasses.replace(call, compute_dtype=torch.bfloat16)
+        like = dataclasses.replace(autocast, weight_dtype=torch.bfloat16, accumulator_dtype=torch.bfloat16)
+        chosen = default(autocast)
+        assert chosen.block is None and chosen.rows >= default(like).rows
+
+
+def test_the_reference_shape_with_a_bias_or_under_autocast_runs_its_token_scheme():
+    options = LossOptions()
+    # A trainable bf16 bias at N = 2H: one chunk, as without it (not two vocabulary blocks).
+    assert scheme_for_call(CallShape(8192, 128256, 4096, bias_dtype=torch.bfloat16), options, CPU).rows == 8192
+    # An fp32 weight under bf16 autocast: its 1 GiB bf16 copy left nothing inside 512 MiB, and
+    # the call ran one row per chunk; now token chunks within 512 MiB beside that copy (their
+    # logits, the input rows' bf16 copy and dX's rows: five balanced chunks of 1639 rows).
+    autocast = CallShape(8192, 128256, 4096, torch.float32, torch.float32, torch.bfloat16, torch.float32)
+    chosen = scheme_for_call(autocast, options, CPU)
+    assert chosen.block is None and chosen.rows == 1639
+    assert chosen.memory.workspace - autocast.fixed_workspace_bytes() <= 512 * 2**20
+    assert token_scheme(autocast, 2048).memory.workspace - autocast.fixed_workspace_bytes() > 512 * 2**20
 
 
 def test_the_default_falls_back_to_the_least_workspace(monkeypatch):

@@ -333,10 +333,7 @@ def _budget(call: CallShape, options: LossOptions, device_memory: int | None) ->
     from_env = env_memory_budget_bytes()
     if from_env is not None:
         return from_env, MEMORY_BUDGET_ENV_VAR
-    default = default_memory_budget(
-        call.vocab, call.hidden, call.fp32_accumulator_of_low_precision_weight, device_memory
-    )
-    return default, None
+    return default_memory_budget(call, device_memory), None
 
 
 def scheme_for_call(call: CallShape, options: LossOptions, device: torch.device) -> Scheme:

@@ -7,14 +7,22 @@ every scheme). A call therefore peaks at most at ``budget + its gradients``. The
 (``default_memory_budget``):
 
     max(512 MiB, V*H*4 when dW of a bf16/fp16 weight is accumulated in fp32),
-    at most 1/16 of the device's memory (CUDA)
+    at most 1/16 of the device's memory (CUDA),
+  + what every scheme of the call holds whatever its chunking (``fixed_workspace_bytes``:
+    the weight cast to the compute dtype under autocast, db's fp32 sum beyond db)
 
 Exact dW in 6NVH FLOPs needs either the whole batch's logits or an fp32 ``V x H``
 accumulator (4 bytes per LM-head weight). Several token chunks need that accumulator,
 so under this default one chunk runs exactly when the batch's logits are no larger than
 the accumulator it makes unnecessary (N <= 2H in bf16). The workspace never grows with N
 beyond it, and a call that needs no accumulator gets the 512 MiB of chunk logits it has
-always had. ``flce.driver.schemes`` picks the scheme that fits the budget.
+always had. The fixed part is added because no choice of scheme can save it: counted
+against the first term it tipped calls off the scheme the rule means for them, a
+trainable bias's 2V bytes took the reference shape (N = 2H) from one chunk to two
+vocabulary blocks (measured 1.47x the GEMM floor instead of 1.06x), and the 1 GiB bf16
+copy of an fp32 weight under autocast (V = 128256, H = 4096) left no scheme inside
+512 MiB, so the call ran one row per chunk. ``flce.driver.schemes`` picks the scheme
+that fits the budget.
 ``FLCE_CHUNK_BUDGET_MIB`` (no memory budget set) sizes token chunks by their logits alone,
 as it did before the budget existed: ``C = budget // (V * (itemsize + extra))``, balanced.
 
@@ -121,16 +129,16 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return _cuda_memory_bytes(device.index)
 
 
-def default_memory_budget(
-    vocab: int, hidden: int, fp32_accumulator_of_low_precision_weight: bool, device_memory: int | None
-) -> int:
-    """The module docstring's default workspace budget."""
+def default_memory_budget(call: CallShape, device_memory: int | None) -> int:
+    """The module docstring's default workspace budget of ``call``: the logits or the fp32
+    dW accumulator the scheme trades (capped by the device's memory), plus the workspace
+    that no scheme can save (``CallShape.fixed_workspace_bytes``)."""
     budget = DEFAULT_CHUNK_BUDGET_BYTES
-    if fp32_accumulator_of_low_precision_weight:
-        budget = max(budget, vocab * hidden * 4)
+    if call.fp32_accumulator_of_low_precision_weight:
+        budget = max(budget, call.vocab * call.hidden * 4)
     if device_memory is not None:
         budget = min(budget, int(device_memory * DEFAULT_BUDGET_DEVICE_FRACTION))
-    return budget
+    return budget + call.fixed_workspace_bytes()
 
 
 # ----------------------------------------------------------------- the call
@@ -188,6 +196,12 @@ class CallShape:
         if self.weight_dtype == self.compute_dtype:
             return 0
         return self.vocab * self.hidden * self.compute_dtype.itemsize
+
+    def fixed_workspace_bytes(self) -> int:
+        """The workspace every scheme of the call holds, whatever its chunking: the weight
+        cast to the compute dtype (autocast) and db's fp32 sum beyond the returned db."""
+        db_sum = self.vocab * max(4 - self.bias_dtype.itemsize, 0) if self.bias_dtype is not None else 0
+        return self.weight_cast_bytes() + db_sum
 
     def upcast_bytes(self, rows: int, columns: int, weight_grad_accumulated: bool, input_grad_accumulated: bool) -> int:
         """The fp32 operand copies of the accumulating GEMMs of a ``rows x columns`` block
@@ -426,8 +440,7 @@ def whole_row_chunk_size(
         grad_input=False,
         chunk_extra_bytes_per_logit=extra_bytes_per_logit,
     )
-    budget = default_memory_budget(vocab, hidden, call.fp32_accumulator_of_low_precision_weight, None)
-    return largest_token_rows(call, budget) or 1
+    return largest_token_rows(call, default_memory_budget(call, None)) or 1
 
 
 def peak_extra_bytes(

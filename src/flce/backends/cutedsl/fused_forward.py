@@ -42,13 +42,15 @@ many rows as fit in ``workspace_bytes``, in whole cluster row blocks (48 MiB by 
 N = 8192 at V = 128256 in one launch), which bounds the peak extra memory by that budget
 plus the O(N) outputs.
 
-Default launch shape (``default_config``): 128 x 256 tiles, clusters of two CTAs along M
+Default launch shape (``DEFAULT_CONFIG``): 128 x 256 tiles, clusters of two CTAs along M
 that share each W tile through TMA multicast, so W is read from L2 once per pair of row
-blocks; persistent from ``PERSISTENT_MIN_VOCAB`` columns. Measured on an H200 (bf16, CUDA
-events, median of 20, one run; H = 4096, N = 8192), against ``torch.mm`` of the same
-logits: 12.88 against 12.31 ms at V = 128256 (1.046x), 15.43 against 14.58 at 151936,
-26.51 against 25.45 at 262144, and one cluster per tile 2.89 against 3.12 ms at V = 32000
-(0.93x). Before the kernel was warp-specialised it took 1.068x at V = 128256.
+blocks; persistent. Measured on an H200 (bf16, H = 4096, N = 8192; CUDA events, each call
+after 100 ms of GEMMs, interleaved with ``torch.mm`` of the same logits, median of 8 or
+6): 3.516 ms at V = 32000 (1.052x ``torch.mm``), 6.814 at 65536 (1.037x), 13.01 at 128256
+(1.034x); one cluster per tile took 3.583, 7.009 and 13.43 ms. (Timed cold, back to back,
+one cluster per tile had looked faster at V = 32000, 2.89 against 3.06 ms, and was the
+default below 65536 columns until the heated runs.) Before the kernel was
+warp-specialised it took 1.068x at V = 128256.
 ``FusedForwardConfig(tile_m=64, pingpong=True)`` gives the two MMA warpgroups alternate
 64-row tiles, so one's epilogue runs under the other's main loop; measured slower (1.068x
 of ``torch.mm`` at V = 128256 with W multicast to 4 CTAs, against 1.021x for the default
@@ -156,21 +158,11 @@ class FusedForwardConfig:
             raise ValueError(f"pingpong gives each warpgroup a whole tile: tile_m must be 64, got {self.tile_m}")
 
 
-# The fastest shape measured (module docstring): each W tile is multicast to the two CTAs
-# of an M cluster, which halves the reads of W, the larger operand of a 128 x 256 tile.
+# The fastest shape measured at every vocabulary (module docstring): each W tile is
+# multicast to the two CTAs of an M cluster, which halves the reads of W, the larger
+# operand of a 128 x 256 tile; persistent CTAs load a tile's operands under the last one's
+# epilogue.
 DEFAULT_CONFIG = FusedForwardConfig(cluster_m=2)
-# Below this many columns one cluster per tile ran faster than the persistent grid on an
-# H200 (N = 8192, H = 4096: 2.89 against 3.06 ms at V = 32000), above it slower (13.36
-# against 12.88 ms at V = 128256, 15.78 / 15.43 at 151936, 27.07 / 26.51 at 262144).
-# Nothing was measured between 32000 and 128256; the threshold splits that range.
-PERSISTENT_MIN_VOCAB = 65536
-
-
-def default_config(vocab: int) -> FusedForwardConfig:
-    """``DEFAULT_CONFIG``, launched one cluster per tile for small vocabularies."""
-    if vocab < PERSISTENT_MIN_VOCAB:
-        return FusedForwardConfig(cluster_m=2, persistent=False)
-    return DEFAULT_CONFIG
 
 
 def _stage_bytes(config: FusedForwardConfig, esize: int) -> int:
@@ -857,15 +849,14 @@ def fused_forward_statistics(
     - ``predicted`` (N,) int64: argmax of z' (first index wins ties),
     - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
 
-    ``config`` defaults to ``default_config(V)`` (128 x 256 tiles, ``cluster_m = 2``,
-    persistent from ``PERSISTENT_MIN_VOCAB`` columns: the fastest measured, see the
-    module docstring). Runs on the current CUDA stream, with no
-    host synchronisation.
+    ``config`` defaults to ``DEFAULT_CONFIG`` (128 x 256 tiles, ``cluster_m = 2``,
+    persistent: the fastest measured, see the module docstring). Runs on the current CUDA
+    stream, with no host synchronisation.
     """
     _validate(input, weight, target, bias, softcap)
     num_rows, hidden = input.shape
     vocab = weight.shape[0]
-    config = default_config(vocab) if config is None else config
+    config = DEFAULT_CONFIG if config is None else config
     config.validate()
     dev = input.device
     out = {
