@@ -240,7 +240,7 @@ def test_what_no_scheme_saves_does_not_change_the_default_choice(call, device_gi
     """A trainable bias's fp32 db sum and an fp32 weight's copy under autocast are held by
     every scheme: the default budget covers them, so they never move a call to another
     scheme (a bias once took the reference shape from one chunk to two vocabulary blocks,
-    1.47x the GEMM floor instead of 1.06x; autocast with fp32 weights, to one row per chunk)."""
+    1.41x the GEMM floor instead of 1.08x; autocast with fp32 weights, to one row per chunk)."""
     device_memory = None if device_gib is None else device_gib * 2**30
 
     def default(c):

@@ -19,7 +19,7 @@ beyond it, and a call that needs no accumulator gets the 512 MiB of chunk logits
 always had. The fixed part is added because no choice of scheme can save it: counted
 against the first term it tipped calls off the scheme the rule means for them, a
 trainable bias's 2V bytes took the reference shape (N = 2H) from one chunk to two
-vocabulary blocks (measured 1.47x the GEMM floor instead of 1.06x), and the 1 GiB bf16
+vocabulary blocks (measured 1.41x the GEMM floor instead of 1.08x), and the 1 GiB bf16
 copy of an fp32 weight under autocast (V = 128256, H = 4096) left no scheme inside
 512 MiB, so the call ran one row per chunk. ``flce.driver.schemes`` picks the scheme
 that fits the budget.
