@@ -242,3 +242,19 @@ def test_module_matches_function_and_moves_ce_weight():
     torch.testing.assert_close(
         module(x, w, t, b), flce.fused_linear_cross_entropy(x, w, t, bias=b, ce_weight=cw, label_smoothing=0.1)
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_column_sums_accumulate_in_fp32(dtype):
+    """db's helper: the first chunk writes the sum (whatever the buffer held), later ones
+    add to it; fp32 sums of the chunk's rows (the CUDA path, a product with a row of ones,
+    runs in the GPU tests' bias cases)."""
+    from flce.driver.gemm import accumulate_column_sums
+
+    gen = torch.Generator().manual_seed(0)
+    chunks_ = [torch.randn(5, 7, generator=gen).to(dtype) for _ in range(3)]
+    acc = torch.full((7,), float("nan"))
+    for i, a in enumerate(chunks_):
+        accumulate_column_sums(acc, a, first=i == 0)
+    expected = sum(a.double().sum(dim=0) for a in chunks_)
+    torch.testing.assert_close(acc.double(), expected, rtol=1e-6, atol=1e-6)

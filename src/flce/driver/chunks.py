@@ -28,6 +28,7 @@ import torch
 
 from flce.backends.base import BackendSpec
 from flce.driver.gemm import (
+    accumulate_column_sums,
     accumulate_product,
     full_precision_reductions,
     weight_accumulator_dtype,
@@ -177,7 +178,7 @@ def run_token_chunks(
         if request.weight
         else None
     )
-    db_acc = torch.zeros(vocab, dtype=torch.float32, device=device) if request.bias else None
+    db_acc = torch.empty(vocab, dtype=torch.float32, device=device) if request.bias else None
 
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
     # chunk otherwise: its GEMM allocates the logits (the same memory, one op fewer than a buffer).
@@ -215,7 +216,7 @@ def run_token_chunks(
         elif dw_acc is not None:
             accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0)
         if db_acc is not None:
-            db_acc += grad_logits.sum(dim=0, dtype=torch.float32)
+            accumulate_column_sums(db_acc, grad_logits, first=start == 0)
 
     # Free the chunk buffers (the loop's views of them too) before the fp32 -> weight-dtype
     # cast below, so the chunks and the cast's output never coexist.
@@ -227,6 +228,8 @@ def run_token_chunks(
             dw_acc.zero_()
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
         del dw_acc
+    if db_acc is not None and n_rows == 0:
+        db_acc.zero_()
     db = None if db_acc is None else db_acc.to(bias.dtype)
     return Gradients(dx, dw, db)
 

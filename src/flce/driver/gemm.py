@@ -1,4 +1,4 @@
-"""GEMM helpers of the drivers: fp32 accumulation of dW/dX across chunks, and the rule
+"""GEMM helpers of the drivers: fp32 accumulation of dW/dX/db across chunks, and the rule
 for writing dW with one GEMM."""
 
 from __future__ import annotations
@@ -67,3 +67,21 @@ def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, firs
     else:
         # CPU (or an old torch): upcast the chunk operands, which is exact and small.
         torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
+
+
+def accumulate_column_sums(acc: torch.Tensor, a: torch.Tensor, first: bool) -> None:
+    """acc += a.sum(dim=0) (acc = ... when ``first``): db's fp32 sum over a chunk's rows of
+    dL/dlogits, ``acc`` (V,) fp32, ``a`` (C, V) bf16/fp16/fp32.
+
+    On CUDA it is the product ``ones(1, C) @ a`` with an fp32 output, one read of ``a``
+    with fp32 accumulation: PyTorch's column reduction of a row-major ``(C, V)`` bf16 matrix
+    stages its partial sums in a workspace (0.49 GiB at C = 8192, V = 128256) and took
+    about 5% of a reference-shape call on an H200 (``benchmarks/results/features-h200``)."""
+    if a.dtype != torch.float32 and fp32_output_gemm_supported(a.device):
+        ones = torch.ones(1, a.shape[0], dtype=a.dtype, device=a.device)  # exact in any dtype
+        with full_precision_reductions():
+            accumulate_product(acc.view(1, -1), ones, a, first)
+    elif first:
+        torch.sum(a, dim=0, dtype=torch.float32, out=acc)
+    else:
+        acc += a.sum(dim=0, dtype=torch.float32)

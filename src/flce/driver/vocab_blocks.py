@@ -19,6 +19,7 @@ import torch
 from flce.backends.base import SplitRowKernels
 from flce.driver.chunks import Gradients, GradRequest, allocate_rows, in_compute_dtype, row_range
 from flce.driver.gemm import (
+    accumulate_column_sums,
     accumulate_product,
     full_precision_reductions,
     weight_accumulator_dtype,
@@ -196,7 +197,7 @@ def run_vocab_blocks(
             elif dw_block is not None:
                 accumulate_product(dw_block, grad.t(), x, first=r0 == 0)
             if db is not None:
-                db[v0:v1] += grad.sum(dim=0, dtype=torch.float32)
+                accumulate_column_sums(db[v0:v1], grad, first=r0 == 0)
         if dw_block is not None and not dw_direct:
             if n_rows == 0:
                 dw_block.zero_()
