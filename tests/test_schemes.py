@@ -272,6 +272,72 @@ def test_the_reference_shape_with_a_bias_or_under_autocast_runs_its_token_scheme
     assert token_scheme(autocast, 2048).memory.workspace - autocast.fixed_workspace_bytes() > 512 * 2**20
 
 
+def _record_schemes(monkeypatch) -> list:
+    """(CallShape, Scheme) of every fused call's scheme choice from now on."""
+    chosen = []
+    original = schemes.scheme_for_call
+
+    def record(call, options, device):
+        chosen.append((call, original(call, options, device)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(schemes, "scheme_for_call", record)
+    return chosen
+
+
+def test_a_trainable_bias_does_not_change_the_default_scheme(monkeypatch):
+    """Through the public function, where the default budget is the fp32 dW accumulator's
+    4VH bytes (its 512 MiB floor scaled down to 1 KiB here, as 4VH exceeds 512 MiB at
+    V = 128256, H = 4096): the bias's fp32 db sum once tipped such calls over it, and the
+    reference shape ran two vocabulary blocks (1.41x the floor on an H200, 1.08x now)."""
+    from flce.driver import sizing
+
+    monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    monkeypatch.setattr(sizing, "DEFAULT_CHUNK_BUDGET_BYTES", 1024)
+    chosen = _record_schemes(monkeypatch)
+    n, v, h = 128, 1024, 64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.5).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen)
+    b = torch.zeros(v, dtype=torch.bfloat16, requires_grad=True)
+    flce.fused_linear_cross_entropy(x, w, y, backend="torch").backward()
+    flce.fused_linear_cross_entropy(x, w, y, bias=b, backend="torch").backward()
+    (_, without), (call, with_bias) = chosen
+    assert call.bias_dtype == torch.bfloat16 and without.block is None
+    assert (with_bias.rows, with_bias.block) == (without.rows, without.block)
+
+
+def test_autocast_with_fp32_parameters_runs_chunks_of_many_rows(monkeypatch):
+    """Through the public function: fp32 parameters under bf16 autocast hold the weight's
+    bf16 copy in every scheme; the default budget covers it (its 512 MiB floor scaled down
+    to 1 MiB here, so that the 2 MiB copy exceeds it as a 1 GiB copy exceeds 512 MiB at
+    V = 128256, H = 4096). Before, no scheme fitted and the call ran one row per chunk."""
+    from flce.driver import sizing
+
+    monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    monkeypatch.setattr(sizing, "DEFAULT_CHUNK_BUDGET_BYTES", 2**20)
+    chosen = _record_schemes(monkeypatch)
+    n, v, h = 64, 4096, 256
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=gen).requires_grad_()
+    w = (torch.randn(v, h, generator=gen) / h**0.5).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = flce.fused_linear_cross_entropy(x, w, y, backend="torch")
+    loss.backward()
+    ((call, scheme),) = chosen
+    assert scheme.block is None and 1 < scheme.rows < n
+    # The largest (balanced) chunks within the budget, which covers the weight's copy.
+    budget = sizing.default_memory_budget(call, None)
+    assert scheme.memory.workspace <= budget < token_scheme(call, 2 * scheme.rows).memory.workspace
+    assert call.fixed_workspace_bytes() == v * h * 2
+    reference = torch.nn.functional.cross_entropy(x.detach().double() @ w.detach().double().t(), y)
+    torch.testing.assert_close(loss.detach().double(), reference, rtol=2e-2, atol=2e-2)
+
+
 def test_the_default_falls_back_to_the_least_workspace(monkeypatch):
     # A device too small for the default rule's budget runs the least workspace, no error.
     monkeypatch.setattr(schemes, "device_memory_bytes", lambda device: 2**20)  # a 1 MiB "device"
