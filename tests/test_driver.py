@@ -112,6 +112,15 @@ def test_whole_row_chunk_size_is_the_default_budgets_choice(monkeypatch):
         assert scheme_for_call(call, LossOptions(), torch.device("cpu")).rows == rows
 
 
+def test_the_heads_chunks_under_autocast_with_fp32_weights(monkeypatch):
+    """The loop of every head sizes its own chunks when no scheme was chosen for it (the
+    distillation head): an fp32 weight's bf16 copy is not counted against the logits' 512
+    MiB, so a 1 GiB copy no longer leaves one row per chunk."""
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    rows = sizing.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.float32, 0, True)
+    assert rows == sizing.whole_row_chunk_size(8192, 128256, 4096, torch.bfloat16, torch.bfloat16, 0, False) > 1000
+
+
 def _record_run_chunks(monkeypatch):
     calls = []
     original = chunks.run_chunks
