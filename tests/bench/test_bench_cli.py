@@ -93,6 +93,41 @@ def test_one_shape_with_out_leaves_no_empty_plots_folder(tmp_path: Path) -> None
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".csv", ".json"]
 
 
+def test_each_flce_row_names_the_scheme_it_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The results say which scheme each flce method ran (a default that changes scheme is
+    a change of speed and memory: a bias once sent the reference shape to vocabulary
+    blocks); the floor and the peers say nothing."""
+    from flce.driver import schemes
+
+    monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    ran = []
+    original = schemes.scheme_for_call
+
+    def record(call, options, device):  # what the calls themselves chose
+        scheme = original(call, options, device)
+        ran.append(scheme.describe(call.n_rows))
+        return scheme
+
+    monkeypatch.setattr(schemes, "scheme_for_call", record)
+    methods = "flce:torch,flce:torch[vblocks=16],torch:eager"
+    args = bench_parser().parse_args(
+        [*TINY, "--tokens", "40", "--features", "bias", "--methods", methods, "--chunk-size", "auto,16"]
+        + ["--out", str(tmp_path), "--no-plots"]
+    )
+    assert run_bench(args) == 0
+    payload = json.loads(next(tmp_path.glob("*.json")).read_text())
+    scheme = {r["method"]: r["scheme_text"] for r in payload["results"]}
+    assert scheme["flce:torch"] == "one chunk of 40 rows"
+    assert scheme["flce:torch[chunk=16]"] == "token chunks of 16 rows"
+    assert scheme["flce:torch[vblocks=16]"] == "vocabulary blocks of 32 columns, 40 rows per chunk"
+    assert scheme["floor:gemm"] is None and scheme["torch:eager"] is None
+    flce_schemes = {s for m, s in scheme.items() if m.startswith("flce:")}
+    assert flce_schemes <= set(ran)  # the description is what the driver ran
+    with next(tmp_path.glob("*.csv")).open() as f:
+        assert {r["method"]: r["scheme_text"] for r in csv.DictReader(f)}["flce:torch"] == "one chunk of 40 rows"
+
+
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
 def test_cpu_modes_and_features(tmp_path: Path, mode: str) -> None:
     args = bench_parser().parse_args(

@@ -38,22 +38,24 @@ import torch
 from flce.bench import report
 from flce.bench.cases import BenchCase, Shape, dtype_name
 from flce.bench.methods import Method, floor_method, select_methods
-from flce.bench.peers.flce_backends import flce_budget_method, flce_loss_kwargs, flce_methods
+from flce.bench.peers.flce_backends import (
+    flce_budget_method,
+    flce_call_shape,
+    flce_loss_options,
+    flce_methods,
+)
 from flce.bench.registry import all_methods
 from flce.bench.runner import BenchConfig, Result
-from flce.dispatch import BACKEND_NAMES, availability, get_backend, resolve_backend, split_rows_of
-from flce.driver.chunks import GradRequest
+from flce.dispatch import BACKEND_NAMES, availability, resolve_backend
 from flce.driver.schemes import (
     GEMM_FLOPS_PER_SECOND,
     Scheme,
     call_budget,
     choose_scheme,
-    describe_call,
     scheme_for_call,
     scheme_frontier,
 )
 from flce.driver.sizing import CHUNK_BUDGET_ENV_VAR, CallShape, legacy_chunk_budget_bytes
-from flce.options import LossOptions
 
 MIB = 2**20
 # Budgets of the ladder per backend and shape (besides the default): enough to draw the
@@ -87,7 +89,7 @@ FRONTIER_FIELDS = (
     "predicted_ms",
     "predicted_ratio_to_floor",
 )
-CSV_FIELDS = (*report.CSV_FIELDS, *FRONTIER_FIELDS)
+CSV_FIELDS = (*report.CSV_FIELDS, *(f for f in FRONTIER_FIELDS if f not in report.CSV_FIELDS))
 # Options of ``flce bench`` that mean nothing for the frontier, and why.
 REFUSED = (
     ("--kernel", lambda a: a.kernel is not None, "the frontier is of the fused loss"),
@@ -178,24 +180,10 @@ def budget_text(budget: int) -> str:
     return f"{budget / MIB:.4g}MiB"
 
 
-def _loss_options(case: BenchCase, backend: str) -> LossOptions:
-    return LossOptions(**flce_loss_kwargs(case.loss, backend))
-
-
 def call_shape(case: BenchCase, backend: str) -> CallShape:
-    """The ``CallShape`` the driver sees for ``case`` on ``backend`` (fwd+bwd)."""
-    spec = get_backend(backend)
-    split_kernels = split_rows_of(spec) if spec.split_rows is not None else None
-    n, v, h = case.shape.n, case.shape.v, case.shape.h
-
-    def stand_in(*size: int) -> torch.Tensor:
-        # The chooser reads a tensor's shape, dtype and device only: one element, expanded.
-        return torch.empty((), dtype=case.dtype, device=case.device).expand(*size)
-
-    bias = stand_in(v) if case.loss.use_bias else None
-    request = GradRequest(input=True, weight=True, bias=bias is not None)
-    options = _loss_options(case, backend)
-    return describe_call(stand_in(n, h), stand_in(v, h), bias, request, options, case.dtype, spec, split_kernels)
+    """The ``CallShape`` the driver sees for ``case`` on ``backend`` (fwd+bwd: the
+    frontier's mode)."""
+    return flce_call_shape(case, backend)
 
 
 def _scaled(values: Sequence[float]) -> list[float]:
@@ -231,7 +219,7 @@ def budget_points(
 ) -> list[BudgetPoint]:
     """The default first, then the ladder's rungs by budget (module docstring)."""
     call = call_shape(case, backend)
-    options = _loss_options(case, backend)
+    options = flce_loss_options(case, backend)
     budget, source = call_budget(call, options, case.device)
     default = scheme_for_call(call, options, case.device)
     ladder = [BudgetPoint(backend, budget, _default_source(source), True, default, call)]

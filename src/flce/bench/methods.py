@@ -42,6 +42,8 @@ class Method:
     chunk_size: int | None = None
     is_floor: bool = False
     base: str = ""
+    # What the method runs for a case, in words (flce's: the scheme its driver picks), or None.
+    describe: Callable[[BenchCase], str] | None = None
 
     @property
     def base_name(self) -> str:

@@ -34,6 +34,7 @@ CSV_FIELDS = (
     "method",
     "label",
     "chunk_size",
+    "scheme_text",
     "status",
     "median_ms",
     "min_ms",
@@ -153,6 +154,7 @@ def result_row(r: Result) -> dict[str, Any]:
         "tflops": r.tflops,
         "ratio_to_floor": r.ratio_to_floor,
         "loss": r.loss,
+        "scheme_text": r.scheme_text,
         "notes": list(r.notes),
     }
 

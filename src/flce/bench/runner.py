@@ -123,6 +123,8 @@ class Result:
     ratio_to_floor: float | None = None
     loss: float | None = None
     notes: tuple[str, ...] = ()
+    # What the method ran, in words (``Method.describe``: flce's scheme), or None.
+    scheme_text: str | None = None
     # The host side of a call: synchronizing CUDA operations in one call, the time until a
     # call returns to Python with the GPU busy, or why they were not measured.
     host_syncs: int | None = None
@@ -272,14 +274,28 @@ def measure_host(config: BenchConfig, label: str, runs: Sequence[Running], progr
 FLOOR_DEVICES = ("cuda",)
 
 
+def described(method: Any, case: BenchCase) -> str | None:
+    """``method.describe(case)``: what it runs, in words; None where it has no description
+    or cannot give one (it is a report's detail, never a reason to fail a run)."""
+    describe = getattr(method, "describe", None)
+    if describe is None:
+        return None
+    try:
+        return describe(case)
+    except Exception as exc:  # noqa: BLE001 - a method that cannot run the case is skipped with its own reason
+        return f"unknown ({first_line(exc)})"
+
+
 def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[Result]:
     """Results of one shape, with TFLOP/s and the time ratio to the floor where the floor
     is one (``FLOOR_DEVICES``)."""
     has_floor = config.device.type in FLOOR_DEVICES
+    case = config.case(shape)
     results = []
     for run in runs:
         m = run.method
         base = {"method": m.name, "label": m.label, "shape": shape, "chunk_size": m.chunk_size, "is_floor": m.is_floor}
+        base["scheme_text"] = described(m, case) if run.failure is None else None
         if run.failure is not None or not run.times_ms:
             results.append(Result(**base, reason=run.failure or "no timing", notes=tuple(run.notes)))
             continue

@@ -3,13 +3,20 @@ low-memory mode (the vocabulary in blocks)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 import flce
 from flce.bench.cases import BenchCase, BenchLossSettings, Inputs
 from flce.bench.methods import CheckFn, LossFn, MakeLossFn, Method, as_loss
-from flce.dispatch import BACKEND_NAMES, availability
+from flce.dispatch import BACKEND_NAMES, availability, get_backend, split_rows_of
+from flce.driver.chunks import GradRequest
+from flce.driver.fused import loss_only_refusal
+from flce.driver.schemes import describe_call, scheme_for_call
+from flce.driver.sizing import CallShape
+from flce.options import LossOptions
 
 # Vocabulary blocks of the low-memory method. With every row in one chunk each dW block is
 # written directly, so the extra memory is dW + dX (+ its fp32 accumulator) + one block of
@@ -32,6 +39,50 @@ def flce_loss_kwargs(settings: BenchLossSettings, backend: str | None) -> dict[s
         "return_predicted_tokens": settings.return_predicted_tokens,
         "backend": backend,
     }
+
+
+def flce_loss_options(case: BenchCase, backend: str, **extra: Any) -> LossOptions:
+    """The options of ``backend``'s call for ``case`` (``extra``: the method's own, such
+    as ``vocab_chunk_size``)."""
+    return LossOptions(**flce_loss_kwargs(case.loss, backend), **extra)
+
+
+def flce_call_shape(case: BenchCase, backend: str, options: LossOptions | None = None) -> CallShape:
+    """The ``CallShape`` the driver sees for ``case`` on ``backend``: the gradients of
+    ``case.mode`` (none for a forward-only call)."""
+    spec = get_backend(backend)
+    options = flce_loss_options(case, backend) if options is None else options
+    needs_split = options.vocab_chunk_size is not None or spec.split_rows is not None
+    split_kernels = split_rows_of(spec) if needs_split else None
+    n, v, h = case.shape.n, case.shape.v, case.shape.h
+
+    def stand_in(*size: int) -> torch.Tensor:
+        # The chooser reads a tensor's shape, dtype and device only: one element, expanded.
+        return torch.empty((), dtype=case.dtype, device=case.device).expand(*size)
+
+    bias = stand_in(v) if case.loss.use_bias else None
+    grads = case.mode != "fwd"
+    request = GradRequest(input=grads, weight=grads, bias=grads and bias is not None)
+    return describe_call(stand_in(n, h), stand_in(v, h), bias, request, options, case.dtype, spec, split_kernels)
+
+
+def describe_scheme(backend: str, **extra: Any) -> Callable[[BenchCase], str]:
+    """What flce runs for a case on ``backend`` (``Method.describe``): the fused loss-only
+    GEMM where a forward-only call takes it, else the scheme its memory budget picks
+    (``flce.driver.schemes``), as the driver decides them."""
+
+    def describe(case: BenchCase) -> str:
+        options = flce_loss_options(case, backend, **extra)
+        hook = get_backend(backend).loss_only
+        if case.mode == "fwd" and hook is not None:
+            refusal = loss_only_refusal(options, case.loss.use_weights)
+            ok, _ = hook.applicable(case.device, case.dtype, case.shape.h, case.shape.v, True)
+            if refusal is None and ok:
+                return "one fused GEMM: row statistics, no logits"
+        scheme = scheme_for_call(flce_call_shape(case, backend, options), options, case.device)
+        return scheme.describe(case.shape.n)
+
+    return describe
 
 
 def _check(backend: str) -> CheckFn:
@@ -79,6 +130,7 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
                     make_loss=_make(backend, chunk),
                     chunk_size=chunk,
                     base=base,
+                    describe=describe_scheme(backend) if chunk is None else describe_scheme(backend, chunk_size=chunk),
                 )
             )
     for backend in BACKEND_NAMES:
@@ -89,9 +141,18 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
                 family="flce",
                 check=_check(backend),
                 make_loss=_make(backend, None, LOW_MEMORY_VOCAB_BLOCKS),
+                describe=_describe_vocab_blocks(backend),
             )
         )
     return methods
+
+
+def _describe_vocab_blocks(backend: str) -> Callable[[BenchCase], str]:
+    def describe(case: BenchCase) -> str:
+        block = -(-case.shape.v // LOW_MEMORY_VOCAB_BLOCKS)
+        return describe_scheme(backend, vocab_chunk_size=block)(case)
+
+    return describe
 
 
 def flce_budget_method(backend: str, memory_budget: int, budget_text: str) -> Method:
@@ -104,4 +165,5 @@ def flce_budget_method(backend: str, memory_budget: int, budget_text: str) -> Me
         check=_check(backend),
         make_loss=_make(backend, None, memory_budget=memory_budget),
         base=f"flce:{backend}",
+        describe=describe_scheme(backend, memory_budget=memory_budget),
     )
