@@ -22,6 +22,7 @@
 #   features       each loss feature alone, then all, then fp16           -> features/
 #   kernel         the CE kernel alone and the host overhead per call     -> ce-kernel/
 #   fused-forward  the fused forward GEMM alone against torch.mm          -> fused-forward.log
+#   autocast       fp32 weights under bf16 autocast against eager          -> autocast.log
 #   tp             vocab-parallel over 2, 4, 8 GPUs (those present) + tests -> vocab-parallel/
 #   heads          the logprobs and distillation heads: GPU tests, then
 #                  `flce bench --loss logprobs|distill` at V=128256, 151936 -> heads-tests.log, heads/
@@ -33,7 +34,7 @@
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward tp heads frontier graph]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward autocast tp heads frontier graph]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -154,6 +155,10 @@ step_kernel() {
 
 step_fused_forward() {
   run fused-forward 200 "$python" benchmarks/fused_forward_check.py --vocab 128256,32000
+}
+
+step_autocast() {
+  run autocast 120 "$python" benchmarks/autocast_check.py --rounds 3
 }
 
 step_tp() {
