@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import flce
-from flce.bench.timing import Heater, Workload, rotated, time_once
+from flce.bench.timing import Heater, Workload, interleaved_times
 from flce.driver import schemes
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,12 +63,7 @@ def run_shape(n: int, v: int, h: int, backends: list[str], rounds: int, heater: 
         chosen.clear()
         checks[name] = (abs(f().item() - truth), chosen[0] if chosen else None)
         clear()
-    times = {name: [] for name in workloads}
-    for r in range(rounds + 1):  # round 0 is a warm-up
-        for name in rotated(list(workloads), r):
-            t = time_once(workloads[name], DEV, before=heater)
-            if r:
-                times[name].append(t)
+    times = interleaved_times(workloads, DEV, rounds, heater)
     eager_ms = statistics.median(times["torch:eager"])
     for name, ts in times.items():
         error, scheme = checks[name]

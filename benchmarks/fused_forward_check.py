@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from flce.backends.cutedsl import fused_forward as ff  # noqa: E402
-from flce.bench.timing import Heater, Workload, rotated, time_once  # noqa: E402
+from flce.bench.timing import Heater, Workload, interleaved_times  # noqa: E402
 
 DEV = torch.device("cuda")
 IGNORE = -100
@@ -142,14 +142,7 @@ def bench(n, hidden, vocab, configs, rounds, heat_ms, sums=(False, True)):
             except Exception:
                 print(f"FAIL bench {cname} N={n} V={vocab} sum={with_sum}", flush=True)
                 traceback.print_exc()
-    heater = Heater(DEV, heat_ms)
-    names = list(methods)
-    times = {name: [] for name in names}
-    for r in range(rounds + 1):  # round 0 is a warm-up
-        for name in rotated(names, r):
-            t = time_once(methods[name], DEV, before=heater)
-            if r:
-                times[name].append(t)
+    times = interleaved_times(methods, DEV, rounds, Heater(DEV, heat_ms))
     t_mm = statistics.median(times["torch.mm", None])
     for (cname, with_sum), ts in times.items():
         t = statistics.median(ts)

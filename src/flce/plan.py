@@ -250,17 +250,49 @@ class Plan(CrossEntropyPlan):
         )
 
     def _loss_only_applies(self, o: LinearOperands) -> bool:
-        hook = self.backend.loss_only
-        if hook is None or loss_only_refusal(self.options, o.ce_weight is not None) is not None:
-            return False
         # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
         weight_tma_ready = o.weight.is_contiguous() and (
             o.weight.dtype != self.compute_dtype or o.weight.data_ptr() % 16 == 0
         )
-        applicable, _ = hook.applicable(
-            o.input.device, self.compute_dtype, o.input.shape[1], o.weight.shape[0], weight_tma_ready
+        return loss_only_applies(
+            self.backend,
+            self.options,
+            self.compute_dtype,
+            o.input.device,
+            o.input.shape[1],
+            o.weight.shape[0],
+            has_ce_weight=o.ce_weight is not None,
+            weight_tma_ready=weight_tma_ready,
         )
-        return applicable
+
+
+def loss_only_applies(
+    backend: BackendSpec,
+    options: LossOptions,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    hidden: int,
+    vocab: int,
+    *,
+    has_ce_weight: bool,
+    weight_tma_ready: bool,
+) -> bool:
+    """Whether a call without gradients runs the backend's ``loss_only`` slot (whole-row
+    statistics from one fused GEMM) rather than the chunked schemes."""
+    hook = backend.loss_only
+    if hook is None or loss_only_refusal(options, has_ce_weight) is not None:
+        return False
+    applicable, _ = hook.applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)
+    return applicable
+
+
+def split_kernels_for(options: LossOptions, backend: BackendSpec) -> SplitRowKernels | None:
+    """The backend's split-row kernels where the call may run vocabulary blocks: when
+    ``vocab_chunk_size`` asks for them, or the memory budget may choose them (the backend
+    has them); None otherwise."""
+    if options.vocab_chunk_size is None and backend.split_rows is None:
+        return None
+    return split_rows_of(backend)
 
 
 def make_plan(
@@ -277,9 +309,7 @@ def make_plan(
     are exact inputs and keep the softcap's accurate tanh (``scalars``); those the plan's
     GEMMs compute in ``compute_dtype`` may take the approximate one (``product_scalars``)."""
     backend = resolve_backend(options.backend, device)
-    # Vocabulary blocks run when vocab_chunk_size asks for them or the memory budget needs them.
-    has_split_rows = options.vocab_chunk_size is not None or backend.split_rows is not None
-    split_kernels = split_rows_of(backend) if has_split_rows else None
+    split_kernels = split_kernels_for(options, backend)
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
     scalars = chunk_scalars(options, stats)
     approximate = options.softcap is not None and softcap_tanh_is_approximate(compute_dtype, device)

@@ -132,6 +132,22 @@ def time_once(workload: Workload, device: torch.device, before: Callable[[], Non
     return float(elapsed)
 
 
+def interleaved_times(
+    workloads: dict[Any, Workload], device: torch.device, rounds: int, before: Callable[[], None] | None = None
+) -> dict[Any, list[float]]:
+    """Milliseconds of ``rounds`` calls of each workload, round by round in an order that
+    rotates each round (``time_once``, ``before`` each call: a ``Heater``), after one
+    untimed warm-up round: for scripts that time a few workloads against each other."""
+    names = list(workloads)
+    times: dict[Any, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 1):
+        for name in rotated(names, r):
+            elapsed = time_once(workloads[name], device, before)
+            if r:
+                times[name].append(elapsed)
+    return times
+
+
 def call_once(workload: Workload) -> Any:
     """One untimed call; returns what ``run`` returned (the detached loss, if any)."""
     out = workload.run(workload.setup())

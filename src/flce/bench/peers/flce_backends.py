@@ -11,12 +11,12 @@ import torch
 import flce
 from flce.bench.cases import BenchCase, BenchLossSettings, Inputs
 from flce.bench.methods import CheckFn, LossFn, MakeLossFn, Method, as_loss
-from flce.dispatch import BACKEND_NAMES, availability, get_backend, split_rows_of
+from flce.dispatch import BACKEND_NAMES, availability, get_backend
 from flce.driver.chunks import GradRequest
-from flce.driver.fused import loss_only_refusal
 from flce.driver.schemes import describe_call, scheme_for_call
 from flce.driver.sizing import CallShape
 from flce.options import LossOptions
+from flce.plan import loss_only_applies, split_kernels_for
 
 # Vocabulary blocks of the low-memory method. With every row in one chunk each dW block is
 # written directly, so the extra memory is dW + dX (+ its fp32 accumulator) + one block of
@@ -52,8 +52,6 @@ def flce_call_shape(case: BenchCase, backend: str, options: LossOptions | None =
     ``case.mode`` (none for a forward-only call)."""
     spec = get_backend(backend)
     options = flce_loss_options(case, backend) if options is None else options
-    needs_split = options.vocab_chunk_size is not None or spec.split_rows is not None
-    split_kernels = split_rows_of(spec) if needs_split else None
     n, v, h = case.shape.n, case.shape.v, case.shape.h
 
     def stand_in(*size: int) -> torch.Tensor:
@@ -63,6 +61,7 @@ def flce_call_shape(case: BenchCase, backend: str, options: LossOptions | None =
     bias = stand_in(v) if case.loss.use_bias else None
     grads = case.mode != "fwd"
     request = GradRequest(input=grads, weight=grads, bias=grads and bias is not None)
+    split_kernels = split_kernels_for(options, spec)  # as the plan takes them
     return describe_call(stand_in(n, h), stand_in(v, h), bias, request, options, case.dtype, spec, split_kernels)
 
 
@@ -73,12 +72,19 @@ def describe_scheme(backend: str, **extra: Any) -> Callable[[BenchCase], str]:
 
     def describe(case: BenchCase) -> str:
         options = flce_loss_options(case, backend, **extra)
-        hook = get_backend(backend).loss_only
-        if case.mode == "fwd" and hook is not None:
-            refusal = loss_only_refusal(options, case.loss.use_weights)
-            ok, _ = hook.applicable(case.device, case.dtype, case.shape.h, case.shape.v, True)
-            if refusal is None and ok:
-                return "one fused GEMM: row statistics, no logits"
+        spec, shape = get_backend(backend), case.shape
+        # The bench's weight is contiguous and freshly allocated (16-byte aligned).
+        if case.mode == "fwd" and loss_only_applies(
+            spec,
+            options,
+            case.dtype,
+            case.device,
+            shape.h,
+            shape.v,
+            has_ce_weight=case.loss.use_weights,
+            weight_tma_ready=True,
+        ):
+            return "one fused GEMM: row statistics, no logits"
         scheme = scheme_for_call(flce_call_shape(case, backend, options), options, case.device)
         return scheme.describe(case.shape.n)
 
@@ -105,7 +111,7 @@ def _make(
         if chunk_size is not None:
             kwargs["chunk_size"] = chunk_size
         if vocab_blocks is not None:
-            kwargs["vocab_chunk_size"] = -(-inputs.w.shape[0] // vocab_blocks)
+            kwargs["vocab_chunk_size"] = _block_width(inputs.w.shape[0], vocab_blocks)
         if memory_budget is not None:
             kwargs["memory_budget"] = memory_budget
         # Looked up on each call, so a test can wrap the public function.
@@ -147,9 +153,14 @@ def flce_methods(chunk_sizes: Sequence[int | None] = (None,)) -> list[Method]:
     return methods
 
 
+def _block_width(vocab: int, blocks: int) -> int:
+    """``vocab_chunk_size`` that splits ``vocab`` columns into ``blocks`` blocks."""
+    return -(-vocab // blocks)
+
+
 def _describe_vocab_blocks(backend: str) -> Callable[[BenchCase], str]:
     def describe(case: BenchCase) -> str:
-        block = -(-case.shape.v // LOW_MEMORY_VOCAB_BLOCKS)
+        block = _block_width(case.shape.v, LOW_MEMORY_VOCAB_BLOCKS)
         return describe_scheme(backend, vocab_chunk_size=block)(case)
 
     return describe

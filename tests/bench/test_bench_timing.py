@@ -1,0 +1,29 @@
+"""``interleaved_times`` on the CPU: every workload runs once per round after an untimed
+warm-up round, in an order that rotates each round, with ``before`` ahead of every call."""
+
+from __future__ import annotations
+
+import torch
+
+from flce.bench.timing import Workload, interleaved_times
+
+
+def test_interleaved_times_rotates_the_order_and_drops_the_warm_up_round() -> None:
+    calls: list[str] = []
+
+    def workload(name: str) -> Workload:
+        return Workload(setup=lambda: None, run=lambda _: calls.append(name))
+
+    befores: list[None] = []
+    times = interleaved_times(
+        {"a": workload("a"), "b": workload("b"), "c": workload("c")},
+        torch.device("cpu"),
+        rounds=2,
+        before=lambda: befores.append(None),
+    )
+    assert list(times) == ["a", "b", "c"]
+    assert all(len(t) == 2 and all(ms >= 0 for ms in t) for t in times.values())
+    assert len(calls) == len(befores) == 9  # the warm-up round and two timed rounds
+    rounds = [calls[i : i + 3] for i in range(0, 9, 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert rounds[0] != rounds[1] != rounds[2]  # each round starts with another workload
