@@ -159,6 +159,26 @@ def test_repeated_backward_does_not_compound(reduction):
         torch.testing.assert_close(p.grad, 3 * g, rtol=1e-5, atol=1e-6)
 
 
+def test_first_backward_of_a_scalar_loss_scales_the_forwards_gradients_without_the_operands():
+    """mean/sum: the forward computed the gradients, the first backward only scales them, so
+    it does not unpack the saved operands (host time per step): an operand modified in place
+    after the forward still gets the gradient of the loss that was computed. A repeated
+    backward recomputes from the operands, and PyTorch refuses the modified one there."""
+    x, w, b, t = _inputs()
+    expected = [p.clone().requires_grad_() for p in (x, w, b)]
+    flce.fused_linear_cross_entropy(*expected[:2], t, bias=expected[2]).backward(torch.tensor(2.0))
+    for p in (x, w, b):
+        p.requires_grad_()
+    loss = flce.fused_linear_cross_entropy(x, w, t, bias=b)
+    with torch.no_grad():
+        x.add_(1.0)  # bumps x's version counter
+    loss.backward(torch.tensor(2.0), retain_graph=True)
+    for p, e in zip((x, w, b), expected, strict=True):
+        torch.testing.assert_close(p.grad, e.grad, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_batch_statistics_is_the_only_sync_and_runs_once(monkeypatch):
     calls = []
     original = statistics.batch_statistics

@@ -351,7 +351,7 @@ def forward(plan: LossPlan, operands, request: GradRequest) -> ForwardResult:
 
 def backward(
     plan: LossPlan,
-    operands,
+    operands,  # the call's operands; None will do when ``saved`` is given
     request: GradRequest,
     grad_outputs: tuple,  # the outputs' upstream gradients (None where none flows)
     residuals: tuple,  # the forward's ForwardResult.residuals
@@ -403,13 +403,18 @@ class LossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_outputs):
         refuse_create_graph(ctx.operands_type.entry)
-        saved_tensors = ctx.saved_tensors
-        tensors, residuals = saved_tensors[: ctx.n_tensors], saved_tensors[ctx.n_tensors :]
         saved, ctx.gradients = ctx.gradients, None
-        operands = ctx.operands_type(*tensors)
-        grads = backward(ctx.plan, operands, ctx.request, grad_outputs, residuals, saved, owned=True)
+        if saved is not None:
+            # The forward's gradients, scaled here: the operands are not needed (unpacking
+            # the saved tensors is host time on every training step).
+            grads = backward(ctx.plan, None, ctx.request, grad_outputs, (), saved, owned=True)
+        else:
+            saved_tensors = ctx.saved_tensors
+            tensors, residuals = saved_tensors[: ctx.n_tensors], saved_tensors[ctx.n_tensors :]
+            operands = ctx.operands_type(*tensors)
+            grads = backward(ctx.plan, operands, ctx.request, grad_outputs, residuals, None, owned=True)
         if grads is None:
-            return (None, None) + (None,) * len(tensors)
+            return (None, None) + (None,) * ctx.n_tensors
         return (None, None) + ctx.operands_type.gradient_tuple(grads)
 
 
