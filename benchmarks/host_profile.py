@@ -14,6 +14,9 @@ With ``--ops`` it also counts, per call, the aten ops and the kernel launches
 (``torch.profiler``): the per-op and per-launch host costs are what remains once the
 Python is lean. ``--timeline`` lists one call's host-side events in order, with their
 start and duration: the gaps between them are the Python around the ops.
+``--gpu-timeline`` profiles instead one synchronized call of the fused loss per backend
+and of eager PyTorch, as ``flce bench`` times it, with the GPU activity it caused: where
+the GPU waits for the host between kernels.
 """
 
 from __future__ import annotations
@@ -92,6 +95,74 @@ def timeline(step, device: torch.device, calls: int = 20) -> str:
         )
         open_ends.append(e.time_range.end)
     return "\n".join(lines) + "\n"
+
+
+def synchronized_call_timeline(step, device: torch.device, before=None, calls: int = 3) -> str:
+    """One call as ``flce bench`` times it (the device idle when it starts, ``before`` run
+    first outside the timed part: dropping the gradients), profiled with the GPU's
+    activity: the call's host span, then every GPU kernel and copy it caused, with its start
+    after the call's start and its duration, in microseconds. A kernel that starts long
+    after its launch waited on the host; GPU work ending long after the host returned is a
+    tail the host did not cause. The last of ``calls`` calls is shown."""
+    for _ in range(5):
+        if before is not None:
+            before()
+        step()
+    synchronize(device)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(calls):
+            if before is not None:
+                before()
+            synchronize(device)
+            with torch.profiler.record_function("## call ##"):
+                step()
+            synchronize(device)
+    events = prof.events()
+    last = max((e for e in events if e.name == "## call ##"), key=lambda e: e.time_range.start)
+    t0, t1 = last.time_range.start, last.time_range.end
+    on_gpu = sorted(
+        (
+            e
+            for e in events
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.start >= t0 and e.name != last.name
+        ),
+        key=lambda e: e.time_range.start,
+    )
+    busy = sum(e.time_range.end - e.time_range.start for e in on_gpu)
+    gpu_end = max((e.time_range.end for e in on_gpu), default=t0) - t0
+    lines = [
+        f"\n  host span {t1 - t0:.1f} us, GPU done at {gpu_end:.1f} us, GPU busy {busy:.1f} us;"
+        " start, duration, GPU activity:"
+    ]
+    for e in on_gpu:
+        lines.append(f"  {e.time_range.start - t0:8.1f} {e.time_range.end - e.time_range.start:8.1f}  {e.name[:90]}")
+    return "\n".join(lines) + "\n"
+
+
+def gpu_timelines(x, w, target, backends, no_grad: bool) -> str:
+    """``synchronized_call_timeline`` of the fused loss on each backend and of eager PyTorch
+    (``F.linear``, fp32 upcast, ``F.cross_entropy``), with the gradients dropped before each
+    call as the bench's setup does."""
+
+    def drop_grads():
+        x.grad = w.grad = None
+
+    calls = {f"flce:{b}": lambda b=b: flce.fused_linear_cross_entropy(x, w, target, backend=b) for b in backends}
+    calls["torch:eager"] = lambda: torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w).float(), target)
+    text = []
+    for name, call in calls.items():
+
+        def step(call=call):
+            if no_grad:
+                with torch.no_grad():
+                    return call()
+            call().backward()
+
+        text.append(f"\n===== {name} N={x.shape[0]} V={w.shape[0]} H={x.shape[1]}, one synchronized call")
+        text.append(synchronized_call_timeline(step, x.device, drop_grads))
+    return "\n".join(text)
 
 
 def per_call_us(fn, device: torch.device, calls: int = 300) -> float:
@@ -276,6 +347,11 @@ def main() -> int:
     parser.add_argument("--parts", action="store_true", help="time the building blocks of a call, unprofiled")
     parser.add_argument("--wrap", action="store_true", help="inclusive unprofiled time of the driver's main steps")
     parser.add_argument("--no-grad", action="store_true", help="profile loss-only calls (no backward) instead")
+    parser.add_argument(
+        "--gpu-timeline",
+        action="store_true",
+        help="one synchronized call per backend and eager's, with the GPU activity it caused (no cProfile)",
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gen = torch.Generator(device=device).manual_seed(0)
@@ -291,7 +367,9 @@ def main() -> int:
         report.write(time_parts(x, w, logits, target, args.backends.split(",")))
     if args.wrap:
         report.write(time_steps(x, w, target, args.backends.split(",")))
-    for backend in args.backends.split(","):
+    if args.gpu_timeline:
+        report.write(gpu_timelines(x, w, target, args.backends.split(","), args.no_grad))
+    for backend in [] if args.gpu_timeline else args.backends.split(","):
         calls = {
             "cross_entropy": lambda b=backend: flce.cross_entropy(logits, target, backend=b),
             "fused_linear_cross_entropy": lambda b=backend: flce.fused_linear_cross_entropy(x, w, target, backend=b),

@@ -85,7 +85,8 @@ def test_profile_breakdown_script(tmp_path: Path) -> None:
 
 
 def test_gpu_run_records_host_syncs_and_host_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """On a GPU every measured row has its host syncs and host time, and the table shows them.
+    """On a GPU every measured row has its host syncs, host time and back-to-back time per
+    call, and the table shows them.
     PyTorch's ops and flce's default call make no host sync (issue 18's target), so the
     spin queued before each host-timed call outlasts every call."""
     _needs_triton()
@@ -99,9 +100,10 @@ def test_gpu_run_records_host_syncs_and_host_time(tmp_path: Path, capsys: pytest
         assert row["status"] == "ok" and row["host_reason"] is None, row
         assert row["host_syncs"] == 0, row
         assert row["host_ms"] > 0 and len(row["host_times_ms"]) == runner.HOST_CALLS, row
+        assert row["loop_ms"] > 0 and len(row["loop_times_ms"]) == runner.LOOP_BATCHES, row
         assert not any("run out of queued work" in note for note in row["notes"]), row
     header = next(line for line in capsys.readouterr().out.splitlines() if "median ms" in line)
-    for column in ("host ms", "syncs"):
+    for column in ("host ms", "syncs", "loop ms"):
         assert column in header, column
 
 

@@ -7,6 +7,7 @@ rows, the notes and the README Markdown. The measurements themselves need CUDA:
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,8 @@ def test_measure_host_fills_runs_and_keeps_the_timing_when_it_fails(monkeypatch:
     monkeypatch.setattr(runner, "free_memory", lambda device: None)
     monkeypatch.setattr(runner, "wall_time_once", lambda workload, device: 1.0)
     monkeypatch.setattr(runner, "host_time_once", lambda workload, device, busy, ms: (ms / 10, next(waited)))
+    loop_batches: list[int] = []
+    monkeypatch.setattr(runner, "back_to_back_ms", lambda workload, device, calls: loop_batches.append(calls) or 0.5)
 
     def count(workload: Workload, device: torch.device) -> int:
         if workload.run is failing_run:
@@ -127,9 +130,31 @@ def test_measure_host_fills_runs_and_keeps_the_timing_when_it_fails(monkeypatch:
         f"the GPU had run out of queued work before the call returned in 2 of {runner.HOST_CALLS} host-timed "
         f"calls ({runner.MIN_BUSY_MS:.0f} ms of spin queued before each): the call waits for the GPU"
     ]
+    # A 1 ms call: batches of 20 calls (LOOP_BATCH_MS), for the good run only.
+    assert loop_batches == [round(runner.LOOP_BATCH_MS)] * runner.LOOP_BATCHES
+    assert good.loop_times_ms == [0.5] * runner.LOOP_BATCHES
     assert broken.host_syncs is None and broken.host_times_ms == [] and broken.failure is None
+    assert broken.loop_times_ms == []
     assert broken.host_reason == "error: RuntimeError: sync debug mode unavailable"
     assert broken.notes == [f"host syncs and host time not measured: {broken.host_reason}"]
+
+
+def test_loop_time_is_measured_where_setup_does_no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The back-to-back batches time each call's setup too: the bwd mode (whose setup runs
+    the forward) has no loop time; a batch holds enough calls for LOOP_BATCH_MS, at most
+    LOOP_MAX_CALLS."""
+    monkeypatch.setattr(runner, "GpuBusy", lambda device: None)
+    monkeypatch.setattr(runner, "wall_time_once", lambda workload, device: 4.0)
+    monkeypatch.setattr(runner, "host_time_once", lambda workload, device, busy, ms: (0.1, False))
+    monkeypatch.setattr(runner, "count_host_syncs", lambda workload, device: 0)
+    monkeypatch.setattr(runner, "back_to_back_ms", lambda workload, device, calls: float(calls))
+    for mode, expected in (("full", [5.0] * runner.LOOP_BATCHES), ("fwd", [5.0] * runner.LOOP_BATCHES), ("bwd", [])):
+        run = Running(floor_method(), Workload(setup=lambda: None, run=lambda _: None), times_ms=[4.0])
+        config = replace(_fake_cuda_config(), mode=mode)
+        measure_host(config, "case", [run], lambda n, what: None)
+        assert run.loop_times_ms == expected, mode
+    assert runner.loop_calls(0.001) == runner.LOOP_MAX_CALLS
+    assert runner.loop_calls(1000.0) == 1
 
 
 def test_markdown_shows_the_host_columns_when_the_run_has_them() -> None:
@@ -142,6 +167,7 @@ def test_markdown_shows_the_host_columns_when_the_run_has_them() -> None:
                 timing=runner.TimingStats.from_times([2.0, 3.0, 4.0]),
                 host_syncs=0,
                 host_timing=runner.TimingStats.from_times([0.25, 0.5, 0.75]),
+                loop_timing=runner.TimingStats.from_times([1.5, 1.25, 2.0]),
             )
         ),
         result_row(runner.Result("cce", "Apple CCE", SHAPE, reason="needs a CUDA device")),
@@ -155,7 +181,8 @@ def test_markdown_shows_the_host_columns_when_the_run_has_them() -> None:
     }
     markdown = render_markdown(payload)
     assert "each call replayed from a CUDA graph captured once" in markdown
-    assert "| N × V × H | method | median ms (min–max) | host ms | syncs | peak extra GiB | × floor |" in markdown
-    assert "|---|---|---:|---:|---:|---:|---:|" in markdown
-    assert "| 32 × 500 × 48 | flce:triton | 3.00 (2–4) | 0.50 | 0 | n/a | n/a |" in markdown
-    assert "|  | cce | skipped (1) | | | | |" in markdown
+    header = "| N × V × H | method | median ms (min–max) | host ms | syncs | loop ms | peak extra GiB | × floor |"
+    assert header in markdown
+    assert "|---|---|---:|---:|---:|---:|---:|---:|" in markdown
+    assert "| 32 × 500 × 48 | flce:triton | 3.00 (2–4) | 0.50 | 0 | 1.50 | n/a | n/a |" in markdown
+    assert "|  | cce | skipped (1) | | | | | |" in markdown

@@ -1,11 +1,13 @@
-"""``interleaved_times`` on the CPU: every workload runs once per round after an untimed
-warm-up round, in an order that rotates each round, with ``before`` ahead of every call."""
+"""The timing helpers on the CPU: ``interleaved_times`` runs every workload once per round
+after an untimed warm-up round, in an order that rotates each round, with ``before``
+ahead of every call; ``back_to_back_ms`` runs each call's setup, run and teardown in turn
+and divides the batch's time by its calls."""
 
 from __future__ import annotations
 
 import torch
 
-from flce.bench.timing import Workload, interleaved_times
+from flce.bench.timing import Workload, back_to_back_ms, interleaved_times
 
 
 def test_interleaved_times_rotates_the_order_and_drops_the_warm_up_round() -> None:
@@ -27,3 +29,15 @@ def test_interleaved_times_rotates_the_order_and_drops_the_warm_up_round() -> No
     rounds = [calls[i : i + 3] for i in range(0, 9, 3)]
     assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
     assert rounds[0] != rounds[1] != rounds[2]  # each round starts with another workload
+
+
+def test_back_to_back_runs_every_step_of_each_call_in_turn() -> None:
+    steps: list[str] = []
+    workload = Workload(
+        setup=lambda: steps.append("setup") or 7,
+        run=lambda state: steps.append(f"run {state}"),
+        teardown=lambda: steps.append("teardown"),
+    )
+    ms = back_to_back_ms(workload, torch.device("cpu"), calls=3)
+    assert steps == ["setup", "run 7", "teardown"] * 3
+    assert ms >= 0

@@ -255,6 +255,9 @@ HOST_MEASUREMENT_TEXT = {
     "syncs": 'synchronizing CUDA operations of one call after the warm-up (torch.cuda.set_sync_debug_mode("warn"))',
     "time": f"time.perf_counter until the call returns, median of {runner.HOST_CALLS} calls, each queued behind "
     f"a GPU spin of max({runner.MIN_BUSY_MS:g} ms, {runner.BUSY_FACTOR:g} x the call's wall time)",
+    "loop": f"CUDA events around calls queued back to back (setup, run, teardown; no sync between them), "
+    f"per call, median of {runner.LOOP_BATCHES} batches of enough calls for {runner.LOOP_BATCH_MS:g} ms "
+    f"(at most {runner.LOOP_MAX_CALLS}); fwd and full modes",
 }
 
 

@@ -42,6 +42,7 @@ CSV_FIELDS = (
     "host_ms",
     "host_syncs",
     "host_reason",
+    "loop_ms",
     "peak_extra_bytes",
     "peak_extra_gib",
     "tflops",
@@ -149,6 +150,8 @@ def result_row(r: Result) -> dict[str, Any]:
         "host_times_ms": list(r.host_timing.times_ms) if r.host_timing else None,
         "host_syncs": r.host_syncs,
         "host_reason": r.host_reason,
+        "loop_ms": r.loop_timing.median_ms if r.loop_timing else None,
+        "loop_times_ms": list(r.loop_timing.times_ms) if r.loop_timing else None,
         "peak_extra_bytes": r.peak_extra_bytes,
         "peak_extra_gib": None if r.peak_extra_bytes is None else r.peak_extra_bytes / GIB,
         "tflops": r.tflops,
@@ -199,6 +202,7 @@ TABLE_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any], str], ...] = (
     ("min–max ms", spread_text, "s"),
     ("host ms", lambda row: row.get("host_ms"), ".3f"),
     ("syncs", lambda row: row.get("host_syncs"), "d"),
+    ("loop ms", lambda row: row.get("loop_ms"), ".3f"),
     ("peak extra GiB", lambda row: row["peak_extra_gib"], ".3f"),
     ("TFLOP/s", lambda row: row["tflops"], ".1f"),
     ("× floor", lambda row: row["ratio_to_floor"], ".3f"),
@@ -206,6 +210,8 @@ TABLE_COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], Any], str], ...] = (
 LEFT_OUT = {
     "host ms": "host ms (until a call returns to Python, the GPU kept busy) and syncs (synchronizing "
     "CUDA operations per call) are measured on CUDA devices only",
+    "loop ms": "loop ms (per call, calls queued back to back as a training loop runs them) is measured "
+    "on CUDA devices, in the fwd and full modes",
     "peak extra GiB": "peak extra memory is tracked on CUDA devices only",
     "TFLOP/s": "TFLOP/s and × floor are left out off the GPU: there the GEMMs alone are no floor "
     "for the loss (small CPU runs time host work and PyTorch's CPU kernels)",
@@ -493,7 +499,9 @@ def render_markdown(payload: dict[str, Any]) -> str:
     ]
     # The host columns where the run measured them (CUDA, and results files that have them).
     host = any(row.get("host_ms") is not None for row in payload["results"] if row["status"] == "ok")
-    header = ["N × V × H", "method", "median ms (min–max)", *(["host ms", "syncs"] if host else []), "peak extra GiB"]
+    loop = any(row.get("loop_ms") is not None for row in payload["results"] if row["status"] == "ok")
+    header = ["N × V × H", "method", "median ms (min–max)", *(["host ms", "syncs"] if host else [])]
+    header += [*(["loop ms"] if loop else []), "peak extra GiB"]
     header.append("× floor")
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|---|---|" + "---:|" * (len(header) - 2))
@@ -510,6 +518,8 @@ def render_markdown(payload: dict[str, Any]) -> str:
         cells = [first, row["method"], f"{row['median_ms']:.2f} ({spread_text(row)})"]
         if host:
             cells += [fmt(row.get("host_ms"), ".2f"), fmt(row.get("host_syncs"), "d")]
+        if loop:
+            cells.append(fmt(row.get("loop_ms"), ".2f"))
         cells += [fmt(row["peak_extra_gib"], ".2f"), fmt(row["ratio_to_floor"], ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     if reasons:
@@ -524,8 +534,9 @@ def render_sections(payloads: Iterable[dict[str, Any]]) -> str:
     intro = (
         "Peak extra memory is what one call allocates beyond its inputs (gradients included); "
         "× floor is the time over the cuBLAS GEMMs alone (6NVH fwd+bwd, 2NVH forward, 4NVH backward); "
-        "host ms is the time until a call returns to Python with the GPU kept busy, and syncs the "
-        "synchronizing CUDA operations of one call (CUDA runs).\n"
+        "host ms is the time until a call returns to Python with the GPU kept busy, syncs the "
+        "synchronizing CUDA operations of one call, and loop ms the time per call of calls queued back "
+        "to back, as a training loop runs them (CUDA runs).\n"
     )
     return f"## Performance\n\n{intro}\n{body}"
 

@@ -1,6 +1,7 @@
 """The sweep: for each shape, every method warmed up, measured for memory, then
 timed round-robin (each round runs each method once, the order rotated); on CUDA,
-then the host side of its calls (syncs, host time with the GPU kept busy).
+then the host side of its calls (syncs, host time with the GPU kept busy, the time per
+call of calls queued back to back).
 
 A method that cannot run a case, or fails while running it (an error, out of
 memory), becomes a skipped result with the reason; the sweep goes on.
@@ -8,6 +9,7 @@ memory), becomes a skipped result with the reason; the sweep goes on.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,6 +25,7 @@ from flce.bench.timing import (
     Heater,
     TimingStats,
     Workload,
+    back_to_back_ms,
     call_once,
     count_host_syncs,
     free_memory,
@@ -35,9 +38,17 @@ from flce.bench.timing import (
 
 # Host-timed calls per method; their median is the host time reported.
 HOST_CALLS = 5
-# Calls of the host measurement per method: one counting syncs, one wall-clock estimate,
-# then the host-timed ones.
-HOST_STEPS = 2 + HOST_CALLS
+# Batches of calls queued back to back per method (``back_to_back_ms``); their median is
+# the loop time reported. A batch holds enough calls to last LOOP_BATCH_MS on an idle GPU
+# (the events' resolution and one call's jitter then weigh little), at most LOOP_MAX_CALLS.
+LOOP_BATCHES = 3
+LOOP_BATCH_MS = 20.0
+LOOP_MAX_CALLS = 50
+# Steps of the host measurement per method: one call counting syncs, one wall-clock
+# estimate, the host-timed calls and the back-to-back batches.
+HOST_STEPS = 2 + HOST_CALLS + LOOP_BATCHES
+# The back-to-back time includes each call's setup, which in the bwd mode runs the forward.
+LOOP_MODES = ("fwd", "full")
 # The spin queued on the GPU before each host-timed call: this many times the call's whole
 # wall time on an idle GPU (more than the host time of a call that does not synchronize),
 # and at least MIN_BUSY_MS.
@@ -130,6 +141,8 @@ class Result:
     host_syncs: int | None = None
     host_timing: TimingStats | None = None
     host_reason: str | None = None
+    # Milliseconds per call of calls queued back to back (``back_to_back_ms``), per batch.
+    loop_timing: TimingStats | None = None
 
     @property
     def ok(self) -> bool:
@@ -151,6 +164,7 @@ class Running:
     host_syncs: int | None = None
     host_times_ms: list[float] = field(default_factory=list)
     host_reason: str | None = None
+    loop_times_ms: list[float] = field(default_factory=list)
 
 
 Progress = Callable[[int, str], None]
@@ -235,11 +249,17 @@ def measure_runs(
             progress(1, f"{label} round {r + 1}/{config.rounds}")
 
 
+def loop_calls(wall_ms: float) -> int:
+    """Calls per back-to-back batch for a method whose call takes ``wall_ms`` on an idle GPU."""
+    return max(1, min(LOOP_MAX_CALLS, math.ceil(LOOP_BATCH_MS / max(wall_ms, 1e-3))))
+
+
 def measure_host(config: BenchConfig, label: str, runs: Sequence[Running], progress: Progress) -> None:
     """The host side of each run's calls, on CUDA (``config.measures_host``): the syncs of
     one call, then the host time of ``HOST_CALLS`` calls, each queued behind a spin on
-    the GPU so that only a sync makes the host wait. A failure here leaves the method's
-    timing alone and becomes its ``host_reason``."""
+    the GPU so that only a sync makes the host wait, then (``fwd`` and ``full`` modes) the
+    time per call of ``LOOP_BATCHES`` batches of calls queued back to back. A failure here
+    leaves the method's timing alone and becomes its ``host_reason``."""
     if not config.measures_host:
         return
     device = config.device
@@ -248,7 +268,8 @@ def measure_host(config: BenchConfig, label: str, runs: Sequence[Running], progr
         if run.failure is None:
             try:
                 run.host_syncs = count_host_syncs(run.workload, device)
-                busy_ms = max(MIN_BUSY_MS, BUSY_FACTOR * wall_time_once(run.workload, device))
+                wall_ms = wall_time_once(run.workload, device)
+                busy_ms = max(MIN_BUSY_MS, BUSY_FACTOR * wall_ms)
                 waits = 0
                 for _ in range(HOST_CALLS):
                     elapsed, waited = host_time_once(run.workload, device, busy, busy_ms)
@@ -259,9 +280,13 @@ def measure_host(config: BenchConfig, label: str, runs: Sequence[Running], progr
                         f"the GPU had run out of queued work before the call returned in {waits} of {HOST_CALLS} "
                         f"host-timed calls ({busy_ms:.0f} ms of spin queued before each): the call waits for the GPU"
                     )
+                if config.mode in LOOP_MODES:
+                    calls = loop_calls(wall_ms)
+                    run.loop_times_ms.extend(back_to_back_ms(run.workload, device, calls) for _ in range(LOOP_BATCHES))
             except Exception as exc:  # noqa: BLE001 - the timing stands without the host side
                 run.host_syncs = None
                 run.host_times_ms.clear()
+                run.loop_times_ms.clear()
                 run.host_reason = skip_reason(exc)
                 run.notes.append(f"host syncs and host time not measured: {run.host_reason}")
                 free_memory(device)
@@ -311,6 +336,7 @@ def _finish(config: BenchConfig, shape: Shape, runs: Sequence[Running]) -> list[
                 host_syncs=run.host_syncs,
                 host_timing=TimingStats.from_times(run.host_times_ms) if run.host_times_ms else None,
                 host_reason=run.host_reason if config.measures_host else config.host_not_measured,
+                loop_timing=TimingStats.from_times(run.loop_times_ms) if run.loop_times_ms else None,
             )
         )
     floor = next((r for r in results if r.is_floor and r.ok), None)

@@ -8,7 +8,8 @@ CPU the host clock is used and memory is not reported.
 On CUDA the host side of a call is measured too: the synchronizing CUDA operations
 one ``run`` makes (``count_host_syncs``), and the time until it returns to Python
 while the GPU is still busy with earlier work (``host_time_once``), which is what lets
-a training loop queue the next kernels while the GPU computes.
+a training loop queue the next kernels while the GPU computes, and the time per call of
+calls queued back to back (``back_to_back_ms``), which is what a loop of small calls sees.
 """
 
 from __future__ import annotations
@@ -146,6 +147,34 @@ def interleaved_times(
             if r:
                 times[name].append(elapsed)
     return times
+
+
+def back_to_back_ms(workload: Workload, device: torch.device, calls: int) -> float:
+    """Milliseconds per call of ``calls`` calls queued back to back, as a training loop runs
+    them: each call's setup, run and teardown with no synchronization in between, the
+    device timed at the two ends (CUDA events; the host clock off CUDA). Each call then
+    costs the larger of its host time and its GPU time, the GPU's work overlapping the
+    host's next call, where ``time_once`` also pays for a host starting cold after each
+    wait. The setup is inside the timing: for methods whose setup does no work (the
+    ``fwd`` and ``full`` modes)."""
+    synchronize(device)
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        t0 = time.perf_counter()
+    for _ in range(calls):
+        out = workload.run(workload.setup())
+        del out
+        workload.teardown()
+    if device.type == "cuda":
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end)
+    else:
+        elapsed = (time.perf_counter() - t0) * 1e3
+    return float(elapsed) / calls
 
 
 def call_once(workload: Workload) -> Any:
