@@ -211,11 +211,12 @@ def time_parts(x, w, logits, target, backends) -> str:
     class Identity(torch.autograd.Function):
         @staticmethod
         def forward(ctx, a, b):
+            ctx.shape = a.shape
             return a.sum()
 
         @staticmethod
         def backward(ctx, g):
-            return g.expand(8, x.shape[1]), None
+            return g.expand(ctx.shape), None
 
     parts["autograd.Function apply+backward"] = lambda: Identity.apply(x, w).backward()
     for backend in backends:
