@@ -49,6 +49,34 @@ def _block_sums(ce_weight: torch.Tensor | None, vocab: int, block: int, device: 
     return padded.view(-1, block).sum(dim=1)
 
 
+def _block_views(per_block: BlockStatistics, n_blocks: int) -> list[BlockStatistics]:
+    """The ``(B, N)`` per-block statistics as B ``BlockStatistics`` of ``(N,)`` row views
+    (one op per field for all the blocks)."""
+    fields = [
+        [None] * n_blocks if t is None else t.unbind(0)
+        for t in (
+            per_block.row_max,
+            per_block.row_sum,
+            per_block.target_shifted,
+            per_block.smooth_shifted,
+            per_block.argmax,
+        )
+    ]
+    return [BlockStatistics(*views) for views in zip(*fields, strict=True)]
+
+
+def _store_rows(into: BlockStatistics, r0: int, r1: int, stats: BlockStatistics, column_offset: int) -> None:
+    """Writes one block's statistics of rows ``[r0, r1)`` into its ``(N,)`` views ``into``,
+    the argmax as a global column."""
+    row_range(into.row_max, r0, r1).copy_(stats.row_max)
+    row_range(into.row_sum, r0, r1).copy_(stats.row_sum)
+    row_range(into.target_shifted, r0, r1).copy_(stats.target_shifted)
+    if into.smooth_shifted is not None:
+        row_range(into.smooth_shifted, r0, r1).copy_(stats.smooth_shifted)
+    if into.argmax is not None:
+        torch.add(stats.argmax, column_offset, out=row_range(into.argmax, r0, r1))
+
+
 def run_vocab_blocks(
     input: torch.Tensor,  # (N, H)
     weight: torch.Tensor,  # (V, H)
@@ -77,24 +105,28 @@ def run_vocab_blocks(
     safe_target = gather_safe_target(target, valid, vocab)
     buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device) if n_rows else None
 
+    # Each block's slices of the weights, as views made once for both passes (one op per
+    # tensor): the block's rows of W (dX), its columns of W^T (the logits GEMM), of the bias
+    # and of the class weights.
+    w_parts, w_t_parts = w.split(block), w.t().split(block, dim=1)
+    b_parts = [None] * len(w_parts) if b is None else b.split(block)
+    ce_parts = [None] * len(w_parts) if ce_weight is None else ce_weight.split(block)
+
     def blocks():
-        # Each block's slices of the weights are taken once per pass, not per row chunk.
-        for v0 in range(0, vocab, block):
-            v1 = min(v0 + block, vocab)
-            ce_block = None if ce_weight is None else ce_weight[v0:v1]
-            yield v0, v1, ce_block, w[v0:v1], None if b is None else b[v0:v1]
+        for index, v0 in enumerate(range(0, vocab, block)):
+            yield v0, min(v0 + block, vocab), ce_parts[index], w_parts[index], w_t_parts[index], b_parts[index]
 
     # The buffer seen as one full (chunk, block) tile: every logits tile but the last row
     # chunk's and the last block's, without a view op each.
     full_tile = buffer.view(chunk, block) if buffer is not None else None
 
-    def logits_of(r0: int, r1: int, x: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None):
-        rows_, cols = r1 - r0, w_block.shape[0]
+    def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
+        rows_, cols = r1 - r0, w_t_block.shape[1]
         logits = full_tile if (rows_, cols) == (chunk, block) else buffer[: rows_ * cols].view(rows_, cols)  # (C, V_b)
         if b_block is None:
-            torch.mm(x, w_block.t(), out=logits)
+            torch.mm(x, w_t_block, out=logits)
         else:
-            torch.addmm(b_block, x, w_block.t(), out=logits)
+            torch.addmm(b_block, x, w_t_block, out=logits)
         return logits
 
     def chunks():
@@ -102,38 +134,47 @@ def run_vocab_blocks(
             r1 = min(r0 + chunk, n_rows)
             yield r0, r1, in_compute_dtype(row_range(input, r0, r1), compute_dtype)
 
-    def local_target(r0: int, r1: int, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        local = row_range(safe_target, r0, r1) - v0
-        return local, row_range(valid, r0, r1) & (local >= 0) & (local < v1 - v0)
+    # Each block's targets, for both passes, from one block index per row: the target's
+    # column in the block where the block holds it, the block's width where another block
+    # does, -1 on ignored rows (the split-row kernels read any column outside the block as
+    # absent). Two ops per block and pass: every op costs host time, and with small blocks
+    # the host, not the GPU, set the pace.
+    block_starts = list(range(0, vocab, block))
+    n_blocks = len(block_starts)
+    block_of = torch.where(valid, torch.div(safe_target, block, rounding_mode="floor"), -1)  # (N,)
+    owned_by = block_of[None, :] == torch.arange(n_blocks, device=device)[:, None]  # (B, N) bool
+    owned_rows = owned_by.unbind(0)
+    absent = {width: torch.where(valid, width, -1) for width in {block, vocab - block_starts[-1]}}  # (N,) each
+
+    def block_target(index: int, v0: int, v1: int) -> torch.Tensor:  # (N,) int64
+        return torch.where(owned_rows[index], safe_target - v0, absent[v1 - v0])
 
     # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
     # and block), then combined over the blocks the way the vocab-parallel loss combines
     # them over ranks (``combine_blocks``).
-    block_starts = list(range(0, vocab, block))
     f32 = dict(dtype=torch.float32, device=device)
     per_block = BlockStatistics(
-        row_max=torch.empty(len(block_starts), n_rows, **f32),
-        row_sum=torch.empty(len(block_starts), n_rows, **f32),
-        target_shifted=torch.zeros(len(block_starts), n_rows, **f32),
-        smooth_shifted=torch.empty(len(block_starts), n_rows, **f32) if smoothing else None,
-        argmax=torch.empty(len(block_starts), n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
+        row_max=torch.empty(n_blocks, n_rows, **f32),
+        row_sum=torch.empty(n_blocks, n_rows, **f32),
+        target_shifted=torch.zeros(n_blocks, n_rows, **f32),
+        smooth_shifted=torch.empty(n_blocks, n_rows, **f32) if smoothing else None,
+        argmax=torch.empty(n_blocks, n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
     )
-    owned_by = torch.zeros(len(block_starts), n_rows, dtype=torch.bool, device=device)
     block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
-    for index, (v0, v1, ce_block, w_block, b_block) in enumerate(blocks()):
+    into_blocks = _block_views(per_block, n_blocks)
+    for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
+        target_of_block = block_target(index, v0, v1)
         for r0, r1, x in chunks():
-            local, owned = local_target(r0, r1, v0, v1)
             stats = kernels.statistics(
-                logits_of(r0, r1, x, w_block, b_block),
-                torch.where(owned, local, v1 - v0),
+                logits_of(r0, r1, x, w_t_block, b_block),
+                row_range(target_of_block, r0, r1),
                 ce_block,
                 scalars.softcap,
                 with_smoothing=smoothing,
                 with_argmax=per_block.argmax is not None,
                 approximate_tanh=scalars.approximate_tanh,
             )
-            per_block.store(index, slice(r0, r1), stats, column_offset=v0)
-            owned_by[index, r0:r1] = owned
+            _store_rows(into_blocks[index], r0, r1, stats, column_offset=v0)
     whole = combine_blocks(per_block, owned_by, block_weight_sums)
 
     row_max, log_s = whole.row_max, torch.log(whole.row_sum)
@@ -166,20 +207,20 @@ def run_vocab_blocks(
     # One row chunk per block: each dW block is written directly, which saves the
     # V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
     dw_direct = request.weight and weight_grad_in_one_gemm(n_rows, chunk, weight.dtype, compute_dtype, acc_dtype)
-    for v0, v1, ce_block, w_block, b_block in blocks():
+    dw_parts = dw.split(block) if dw is not None else None
+    for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
+        grad_target_of_block = block_target(index, v0, v1)
         if dw_direct:
-            dw_block = dw[v0:v1]  # (V_b, H) contiguous rows of dW
+            dw_block = dw_parts[index]  # (V_b, H) contiguous rows of dW
         elif request.weight:
             dw_block = torch.empty(v1 - v0, hidden, dtype=acc_dtype, device=device)
         else:
             dw_block = None
         for r0, r1, x in chunks():
-            local, owned = local_target(r0, r1, v0, v1)
-            grad_target = torch.where(owned, local, torch.where(row_range(valid, r0, r1), v1 - v0, -1))
-            grad = logits_of(r0, r1, x, w_block, b_block)
+            grad = logits_of(r0, r1, x, w_t_block, b_block)
             kernels.gradient(
                 grad,
-                grad_target,
+                row_range(grad_target_of_block, r0, r1),
                 ce_block,
                 row_range(row_max, r0, r1),
                 row_range(inv_sum, r0, r1),

@@ -392,17 +392,6 @@ class BlockStatistics:
     smooth_shifted: torch.Tensor | None  # (C,) sum_i w_i (z'_i - row_max), with label smoothing
     argmax: torch.Tensor | None  # (C,) first argmax within the block (a global column once combined)
 
-    def store(self, block: int, rows: slice, stats: BlockStatistics, column_offset: int) -> None:
-        """Writes one block's statistics of rows ``rows`` into these ``(B, N)`` per-block
-        tensors (the argmax as a global column)."""
-        self.row_max[block, rows] = stats.row_max
-        self.row_sum[block, rows] = stats.row_sum
-        self.target_shifted[block, rows] = stats.target_shifted
-        if self.smooth_shifted is not None:
-            self.smooth_shifted[block, rows] = stats.smooth_shifted
-        if self.argmax is not None:
-            self.argmax[block, rows] = stats.argmax + column_offset
-
     def rebased(
         self,
         new_max: torch.Tensor,  # (C,) a reference point >= row_max (the running or global max)
