@@ -33,8 +33,10 @@ from flce.driver.schemes import (
     token_scheme,
 )
 from flce.driver.sizing import (
+    BLOCK_ALIGNMENT,
     CallShape,
     default_chunk_size,
+    largest_block,
     peak_extra_bytes,
     token_chunk_memory,
     vocab_block_memory,
@@ -96,6 +98,31 @@ def test_vocabulary_block_peak_matches_the_gpu_test_formula():
     # 2048 rows per chunk: an fp32 V_b x H block of dW instead of dX's bf16 cast at the end.
     several = 2048 * block * 2 + n * h * 4 + v * h * 2 + max(block * h * 4, n * h * 2)
     assert vocab_block_memory(call, 2048, block).peak == several + statistics
+
+
+def test_the_fused_first_pass_in_the_block_formulas():
+    """Where the backend's fused statistics GEMM takes the vocabulary blocks' first pass,
+    the (B, N) statistics shrink to the target-ownership flags, the pass's peak is the
+    GEMM's workspace, and the model saves one read of the logits and the first pass's
+    steps for the fused GEMM's 5%."""
+    n, h, v, block = 8192, 4096, 128256, 8064
+    n_blocks, workspace = -(-v // block), 50 * MIB
+    plain = CallShape(n, v, h)
+    fused = dataclasses.replace(plain, whole_row_statistics_bytes=workspace)
+    saved_memory = n_blocks * n * (plain.block_statistics_bytes - 1)
+    assert vocab_block_memory(plain, n, block).peak - vocab_block_memory(fused, n, block).peak == saved_memory
+    no_gradients = dataclasses.replace(fused, grad_input=False, grad_weight=False)
+    assert vocab_block_memory(no_gradients, n, block).peak == workspace + n_blocks * n
+    saved_seconds = (
+        n * v * 2 / schemes.LOGITS_PASS_BYTES_PER_SECOND
+        + (n_blocks - 1) * schemes.SECONDS_PER_STEP
+        - 2 * n * v * h * (schemes.FUSED_STATISTICS_GEMM_SLOWDOWN - 1) / schemes.GEMM_FLOPS_PER_SECOND
+    )
+    plain_scheme, fused_scheme = block_scheme(plain, n, block), block_scheme(fused, n, block)
+    assert math.isclose(plain_scheme.seconds - fused_scheme.seconds, saved_seconds, rel_tol=1e-9)
+    assert fused_scheme.fused_first_pass and not plain_scheme.fused_first_pass
+    assert fused_scheme.describe(n).endswith("statistics from one fused GEMM")
+    assert schemes._block_lower_bound(fused) < schemes._block_lower_bound(plain)
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -186,6 +213,8 @@ def calls(draw):
         chunk_extra_bytes_per_logit=extra,
         block_extra_bytes_per_logit=extra,
         block_statistics_bytes=13 + draw(st.sampled_from([0, 4, 12])),
+        # The vocabulary blocks' first pass from a fused statistics GEMM (cutedsl on Hopper).
+        whole_row_statistics_bytes=draw(st.sampled_from([None, 0, 2**20, 48 * 2**20])),
     )
 
 
@@ -198,6 +227,32 @@ def test_more_budget_is_never_slower(call, low, high):
     first, second = choose_scheme(call, small), choose_scheme(call, large)
     assert first.memory.workspace <= small and second.memory.workspace <= large
     assert second.seconds <= first.seconds
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=calls(), fraction=st.floats(0, 1))
+def test_chosen_blocks_are_aligned_where_an_aligned_width_fits(call, fraction):
+    """cuBLAS runs unaligned leading dimensions on slow kernels (measured 5-7x the floor):
+    a vocabulary block the chooser picks is a multiple of ``BLOCK_ALIGNMENT`` columns or
+    the whole vocabulary, unless not even one aligned width fits the budget. Per-block
+    statistics as cheap as the fused first pass's put the least-workspace block below
+    one alignment, which must not make wider budgets pick unaligned blocks."""
+    least = smallest_scheme(call).memory.workspace
+    most = token_scheme(call, call.n_rows).memory.workspace
+    budget = round(least + fraction * max(most - least, 0))
+    chosen = choose_scheme(call, budget)
+    if chosen.block is None or chosen.block >= call.vocab or chosen.block % BLOCK_ALIGNMENT == 0:
+        return
+    aligned = vocab_block_memory(call, chosen.rows, BLOCK_ALIGNMENT).workspace
+    assert call.vocab <= BLOCK_ALIGNMENT or aligned > budget, (chosen, budget)
+
+
+def test_the_fused_first_pass_keeps_the_blocks_aligned_at_real_shapes():
+    for v in (32000, 128256):
+        call = dataclasses.replace(CallShape(8192, v, 4096), whole_row_statistics_bytes=50 * MIB)
+        for mib in (140, 170, 180, 295, 832):
+            block = largest_block(call, 8192, mib * MIB)
+            assert block % BLOCK_ALIGNMENT == 0 or block == v, (v, mib, block)
 
 
 def test_the_least_budget_runs_and_one_byte_less_names_it():

@@ -9,7 +9,9 @@ scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the oper
   whole-row statistics from one fused GEMM, no logits buffer (``flce.driver.fused``);
 - otherwise token chunks (``flce.driver.chunks``) or token chunks x vocabulary blocks
   (``flce.driver.vocab_blocks``): ``chunk_size``/``vocab_chunk_size`` when given, else
-  the fastest that fits the memory budget (``flce.driver.schemes``).
+  the fastest that fits the memory budget (``flce.driver.schemes``). Where the same
+  ``loss_only`` slot applies, the vocabulary blocks take their first pass (the whole
+  rows' statistics) from its one fused GEMM instead of a GEMM and a pass per block.
 
 ``forward`` and ``backward`` are the host functions around ``run``, shared by the
 autograd Function below (``LossFunction``), the no-grad path of the public functions,
@@ -38,10 +40,10 @@ from typing import Protocol
 
 import torch
 
-from flce.backends.base import BackendSpec, SplitRowKernels, softcap_tanh_is_approximate
+from flce.backends.base import BackendSpec, LossOnlyStatistics, SplitRowKernels, softcap_tanh_is_approximate
 from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
-from flce.driver.fused import loss_only_refusal, run_fused_statistics
+from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row_statistics_refusal
 from flce.driver.scaling import scale_gradients_, scaled_gradients
 from flce.driver.schemes import Scheme, options_for_scheme, scheme_of_call
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
@@ -213,7 +215,9 @@ class Plan(CrossEntropyPlan):
                 self.product_scalars,
             )
             return rows, Gradients(None, None, None)
-        scheme = self.scheme(o, request)
+        # (Only a backend with the slot pays for the question: host time on every call.)
+        whole_rows = None if self.backend.loss_only is None else self._whole_row_statistics(o)
+        scheme = self.scheme(o, request, whole_rows)
         options = options_for_scheme(self.options, scheme.rows, scheme.block)
         if scheme.block is not None:
             return run_vocab_blocks(
@@ -228,6 +232,7 @@ class Plan(CrossEntropyPlan):
                 self.product_scalars,
                 request,
                 row_grad_scale,
+                fused_statistics=whole_rows,
             )
         return run_chunks(
             o.input,
@@ -243,18 +248,27 @@ class Plan(CrossEntropyPlan):
             row_grad_scale,
         )
 
-    def scheme(self, o: LinearOperands, request: GradRequest) -> Scheme:
-        """Token chunks or vocabulary blocks, sized by the memory budget (``flce.driver.schemes``)."""
+    def scheme(self, o: LinearOperands, request: GradRequest, whole_rows: LossOnlyStatistics | None = None) -> Scheme:
+        """Token chunks or vocabulary blocks, sized by the memory budget (``flce.driver.schemes``);
+        ``whole_rows``: the fused statistics the vocabulary blocks' first pass would take."""
         return scheme_of_call(
-            o.input, o.weight, o.bias, request, self.options, self.compute_dtype, self.backend, self.split_kernels
+            o.input,
+            o.weight,
+            o.bias,
+            request,
+            self.options,
+            self.compute_dtype,
+            self.backend,
+            self.split_kernels,
+            whole_row_statistics=whole_rows,
         )
 
-    def _loss_only_applies(self, o: LinearOperands) -> bool:
+    def _whole_row_statistics_apply(self, o: LinearOperands) -> bool:
         # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
         weight_tma_ready = o.weight.is_contiguous() and (
             o.weight.dtype != self.compute_dtype or o.weight.data_ptr() % 16 == 0
         )
-        return loss_only_applies(
+        return whole_row_statistics_apply(
             self.backend,
             self.options,
             self.compute_dtype,
@@ -264,6 +278,35 @@ class Plan(CrossEntropyPlan):
             has_ce_weight=o.ce_weight is not None,
             weight_tma_ready=weight_tma_ready,
         )
+
+    def _loss_only_applies(self, o: LinearOperands) -> bool:
+        refused = loss_only_refusal(self.options, o.ce_weight is not None) is not None
+        return not refused and self._whole_row_statistics_apply(o)
+
+    def _whole_row_statistics(self, o: LinearOperands) -> LossOnlyStatistics | None:
+        """The backend's fused statistics where the vocabulary blocks' first pass can take them."""
+        return self.backend.loss_only if self._whole_row_statistics_apply(o) else None
+
+
+def whole_row_statistics_apply(
+    backend: BackendSpec,
+    options: LossOptions,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    hidden: int,
+    vocab: int,
+    *,
+    has_ce_weight: bool,
+    weight_tma_ready: bool,
+) -> bool:
+    """Whether the backend's ``loss_only`` slot (whole-row statistics from one fused GEMM)
+    gives a call's loss rows: a call without gradients then runs on it alone
+    (``loss_only_applies``), and the vocabulary blocks take their first pass from it."""
+    hook = backend.loss_only
+    if hook is None or whole_row_statistics_refusal(options, has_ce_weight) is not None:
+        return False
+    applicable, _ = hook.applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)
+    return applicable
 
 
 def loss_only_applies(
@@ -277,13 +320,20 @@ def loss_only_applies(
     has_ce_weight: bool,
     weight_tma_ready: bool,
 ) -> bool:
-    """Whether a call without gradients runs the backend's ``loss_only`` slot (whole-row
-    statistics from one fused GEMM) rather than the chunked schemes."""
-    hook = backend.loss_only
-    if hook is None or loss_only_refusal(options, has_ce_weight) is not None:
+    """Whether a call without gradients runs the backend's ``loss_only`` slot rather than
+    the chunked schemes (``loss_only_refusal``: ``vocab_chunk_size`` keeps the blocks)."""
+    if loss_only_refusal(options, has_ce_weight) is not None:
         return False
-    applicable, _ = hook.applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)
-    return applicable
+    return whole_row_statistics_apply(
+        backend,
+        options,
+        compute_dtype,
+        device,
+        hidden,
+        vocab,
+        has_ce_weight=has_ce_weight,
+        weight_tma_ready=weight_tma_ready,
+    )
 
 
 def split_kernels_for(options: LossOptions, backend: BackendSpec) -> SplitRowKernels | None:

@@ -31,9 +31,10 @@ from flce.backends import cutedsl
 from flce.backends.base import LossOnlyStatistics
 from flce.backends.cutedsl import fused_forward_applicable
 from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
-from flce.dispatch import get_backend
-from flce.driver import fused
-from flce.driver.chunks import allocate_rows
+from flce.dispatch import get_backend, split_rows_of
+from flce.driver import fused, vocab_blocks
+from flce.driver.chunks import GradRequest, allocate_rows
+from flce.driver.schemes import describe_call, scheme_for_call
 from flce.driver.statistics import batch_statistics, chunk_scalars
 from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
@@ -189,7 +190,9 @@ def test_rows_match_the_chunk_kernel(reduction, feature, ignore_index):
     _, scalars = _scalars(options, target, ce_weight, vocab)
 
     hook = LossOnlyStatistics(
-        applicable=None, statistics=lambda x, w, y, bias, softcap, with_logit_sum: _dense_statistics(x.float(), y)
+        applicable=None,
+        statistics=lambda x, w, y, bias, softcap, with_logit_sum: _dense_statistics(x.float(), y),
+        workspace_bytes=cutedsl.fused_forward_workspace_bytes,
     )
     softcapped = z if options.softcap is None else options.softcap * torch.tanh(z / options.softcap)
     # The "GEMM" of an identity weight: the statistics of the given logits.
@@ -235,7 +238,11 @@ def fused_on_cpu(monkeypatch):
     spec = dataclasses.replace(
         get_backend("torch"),
         name="cutedsl",
-        loss_only=LossOnlyStatistics(applicable=fused_forward_applicable, statistics=_kernel_stand_in),
+        loss_only=LossOnlyStatistics(
+            applicable=fused_forward_applicable,
+            statistics=_kernel_stand_in,
+            workspace_bytes=cutedsl.fused_forward_workspace_bytes,
+        ),
     )
     monkeypatch.setattr(flce_plan, "resolve_backend", lambda backend, device: spec)
     monkeypatch.setattr(cutedsl, "_capability", lambda device_type, index: HOPPER)
@@ -417,6 +424,133 @@ def test_cpu_all_rows_ignored_and_no_rows(fused_on_cpu):
     assert empty.shape == (0,)
 
 
+# ---------------------------------------------- the vocabulary blocks' first pass (CPU)
+class _CountingKernels:
+    """Split-row kernels that count the calls of their statistics pass."""
+
+    def __init__(self, kernels, counts: dict) -> None:
+        self._kernels, self._counts = kernels, counts
+
+    def __getattr__(self, name):
+        return getattr(self._kernels, name)
+
+    def statistics(self, *args, **kwargs):
+        self._counts["block_statistics"] += 1
+        return self._kernels.statistics(*args, **kwargs)
+
+
+@pytest.fixture
+def first_passes(monkeypatch) -> dict:
+    """Counts how the vocabulary blocks' first passes ran: ``fused`` (one call of the fused
+    statistics) and ``block_statistics`` (the split-row statistics pass of each block)."""
+    counts = {"fused": 0, "block_statistics": 0}
+    real_fused, real_blocks = vocab_blocks.fused_whole_row_statistics, flce_plan.run_vocab_blocks
+
+    def fused_counted(*args, **kwargs):
+        counts["fused"] += 1
+        return real_fused(*args, **kwargs)
+
+    def blocks_counted(*args, **kwargs):
+        args = list(args)
+        args[6] = _CountingKernels(args[6], counts)  # run_vocab_blocks' split-row kernels
+        return real_blocks(*args, **kwargs)
+
+    monkeypatch.setattr(vocab_blocks, "fused_whole_row_statistics", fused_counted)
+    monkeypatch.setattr(flce_plan, "run_vocab_blocks", blocks_counted)
+    return counts
+
+
+BLOCK_CASES = [(BF16, feature) for feature in FUSED_FEATURES] + [(FP16, "plain"), (FP16, "all_unweighted")]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize(("dtype", "feature"), BLOCK_CASES, ids=[f"{d}-{f}" for d, f in BLOCK_CASES])
+def test_cpu_vocab_blocks_take_their_first_pass_from_it(fused_on_cpu, first_passes, dtype, reduction, feature):
+    """Forward and every gradient through vocabulary blocks (V = 1031 in ragged blocks of
+    300, token chunks of 40) whose row statistics come from the fused statistics in one
+    call, judged against float64; no block runs the statistics pass."""
+    case = Case(
+        n_rows=93,
+        hidden=64,
+        vocab=1031,
+        dtype=dtype,
+        reduction=reduction,
+        feature=feature,
+        options=FUSED_FEATURES[feature],
+        bias=feature.startswith("all"),
+        chunk_size=40,
+        vocab_chunk_size=300,
+        seed=len(feature) + 7,
+    )
+    outcome = run_case(case, "cutedsl", CPU)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert first_passes["fused"] >= 1 and first_passes["block_statistics"] == 0
+    assert len(fused_on_cpu) == 0  # gradients: never the loss-only route
+
+
+def test_cpu_vocab_blocks_first_pass_in_one_chunk_and_without_gradients(fused_on_cpu, first_passes):
+    x, w, b, y = _problem()
+    options = dict(bias=b, backend="cutedsl", vocab_chunk_size=64, **ALL_OPTIONS)
+    # One row chunk: each dW block written by one GEMM.
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    out = flce.fused_linear_cross_entropy(*leaves, y, **options)
+    out.loss.backward()
+    ref_leaves = [t.double().requires_grad_() for t in (x, w)]
+    math_options = {name: value for name, value in ALL_OPTIONS.items() if not name.startswith("return_")}
+    ref = fused_linear_cross_entropy_reference(*ref_leaves, y, b.double(), **math_options)
+    ref.loss.backward()
+    torch.testing.assert_close(out.loss.double(), ref.loss, rtol=2e-2, atol=1e-3)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=5e-2, atol=5e-3)
+    assert first_passes == {"fused": 1, "block_statistics": 0}
+    # Without gradients vocab_chunk_size still selects the blocks (the loss-only route
+    # refuses it), whose one pass is then the fused statistics.
+    with torch.no_grad():
+        loss_only = flce.fused_linear_cross_entropy(x, w, y, **options)
+    assert first_passes == {"fused": 2, "block_statistics": 0} and len(fused_on_cpu) == 0
+    torch.testing.assert_close(loss_only.loss, out.loss.detach())
+
+
+@pytest.mark.parametrize("why", ["smoothing_with_weights", "fp32", "hidden_not_multiple_of_64", "not_hopper"])
+def test_cpu_vocab_blocks_fall_back_to_block_statistics(fused_on_cpu, first_passes, monkeypatch, why):
+    options = SMOOTHING_WITH_WEIGHTS if why == "smoothing_with_weights" else FUSED_FEATURES["all_unweighted"]
+    if why == "not_hopper":
+        monkeypatch.setattr(cutedsl, "_capability", lambda device_type, index: (10, 0))
+    case = Case(
+        n_rows=45,
+        hidden=40 if why == "hidden_not_multiple_of_64" else 64,
+        vocab=211,
+        dtype=FP32 if why == "fp32" else BF16,
+        feature=why,
+        options=options,
+        chunk_size=16,
+        vocab_chunk_size=64,
+    )
+    outcome = run_case(case, "cutedsl", CPU)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert first_passes["fused"] == 0 and first_passes["block_statistics"] > 0
+
+
+def test_cpu_the_chooser_counts_the_fused_first_pass(fused_on_cpu, first_passes, monkeypatch):
+    """Under a budget that only vocabulary blocks fit, the scheme the call runs is the one
+    the chooser predicted with the fused first pass (its workspace and time), and the
+    bench's description of the call says so."""
+    x, w, _, y = _problem(n=64, h=64, v=2048)
+    spec = flce_plan.resolve_backend("cutedsl", CPU)
+    options = LossOptions(backend="cutedsl", memory_budget=64 * 1024)
+    request = GradRequest(input=True, weight=True)
+    call = describe_call(
+        x, w, None, request, options, BF16, spec, split_rows_of(spec), whole_row_statistics=spec.loss_only
+    )
+    assert call.whole_row_statistics_bytes == cutedsl.fused_forward_workspace_bytes(64, 2048, False, False)
+    chosen = scheme_for_call(call, options, CPU)
+    assert chosen.block is not None and chosen.fused_first_pass
+    assert "statistics from one fused GEMM" in chosen.describe(64)
+    leaves = [t.clone().requires_grad_() for t in (x, w)]
+    flce.fused_linear_cross_entropy(*leaves, y, backend="cutedsl", memory_budget=64 * 1024).backward()
+    assert first_passes["fused"] == 1 and first_passes["block_statistics"] == 0
+
+
 # ---------------------------------------------------------------------- GPU
 HAS_DSL = importlib.util.find_spec("cutlass") is not None
 HAS_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
@@ -498,3 +632,100 @@ def test_gpu_smoothing_with_weights_falls_back(monkeypatch, reduction):
     outcome = run_case(case, "cutedsl", CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
     assert len(calls) == 0
+
+
+# The vocabulary blocks' first pass through the kernel: every feature set the fused
+# statistics support at bf16, V = 32000 in ragged blocks of 12800, in one row chunk (dW
+# blocks written directly) and in chunks of 96 rows (fp32 dW blocks), with all gradients.
+GPU_BLOCK_CASES = [(feature, rows) for feature in ("plain", "all_unweighted", "all_weighted") for rows in (None, 96)]
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature,chunk_size", GPU_BLOCK_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_vocab_blocks_take_their_first_pass_from_it(first_passes, feature, chunk_size, reduction):
+    case = Case(
+        n_rows=200,
+        hidden=128,
+        vocab=32000,
+        dtype=BF16,
+        reduction=reduction,
+        feature=feature,
+        options=FUSED_FEATURES[feature],
+        bias=feature.startswith("all"),
+        chunk_size=chunk_size,
+        vocab_chunk_size=12800,
+        seed=len(feature),
+    )
+    outcome = run_case(case, "cutedsl", CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert first_passes["fused"] >= 1 and first_passes["block_statistics"] == 0
+
+
+@needs_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,vocab,with_logit_sum,bias", [(1000, 32000, False, False), (600, 151936, True, True)])
+def test_gpu_the_workspace_formula_is_what_the_kernel_allocates(n, vocab, with_logit_sum, bias):
+    """``fused_forward_workspace_bytes`` (the memory model's term, written without cutlass)
+    against the allocations of the kernel's call, and its constants against the kernel's."""
+    from flce.backends.cutedsl import fused_forward
+
+    config = fused_forward.DEFAULT_CONFIG
+    assert config.tile_n == cutedsl.FUSED_FORWARD_TILE_N
+    assert config.tile_m * config.cluster_m == cutedsl.FUSED_FORWARD_CLUSTER_ROWS
+    x = torch.randn(n, 128, device=CUDA, dtype=BF16)
+    w = torch.randn(vocab, 128, device=CUDA, dtype=BF16)
+    b = torch.randn(vocab, device=CUDA, dtype=BF16) if bias else None
+    y = torch.randint(0, vocab, (n,), device=CUDA)
+
+    def call():
+        return fused_forward.fused_forward_statistics(x, w, y, bias=b, with_logit_sum=with_logit_sum)
+
+    call()  # compiled outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    formula = cutedsl.fused_forward_workspace_bytes(n, vocab, with_logit_sum, bias)
+    # The caching allocator rounds each of the ~8 allocations up to 512 bytes.
+    assert formula <= peak <= formula + 8 * 512, (peak, formula)
+    del out
+
+
+@needs_hopper
+@pytest.mark.gpu
+def test_gpu_vocab_blocks_peak_follows_the_model_at_the_reference_shape():
+    """The fused first pass at N = 8192, H = 4096, V = 128256 in blocks of 8064 columns,
+    one row chunk: the peak the memory model predicts for the scheme (the one the chooser
+    ranks by) is what the call allocates, within 1%."""
+    n, h, v, block = 8192, 4096, 128256, 8064
+    x = torch.randn(n, h, device=CUDA, dtype=BF16, requires_grad=True)
+    w = (torch.randn(v, h, device=CUDA, dtype=BF16) * 0.02).requires_grad_()
+    y = torch.randint(0, v, (n,), device=CUDA)
+    spec = get_backend("cutedsl")
+    options = LossOptions(backend="cutedsl", vocab_chunk_size=block)
+    call = describe_call(
+        x,
+        w,
+        None,
+        GradRequest(True, True),
+        options,
+        BF16,
+        spec,
+        split_rows_of(spec),
+        whole_row_statistics=spec.loss_only,
+    )
+    predicted = scheme_for_call(call, options, CUDA)
+    assert predicted.fused_first_pass and predicted.rows == n
+    flce.fused_linear_cross_entropy(x, w, y, backend="cutedsl", vocab_chunk_size=block).backward()  # compiled
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    flce.fused_linear_cross_entropy(x, w, y, backend="cutedsl", vocab_chunk_size=block).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert abs(peak / predicted.memory.peak - 1) < 0.01, (peak / 2**30, predicted.memory.peak / 2**30)

@@ -145,7 +145,9 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
         assert peak >= 0.9 * formula, message
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+# cutedsl on Hopper takes the blocks' first pass from its fused statistics GEMM in bf16
+# (in fp32, and for "all", whose class weights come with label smoothing, block by block).
+@pytest.mark.parametrize("backend", ["triton", "torch", "cutedsl"])
 @pytest.mark.parametrize("vocab", [32000, 151936])
 @pytest.mark.parametrize("feature", ["plain", "all"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -283,15 +283,19 @@ class InPlaceSplitRowKernels:
 @dataclass(frozen=True)
 class LossOnlyStatistics:
     """Optional slot: whole-row statistics of ``z' = softcap(x W^T + b)`` from one GEMM whose
-    epilogue reduces each logits tile (no logits buffer), for calls without gradients.
+    epilogue reduces each logits tile (no logits buffer), for calls without gradients and
+    for the first pass of the vocabulary-block scheme.
 
     ``applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)`` -> ``(ok, reason)``;
     ``statistics(x, w, target, bias=, softcap=, with_logit_sum=)`` -> dict of (N,) tensors
-    ``lse``, ``target_logit``, ``predicted`` (and ``logit_sum``).
+    ``lse``, ``target_logit``, ``predicted`` (and ``logit_sum``);
+    ``workspace_bytes(num_rows, vocab, with_logit_sum, has_bias)`` -> the bytes
+    ``statistics`` allocates, its outputs included (the memory model's term for it).
     """
 
     applicable: Callable[[torch.device, torch.dtype, int, int, bool], tuple[bool, str]]
     statistics: Callable[..., dict]
+    workspace_bytes: Callable[[int, int, bool, bool], int]
 
 
 @dataclass(frozen=True)

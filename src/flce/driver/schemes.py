@@ -28,12 +28,15 @@ with, for ``k`` row chunks and ``B`` vocabulary blocks (dX and dW requested):
 - GEMM FLOPs: 6NVH; vocabulary blocks 8NVH (the logits again in the gradient pass);
 - logits passes: the CE kernel reads and writes the logits once (2NV bytes per byte of
   the compute dtype); vocabulary blocks read them in the statistics pass and read and
-  write them in the gradient pass (3NV);
+  write them in the gradient pass (3NV), or, where the backend's fused statistics GEMM
+  takes the first pass (``CallShape.whole_row_statistics_bytes``), only in the gradient
+  pass (2NV), that GEMM's FLOPs counted ``FUSED_STATISTICS_GEMM_SLOWDOWN`` times;
 - accumulator traffic: with one chunk, none (dW written by one GEMM); with ``k`` chunks
   the fp32 dW accumulator is written, read and written again ``k - 1`` times and cast at
   the end: ``8k*V*H`` bytes more than writing a bf16 dW once; vocabulary blocks add the
   fp32 dX accumulator's read and write per block, ``8B*N*H``;
-- steps: ``k`` chunks; ``2*B*k`` block passes for vocabulary blocks.
+- steps: ``k`` chunks; ``2*B*k`` block passes for vocabulary blocks (``B*k + 1`` with the
+  fused first pass).
 
 The constants are H200 bf16 measurements (``benchmarks/results/``):
 
@@ -41,6 +44,9 @@ The constants are H200 bf16 measurements (``benchmarks/results/``):
   over the six fwd+bwd shapes of ``fwd-bwd-h200/`` and ``memory-mode-h200/``;
 - ``LOGITS_PASS_BYTES_PER_SECOND``: the CuTe DSL CE kernel alone moves 2832 GB/s counting
   one read and one write of bf16 logits (``ce-kernel-h200/``);
+- ``FUSED_STATISTICS_GEMM_SLOWDOWN``: the CuTe DSL fused statistics GEMM ran at
+  1.034-1.052x ``torch.mm`` of the same logits at V = 32000-128256
+  (``fused-forward-gemm-h200/``);
 - ``ACCUMULATOR_BYTES_PER_SECOND`` and ``SECONDS_PER_STEP``: fitted to ``chunk-size-h200/``
   at the reference shape, one chunk 39.41 ms, two 40.85 ms, four 42.41 ms: 1.44 and
   3.00 ms for 8.4 and 16.8 GB of accumulator traffic with one and three more chunks give
@@ -64,7 +70,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flce.backends.base import BackendSpec, SplitRowKernels
+from flce.backends.base import BackendSpec, LossOnlyStatistics, SplitRowKernels
 from flce.driver.chunks import GradRequest
 from flce.driver.gemm import fp32_output_gemm_supported, weight_accumulator_dtype
 from flce.driver.sizing import (
@@ -93,6 +99,7 @@ GEMM_FLOPS_PER_SECOND = 690e12
 LOGITS_PASS_BYTES_PER_SECOND = 2.83e12
 ACCUMULATOR_BYTES_PER_SECOND = 6.37e12
 SECONDS_PER_STEP = 0.12e-3
+FUSED_STATISTICS_GEMM_SLOWDOWN = 1.05
 MIB = 2**20
 
 
@@ -108,6 +115,7 @@ class Scheme:
     block: int | None  # vocabulary columns per block; None: whole rows
     memory: Memory
     seconds: float
+    fused_first_pass: bool = False  # vocabulary blocks: the statistics from one fused GEMM
 
     def name(self, n_rows: int) -> str:
         if self.block is not None:
@@ -116,7 +124,8 @@ class Scheme:
 
     def describe(self, n_rows: int) -> str:
         if self.block is not None:
-            return f"vocabulary blocks of {self.block} columns, {self.rows} rows per chunk"
+            text = f"vocabulary blocks of {self.block} columns, {self.rows} rows per chunk"
+            return text + ", statistics from one fused GEMM" if self.fused_first_pass else text
         if self.rows >= n_rows:
             return f"one chunk of {n_rows} rows"
         return f"token chunks of {self.rows} rows"
@@ -153,14 +162,19 @@ def predicted_seconds(call: CallShape, rows: int, block: int | None = None) -> f
         n_blocks = math.ceil(v / block)
         passes = 2 if call.any_gradient else 1
         gemm_flops += 2 * n * v * h * (passes - 1)  # the logits again in the gradient pass
-        logits_bytes = logits_elements * call.compute_dtype.itemsize * (3 if call.any_gradient else 1)
+        if call.whole_row_statistics_bytes is None:
+            logits_bytes = logits_elements * call.compute_dtype.itemsize * (3 if call.any_gradient else 1)
+            steps = n_blocks * n_chunks * passes
+        else:  # the first pass is one fused GEMM: no logits stored or read, one step
+            gemm_flops += 2 * n * v * h * (FUSED_STATISTICS_GEMM_SLOWDOWN - 1)
+            logits_bytes = logits_elements * call.compute_dtype.itemsize * (2 if call.any_gradient else 0)
+            steps = 1 + n_blocks * n_chunks * (passes - 1)
         accumulator = _weight_accumulator_traffic(call, n_chunks, True) if call.any_gradient else 0
         if call.grad_input:  # dX in fp32: zeroed, read and written per block, cast at the end
             dx_elements = n * h
             accumulator += dx_elements * (4 + 8 * n_blocks)
             if call.input_dtype != torch.float32:
                 accumulator += dx_elements * 4
-        steps = n_blocks * n_chunks * passes
     return (
         gemm_flops / GEMM_FLOPS_PER_SECOND
         + logits_bytes / LOGITS_PASS_BYTES_PER_SECOND
@@ -176,7 +190,13 @@ def token_scheme(call: CallShape, rows: int) -> Scheme:
 
 def block_scheme(call: CallShape, rows: int, block: int) -> Scheme:
     rows, block = max(1, min(rows, max(call.n_rows, 1))), max(1, min(block, call.vocab))
-    return Scheme(rows, block, vocab_block_memory(call, rows, block), predicted_seconds(call, rows, block))
+    return Scheme(
+        rows,
+        block,
+        vocab_block_memory(call, rows, block),
+        predicted_seconds(call, rows, block),
+        fused_first_pass=call.whole_row_statistics_bytes is not None,
+    )
 
 
 def _block_row_counts(n_rows: int) -> list[int]:
@@ -206,7 +226,10 @@ def _block_lower_bound(call: CallShape) -> float:
     n, v, h = call.n_rows, call.vocab, call.hidden
     passes = 2 if call.any_gradient else 1
     gemm_flops = 2 * n * v * h * (call.grad_input + call.grad_weight + passes)
-    logits_bytes = n * v * call.compute_dtype.itemsize * (3 if call.any_gradient else 1)
+    logits_passes = 3 if call.any_gradient else 1
+    if call.whole_row_statistics_bytes is not None:
+        logits_passes -= 1  # the statistics pass is in the fused GEMM's epilogue
+    logits_bytes = n * v * call.compute_dtype.itemsize * logits_passes
     return gemm_flops / GEMM_FLOPS_PER_SECOND + logits_bytes / LOGITS_PASS_BYTES_PER_SECOND
 
 
@@ -288,8 +311,11 @@ def describe_call(
     compute_dtype: torch.dtype,
     backend: BackendSpec,
     split_kernels: SplitRowKernels | None,
+    *,
+    whole_row_statistics: LossOnlyStatistics | None = None,
 ) -> CallShape:
-    """The ``CallShape`` of a fused-loss call."""
+    """The ``CallShape`` of a fused-loss call; ``whole_row_statistics``: the backend's fused
+    statistics where the vocabulary blocks' first pass takes them (``flce.plan``)."""
     statistics = BLOCK_STATISTICS_BYTES
     statistics += BLOCK_SMOOTHING_BYTES if options.label_smoothing > 0 else 0
     statistics += BLOCK_ARGMAX_BYTES if options.return_token_accuracy or options.return_predicted_tokens else 0
@@ -307,6 +333,11 @@ def describe_call(
         chunk_extra_bytes_per_logit=backend.extra_bytes_per_logit,
         block_extra_bytes_per_logit=None if split_kernels is None else split_kernels.extra_bytes_per_logit,
         block_statistics_bytes=statistics,
+        whole_row_statistics_bytes=None
+        if whole_row_statistics is None
+        else whole_row_statistics.workspace_bytes(
+            input.shape[0], weight.shape[0], options.label_smoothing > 0, bias is not None
+        ),
         upcast_operands=not fp32_output_gemm_supported(input.device),
     )
 
@@ -320,9 +351,21 @@ def scheme_of_call(
     compute_dtype: torch.dtype,
     backend: BackendSpec,
     split_kernels: SplitRowKernels | None,
+    *,
+    whole_row_statistics: LossOnlyStatistics | None = None,
 ) -> Scheme:
     """``scheme_for_call(describe_call(...))``: the scheme the plan runs."""
-    call = describe_call(input, weight, bias, request, options, compute_dtype, backend, split_kernels)
+    call = describe_call(
+        input,
+        weight,
+        bias,
+        request,
+        options,
+        compute_dtype,
+        backend,
+        split_kernels,
+        whole_row_statistics=whole_row_statistics,
+    )
     return scheme_for_call(call, options, input.device)
 
 

@@ -162,6 +162,10 @@ class CallShape:
     chunk_extra_bytes_per_logit: int = 0  # the chunk CE kernel's workspace
     block_extra_bytes_per_logit: int | None = 0  # the split-row kernels'; None: the backend has none
     block_statistics_bytes: int = BLOCK_STATISTICS_BYTES  # per row and vocabulary block
+    # The vocabulary blocks' first pass from the backend's fused statistics GEMM (its
+    # ``loss_only`` slot applies: ``flce.driver.fused``), which allocates this many bytes;
+    # None: a logits GEMM and a statistics pass per block.
+    whole_row_statistics_bytes: int | None = None
     # fp32 accumulation copies bf16/fp16 GEMM operands to fp32 where no GEMM writes fp32
     # from them (the CPU: flce.driver.gemm.accumulate_product)
     upcast_operands: bool = False
@@ -261,11 +265,19 @@ def vocab_block_memory(call: CallShape, rows: int, block: int) -> Memory:
     rows, block = max(1, min(rows, n)), max(1, min(block, v))
     c = call.compute_dtype.itemsize
     n_blocks = -(-v // block)
-    statistics = n_blocks * n * call.block_statistics_bytes
-    buffer = rows * block * c  # alive until the call returns
+    buffer = rows * block * c  # alive from its first GEMM until the call returns
     kernel = rows * block * call.block_extra_bytes_per_logit
-    resident = call.weight_cast_bytes() + statistics + buffer
-    pass_one = resident + max(kernel + call.row_temporary_bytes(rows), n_blocks * n * BLOCK_COMBINE_BYTES)
+    if call.whole_row_statistics_bytes is None:
+        statistics = n_blocks * n * call.block_statistics_bytes
+        resident = call.weight_cast_bytes() + statistics + buffer
+        pass_one = resident + max(kernel + call.row_temporary_bytes(rows), n_blocks * n * BLOCK_COMBINE_BYTES)
+    else:
+        # The fused GEMM's workspace and outputs (the input cast to the compute dtype with
+        # it under autocast); of the per-block statistics only the target-ownership flags.
+        statistics = n_blocks * n
+        cast_input = n * h * c if call.input_dtype != call.compute_dtype else 0
+        pass_one = call.weight_cast_bytes() + statistics + call.whole_row_statistics_bytes + cast_input
+        resident = call.weight_cast_bytes() + statistics + buffer
     if not call.any_gradient:
         return Memory(pass_one, pass_one)
     resident += n * h * 4 if call.grad_input else 0  # dX accumulated in fp32
@@ -366,9 +378,18 @@ def largest_block(call: CallShape, rows: int, budget: int) -> int | None:
     least = least_workspace_block(call, rows)
     if vocab_block_memory(call, rows, least).workspace > budget:
         return None
-    if least < BLOCK_ALIGNMENT:
-        # Small vocabularies: balanced blocks (``ceil(V / B)`` columns for the fewest
-        # blocks ``B`` that fit), by bisection over the count.
+
+    # Wider than the least-workspace block, the workspace grows with the width (the
+    # buffers grow faster than the per-block statistics shrink): the widest aligned width
+    # that fits, by bisection over multiples of the alignment.
+    def fits(units: int) -> bool:
+        return vocab_block_memory(call, rows, min(units * BLOCK_ALIGNMENT, vocab)).workspace <= budget
+
+    if least < BLOCK_ALIGNMENT and (vocab <= BLOCK_ALIGNMENT or not fits(1)):
+        # Blocks narrower than one alignment (a small vocabulary, or per-block statistics
+        # so cheap that the least workspace takes many narrow blocks, as with the fused
+        # first pass, and a budget that no aligned width fits): balanced blocks
+        # (``ceil(V / B)`` columns for the fewest blocks ``B`` that fit), by bisection.
         low, high = 1, _least_workspace_blocks(call, rows)
         while low < high:
             mid = (low + high) // 2
@@ -378,13 +399,7 @@ def largest_block(call: CallShape, rows: int, budget: int) -> int | None:
                 low = mid + 1
         return -(-vocab // low)
 
-    # Wider than the least-workspace block, the workspace grows with the width (the
-    # buffers grow faster than the per-block statistics shrink): the widest aligned width
-    # that fits, by bisection over multiples of the alignment.
-    def fits(units: int) -> bool:
-        return vocab_block_memory(call, rows, min(units * BLOCK_ALIGNMENT, vocab)).workspace <= budget
-
-    low, high = least // BLOCK_ALIGNMENT, -(-vocab // BLOCK_ALIGNMENT)
+    low, high = max(1, least // BLOCK_ALIGNMENT), -(-vocab // BLOCK_ALIGNMENT)
     while low < high:
         mid = (low + high + 1) // 2
         if fits(mid):

@@ -2,7 +2,10 @@
 
 Pass 1 runs the logits GEMM block by block and merges each block's row statistics
 (max, sum of exp, target logit, smoothing sum, argmax) into the whole row's
-(``flce.rows.cross_entropy.BlockStatistics``). Pass 2, only for gradients, recomputes
+(``flce.rows.cross_entropy.BlockStatistics``), or, where the backend's fused statistics
+GEMM applies (``fused_statistics``: its ``loss_only`` slot, ``flce.driver.fused``), takes
+the whole rows' statistics from that one GEMM: no logits written or read, one launch
+instead of a GEMM and a statistics pass per block. Pass 2, only for gradients, recomputes
 each block's logits, writes their gradient in place (the backend's split-row kernels)
 and finishes that block of dW in one fp32 accumulator of ``V_b x H`` before moving on
 (or, when one chunk holds every row, writes it into dW directly: one GEMM accumulates in
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from flce.backends.base import SplitRowKernels
+from flce.backends.base import LossOnlyStatistics, SplitRowKernels
 from flce.driver.chunks import Gradients, GradRequest, allocate_rows, in_compute_dtype, row_range
+from flce.driver.fused import fused_whole_row_statistics, rows_from_whole_row_statistics
 from flce.driver.gemm import (
     accumulate_column_sums,
     accumulate_product,
@@ -89,6 +93,8 @@ def run_vocab_blocks(
     scalars: ChunkScalars,
     request: GradRequest,
     row_grad_scale: torch.Tensor | None = None,  # (N,) fp32
+    *,
+    fused_statistics: LossOnlyStatistics | None = None,  # pass 1 from it (applicable: flce.plan)
 ) -> tuple[RowOutputs, Gradients]:
     """The driver over token chunks x vocabulary blocks of ``options.vocab_chunk_size``."""
     n_rows, hidden = input.shape
@@ -103,7 +109,13 @@ def run_vocab_blocks(
     smoothing = scalars.label_smoothing > 0
     valid = target != scalars.ignore_index
     safe_target = gather_safe_target(target, valid, vocab)
-    buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device) if n_rows else None
+    buffer = full_tile = None  # (C * V_b,) the block logits, and as one full (C, V_b) tile
+
+    def allocate_buffer() -> None:
+        nonlocal buffer, full_tile
+        if n_rows:
+            buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device)
+            full_tile = buffer.view(chunk, block)
 
     # Each block's slices of the weights, as views made once for both passes (one op per
     # tensor): the block's rows of W (dX), its columns of W^T (the logits GEMM), of the bias
@@ -116,12 +128,9 @@ def run_vocab_blocks(
         for index, v0 in enumerate(range(0, vocab, block)):
             yield v0, min(v0 + block, vocab), ce_parts[index], w_parts[index], w_t_parts[index], b_parts[index]
 
-    # The buffer seen as one full (chunk, block) tile: every logits tile but the last row
-    # chunk's and the last block's, without a view op each.
-    full_tile = buffer.view(chunk, block) if buffer is not None else None
-
     def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
         rows_, cols = r1 - r0, w_t_block.shape[1]
+        # full_tile: every logits tile but the last row chunk's and the last block's.
         logits = full_tile if (rows_, cols) == (chunk, block) else buffer[: rows_ * cols].view(rows_, cols)  # (C, V_b)
         if b_block is None:
             torch.mm(x, w_t_block, out=logits)
@@ -149,55 +158,68 @@ def run_vocab_blocks(
     def block_target(index: int, v0: int, v1: int) -> torch.Tensor:  # (N,) int64
         return torch.where(owned_rows[index], safe_target - v0, absent[v1 - v0])
 
-    # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
-    # and block), then combined over the blocks the way the vocab-parallel loss combines
-    # them over ranks (``combine_blocks``).
     f32 = dict(dtype=torch.float32, device=device)
-    per_block = BlockStatistics(
-        row_max=torch.empty(n_blocks, n_rows, **f32),
-        row_sum=torch.empty(n_blocks, n_rows, **f32),
-        target_shifted=torch.zeros(n_blocks, n_rows, **f32),
-        smooth_shifted=torch.empty(n_blocks, n_rows, **f32) if smoothing else None,
-        argmax=torch.empty(n_blocks, n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
-    )
-    block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
-    into_blocks = _block_views(per_block, n_blocks)
-    for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
-        target_of_block = block_target(index, v0, v1)
-        for r0, r1, x in chunks():
-            stats = kernels.statistics(
-                logits_of(r0, r1, x, w_t_block, b_block),
-                row_range(target_of_block, r0, r1),
-                ce_block,
-                scalars.softcap,
-                with_smoothing=smoothing,
-                with_argmax=per_block.argmax is not None,
-                approximate_tanh=scalars.approximate_tanh,
-            )
-            _store_rows(into_blocks[index], r0, r1, stats, column_offset=v0)
-    whole = combine_blocks(per_block, owned_by, block_weight_sums)
+    if fused_statistics is not None:
+        # Pass 1: the whole rows' statistics from one fused GEMM, each row's reference
+        # point its lse (row max = lse, sum of exp = 1). The block buffer waits for pass 2.
+        statistics = fused_whole_row_statistics(
+            fused_statistics, input, w, target, b, scalars.softcap, smoothing, compute_dtype
+        )
+        token_scale = rows_from_whole_row_statistics(rows, statistics, target, valid, ce_weight, scalars, vocab)
+        lse = row_max = statistics["lse"]
+        inv_sum = torch.ones_like(lse)
+    else:
+        allocate_buffer()
+        # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
+        # and block), then combined over the blocks the way the vocab-parallel loss combines
+        # them over ranks (``combine_blocks``).
+        per_block = BlockStatistics(
+            row_max=torch.empty(n_blocks, n_rows, **f32),
+            row_sum=torch.empty(n_blocks, n_rows, **f32),
+            target_shifted=torch.zeros(n_blocks, n_rows, **f32),
+            smooth_shifted=torch.empty(n_blocks, n_rows, **f32) if smoothing else None,
+            argmax=torch.empty(n_blocks, n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
+        )
+        block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
+        into_blocks = _block_views(per_block, n_blocks)
+        for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
+            target_of_block = block_target(index, v0, v1)
+            for r0, r1, x in chunks():
+                stats = kernels.statistics(
+                    logits_of(r0, r1, x, w_t_block, b_block),
+                    row_range(target_of_block, r0, r1),
+                    ce_block,
+                    scalars.softcap,
+                    with_smoothing=smoothing,
+                    with_argmax=per_block.argmax is not None,
+                    approximate_tanh=scalars.approximate_tanh,
+                )
+                _store_rows(into_blocks[index], r0, r1, stats, column_offset=v0)
+        whole = combine_blocks(per_block, owned_by, block_weight_sums)
 
-    row_max, log_s = whole.row_max, torch.log(whole.row_sum)
-    token_scale = rows_from_statistics(
-        rows,
-        target,
-        valid,
-        row_max,
-        log_s,
-        whole.target_shifted,
-        whole.smooth_shifted,
-        whole.argmax,
-        ce_weight,
-        scalars,
-        vocab,
-    )
+        row_max, log_s = whole.row_max, torch.log(whole.row_sum)
+        token_scale = rows_from_statistics(
+            rows,
+            target,
+            valid,
+            row_max,
+            log_s,
+            whole.target_shifted,
+            whole.smooth_shifted,
+            whole.argmax,
+            ce_weight,
+            scalars,
+            vocab,
+        )
+        lse = row_max + log_s
+        inv_sum = 1.0 / whole.row_sum
     if not request.any:
         return rows, Gradients(None, None, None)
 
     # Pass 2: the gradient, block by block; each block of dW is final when its loop ends.
+    if buffer is None:
+        allocate_buffer()
     scale = row_scale(valid, token_scale, row_grad_scale)
-    lse = row_max + log_s
-    inv_sum = 1.0 / whole.row_sum
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
     eps = scalars.smoothing_eps(vocab)
     dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None

@@ -22,6 +22,12 @@ MIN_CAPABILITY = (9, 0)
 INSTALL_HINT = "pip install 'flce[cutedsl]'"
 FUSED_FORWARD_BLOCK_K = 64  # fused_forward.BLOCK_K, without importing cutlass
 FUSED_FORWARD_MAX_VOCAB = (2**31 - 1) // 2  # the kernel's int32 column indices
+# The fused kernel's default launch shape (fused_forward.DEFAULT_CONFIG: 128 x 256 tiles in
+# clusters of two along M) and the budget of its per-tile statistics (its
+# DEFAULT_WORKSPACE_BYTES), for the memory model without importing cutlass.
+FUSED_FORWARD_TILE_N = 256
+FUSED_FORWARD_CLUSTER_ROWS = 256
+FUSED_FORWARD_WORKSPACE_BYTES = 48 * 1024 * 1024
 
 
 def fused_forward_applicable(
@@ -55,6 +61,20 @@ def fused_forward_applicable(
     if not weight_tma_ready:
         return False, "the weight is not contiguous and 16-byte aligned"
     return True, ""
+
+
+def fused_forward_workspace_bytes(num_rows: int, vocab: int, with_logit_sum: bool, has_bias: bool) -> int:
+    """The bytes ``fused_forward.fused_forward_statistics`` allocates at its default launch
+    shape: the (N,) outputs (lse, target logit and argmax: 16 bytes a row, 20 with the
+    logit sum), the fp32 copy of a bias, and one launch's (T, rows) tile statistics
+    (max, sum of exp and argmax: 12 bytes, 16 with the sum), T = ceil(V / 256), for as many
+    rows as fit in the workspace budget, in whole cluster row blocks (its ``rows_per_launch``)."""
+    per_tile = 16 if with_logit_sum else 12
+    tiles = -(-vocab // FUSED_FORWARD_TILE_N)
+    block = FUSED_FORWARD_CLUSTER_ROWS
+    rows = min(num_rows, max(block, FUSED_FORWARD_WORKSPACE_BYTES // (tiles * per_tile) // block * block))
+    outputs = num_rows * (20 if with_logit_sum else 16)
+    return outputs + (vocab * 4 if has_bias else 0) + (tiles * rows * per_tile if num_rows else 0)
 
 
 @cache
@@ -122,5 +142,6 @@ BACKEND = BackendSpec(
     loss_only=LossOnlyStatistics(
         applicable=fused_forward_applicable,
         statistics=lazy_function("flce.backends.cutedsl.fused_forward", "fused_forward_statistics"),
+        workspace_bytes=fused_forward_workspace_bytes,
     ),
 )

@@ -73,6 +73,7 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from flce.backends.base import softcap_tanh_is_approximate
+from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES
 from flce.backends.cutedsl.common import (
     arg_f32,
     arg_i32,
@@ -92,7 +93,8 @@ MBAR_BYTES = 1024  # pipeline mbarriers and alignment slack
 BLOCK_K = 64  # four k=16 WGMMA steps per stage: one 128-byte swizzle atom of bf16/fp16
 # The per-tile statistics of N = 8192 rows at V = 128256 (501 tiles x 12 bytes a row) fit,
 # so the reference shape runs in one launch while staying under 64 MiB of extra memory.
-DEFAULT_WORKSPACE_BYTES = 48 * 1024 * 1024
+# Declared with the backend (the memory model reads it there, without cutlass).
+DEFAULT_WORKSPACE_BYTES = FUSED_FORWARD_WORKSPACE_BYTES
 # Registers per thread after the warp-specialised split (setmaxnreg): the loader warpgroup
 # needs few; the MMA warpgroups hold a 64 x BN fp32 accumulator (128 registers at BN = 256)
 # plus the epilogue's temporaries. 128 * 40 + 256 * 232 fits the 64 K registers of an SM.

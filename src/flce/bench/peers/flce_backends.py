@@ -16,7 +16,7 @@ from flce.driver.chunks import GradRequest
 from flce.driver.schemes import describe_call, scheme_for_call
 from flce.driver.sizing import CallShape
 from flce.options import LossOptions
-from flce.plan import loss_only_applies, split_kernels_for
+from flce.plan import loss_only_applies, split_kernels_for, whole_row_statistics_apply
 
 # Vocabulary blocks of the low-memory method. With every row in one chunk each dW block is
 # written directly, so the extra memory is dW + dX (+ its fp32 accumulator) + one block of
@@ -62,7 +62,21 @@ def flce_call_shape(case: BenchCase, backend: str, options: LossOptions | None =
     grads = case.mode != "fwd"
     request = GradRequest(input=grads, weight=grads, bias=grads and bias is not None)
     split_kernels = split_kernels_for(options, spec)  # as the plan takes them
-    return describe_call(stand_in(n, h), stand_in(v, h), bias, request, options, case.dtype, spec, split_kernels)
+    # The bench's weight is contiguous and freshly allocated (16-byte aligned).
+    whole_rows = whole_row_statistics_apply(
+        spec, options, case.dtype, case.device, h, v, has_ce_weight=case.loss.use_weights, weight_tma_ready=True
+    )
+    return describe_call(
+        stand_in(n, h),
+        stand_in(v, h),
+        bias,
+        request,
+        options,
+        case.dtype,
+        spec,
+        split_kernels,
+        whole_row_statistics=spec.loss_only if whole_rows else None,
+    )
 
 
 def describe_scheme(backend: str, **extra: Any) -> Callable[[BenchCase], str]:
