@@ -202,7 +202,7 @@ class Plan(CrossEntropyPlan):
             return run_logits_chunks(
                 o.logits, o.target, o.ce_weight, self.options, self.backend, self.scalars, request, row_grad_scale
             )
-        if not request.any and self._loss_only_applies(o):
+        if not request.any and self._fused_statistics_apply(o, loss_only=True):
             rows = run_fused_statistics(
                 self.backend.loss_only,
                 o.input,
@@ -263,12 +263,12 @@ class Plan(CrossEntropyPlan):
             whole_row_statistics=whole_rows,
         )
 
-    def _whole_row_statistics_apply(self, o: LinearOperands) -> bool:
+    def _fused_statistics_apply(self, o: LinearOperands, loss_only: bool) -> bool:
         # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
         weight_tma_ready = o.weight.is_contiguous() and (
             o.weight.dtype != self.compute_dtype or o.weight.data_ptr() % 16 == 0
         )
-        return whole_row_statistics_apply(
+        return fused_statistics_apply(
             self.backend,
             self.options,
             self.compute_dtype,
@@ -277,18 +277,15 @@ class Plan(CrossEntropyPlan):
             o.weight.shape[0],
             has_ce_weight=o.ce_weight is not None,
             weight_tma_ready=weight_tma_ready,
+            loss_only=loss_only,
         )
-
-    def _loss_only_applies(self, o: LinearOperands) -> bool:
-        refused = loss_only_refusal(self.options, o.ce_weight is not None) is not None
-        return not refused and self._whole_row_statistics_apply(o)
 
     def _whole_row_statistics(self, o: LinearOperands) -> LossOnlyStatistics | None:
         """The backend's fused statistics where the vocabulary blocks' first pass can take them."""
-        return self.backend.loss_only if self._whole_row_statistics_apply(o) else None
+        return self.backend.loss_only if self._fused_statistics_apply(o, loss_only=False) else None
 
 
-def whole_row_statistics_apply(
+def fused_statistics_apply(
     backend: BackendSpec,
     options: LossOptions,
     compute_dtype: torch.dtype,
@@ -298,42 +295,18 @@ def whole_row_statistics_apply(
     *,
     has_ce_weight: bool,
     weight_tma_ready: bool,
+    loss_only: bool,
 ) -> bool:
     """Whether the backend's ``loss_only`` slot (whole-row statistics from one fused GEMM)
-    gives a call's loss rows: a call without gradients then runs on it alone
-    (``loss_only_applies``), and the vocabulary blocks take their first pass from it."""
+    gives a call's loss rows: with ``loss_only``, for a call without gradients, which then
+    runs on them alone (unless ``vocab_chunk_size`` keeps the blocks:
+    ``loss_only_refusal``); else for the vocabulary blocks' first pass."""
     hook = backend.loss_only
-    if hook is None or whole_row_statistics_refusal(options, has_ce_weight) is not None:
+    refusal = loss_only_refusal if loss_only else whole_row_statistics_refusal
+    if hook is None or refusal(options, has_ce_weight) is not None:
         return False
     applicable, _ = hook.applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)
     return applicable
-
-
-def loss_only_applies(
-    backend: BackendSpec,
-    options: LossOptions,
-    compute_dtype: torch.dtype,
-    device: torch.device,
-    hidden: int,
-    vocab: int,
-    *,
-    has_ce_weight: bool,
-    weight_tma_ready: bool,
-) -> bool:
-    """Whether a call without gradients runs the backend's ``loss_only`` slot rather than
-    the chunked schemes (``loss_only_refusal``: ``vocab_chunk_size`` keeps the blocks)."""
-    if loss_only_refusal(options, has_ce_weight) is not None:
-        return False
-    return whole_row_statistics_apply(
-        backend,
-        options,
-        compute_dtype,
-        device,
-        hidden,
-        vocab,
-        has_ce_weight=has_ce_weight,
-        weight_tma_ready=weight_tma_ready,
-    )
 
 
 def split_kernels_for(options: LossOptions, backend: BackendSpec) -> SplitRowKernels | None:

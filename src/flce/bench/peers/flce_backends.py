@@ -16,7 +16,7 @@ from flce.driver.chunks import GradRequest
 from flce.driver.schemes import describe_call, scheme_for_call
 from flce.driver.sizing import CallShape
 from flce.options import LossOptions
-from flce.plan import loss_only_applies, split_kernels_for, whole_row_statistics_apply
+from flce.plan import fused_statistics_apply, split_kernels_for
 
 # Vocabulary blocks of the low-memory method. With every row in one chunk each dW block is
 # written directly, so the extra memory is dW + dX (+ its fp32 accumulator) + one block of
@@ -63,8 +63,16 @@ def flce_call_shape(case: BenchCase, backend: str, options: LossOptions | None =
     request = GradRequest(input=grads, weight=grads, bias=grads and bias is not None)
     split_kernels = split_kernels_for(options, spec)  # as the plan takes them
     # The bench's weight is contiguous and freshly allocated (16-byte aligned).
-    whole_rows = whole_row_statistics_apply(
-        spec, options, case.dtype, case.device, h, v, has_ce_weight=case.loss.use_weights, weight_tma_ready=True
+    whole_rows = fused_statistics_apply(
+        spec,
+        options,
+        case.dtype,
+        case.device,
+        h,
+        v,
+        has_ce_weight=case.loss.use_weights,
+        weight_tma_ready=True,
+        loss_only=False,
     )
     return describe_call(
         stand_in(n, h),
@@ -88,7 +96,7 @@ def describe_scheme(backend: str, **extra: Any) -> Callable[[BenchCase], str]:
         options = flce_loss_options(case, backend, **extra)
         spec, shape = get_backend(backend), case.shape
         # The bench's weight is contiguous and freshly allocated (16-byte aligned).
-        if case.mode == "fwd" and loss_only_applies(
+        if case.mode == "fwd" and fused_statistics_apply(
             spec,
             options,
             case.dtype,
@@ -97,6 +105,7 @@ def describe_scheme(backend: str, **extra: Any) -> Callable[[BenchCase], str]:
             shape.v,
             has_ce_weight=case.loss.use_weights,
             weight_tma_ready=True,
+            loss_only=True,
         ):
             return "one fused GEMM: row statistics, no logits"
         scheme = scheme_for_call(flce_call_shape(case, backend, options), options, case.device)
