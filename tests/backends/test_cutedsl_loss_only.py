@@ -531,6 +531,33 @@ def test_cpu_vocab_blocks_fall_back_to_block_statistics(fused_on_cpu, first_pass
     assert first_passes["fused"] == 0 and first_passes["block_statistics"] > 0
 
 
+def test_cpu_vocab_blocks_first_pass_under_autocast_and_odd_layouts(fused_on_cpu, first_passes):
+    """fp32 parameters under bf16 autocast take the fused first pass on the weight's bf16
+    copy; a weight the kernel's TMA cannot read in place (transposed) falls back to the
+    block statistics; both give the float64 reference's loss and gradients."""
+    x, w, b, y = _problem()
+    math_options = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0)
+    for weight, fused_calls in ((w.float(), 1), (w.float().t().contiguous().t(), 0)):
+        first_passes.update(fused=0, block_statistics=0)
+        leaves = [x.float().requires_grad_(), weight.clone().requires_grad_()]
+        with torch.autocast("cpu", dtype=BF16):
+            out = flce.fused_linear_cross_entropy(
+                *leaves, y, bias=b.float(), backend="cutedsl", vocab_chunk_size=64, **math_options
+            )
+        out.backward()
+        assert first_passes["fused"] == fused_calls and (first_passes["block_statistics"] > 0) == (not fused_calls)
+        ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+        # The reference takes the operands as autocast hands them to the GEMM (bf16).
+        ref = fused_linear_cross_entropy_reference(
+            *(t.to(BF16).double() for t in ref_leaves), y, b.double(), **math_options
+        )
+        ref.loss.backward()
+        torch.testing.assert_close(out.double(), ref.loss, rtol=2e-2, atol=1e-3)
+        for got, want in zip(leaves, ref_leaves, strict=True):
+            assert got.grad.dtype == torch.float32
+            torch.testing.assert_close(got.grad.double(), want.grad, rtol=5e-2, atol=1e-2)
+
+
 def test_cpu_the_chooser_counts_the_fused_first_pass(fused_on_cpu, first_passes, monkeypatch):
     """Under a budget that only vocabulary blocks fit, the scheme the call runs is the one
     the chooser predicted with the fused first pass (its workspace and time), and the
