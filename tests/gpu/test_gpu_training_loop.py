@@ -78,14 +78,18 @@ def test_no_host_sync(backend, mode):
         torch.cuda.set_sync_debug_mode(0)
 
 
+# "vocab_blocks": the exact low-memory mode (with cutedsl on Hopper, its first pass from the
+# fused statistics GEMM, captured too).
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_cuda_graph_capture_and_replay(backend):
+@pytest.mark.parametrize("scheme", ["default", "vocab_blocks"])
+def test_cuda_graph_capture_and_replay(backend, scheme):
     _usable(backend)
     x, w, y = _inputs(1)
     static_x, static_w, static_y = x.clone().requires_grad_(), w.clone().requires_grad_(), y.clone()
+    extra = dict(vocab_chunk_size=384) if scheme == "vocab_blocks" else {}
 
     def step():
-        loss = flce.fused_linear_cross_entropy(static_x, static_w, static_y, backend=backend, **OPTIONS)
+        loss = flce.fused_linear_cross_entropy(static_x, static_w, static_y, backend=backend, **OPTIONS, **extra)
         dx, dw = torch.autograd.grad(loss, (static_x, static_w))
         return loss, dx, dw
 
