@@ -6,14 +6,20 @@ the backend's ``loss_only`` slot applies (``flce.driver.fused.loss_only_refusal`
 options, ``flce.backends.cutedsl.fused_forward_applicable`` for the device and operands),
 else from the chunked driver; both must mean the same thing.
 
+The vocabulary-block scheme takes its first pass (the rows' statistics) from the same
+slot where it applies, for calls with gradients too.
+
 CPU part (runs in CI): the selection functions' every condition; the row formulas of
 ``flce.driver.fused.run_fused_statistics`` against the torch backend's chunk kernel on
 the same logits; and the whole public call with the kernel replaced by a dense stand-in
 computing the same statistics (and asserting the kernel's operand requirements), judged
-by the parity harness against float64, with the fallbacks.
+by the parity harness against float64, with the fallbacks; the same for the vocabulary
+blocks' first pass, and the chooser's account of it.
 
 GPU part (sm_90 and nvidia-cutlass-dsl): the public call with ``backend="cutedsl"`` goes
-through the real kernel and passes the parity harness for each supported feature.
+through the real kernel and passes the parity harness for each supported feature, loss
+only and through the vocabulary blocks; the kernel's workspace and the blocks' peak
+against the memory model.
 """
 
 from __future__ import annotations
