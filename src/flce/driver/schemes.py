@@ -147,6 +147,14 @@ def _weight_accumulator_traffic(call: CallShape, n_chunks: int, copied_out: bool
     return traffic - weight * elements
 
 
+def _block_logits_passes(call: CallShape) -> int:
+    """Passes over a block's logits, in units of one read or write of them: the statistics
+    pass reads them (not with the fused first pass, whose GEMM's epilogue holds it), the
+    gradient pass reads and writes them."""
+    statistics = 0 if call.whole_row_statistics_bytes is not None else 1
+    return statistics + (2 if call.any_gradient else 0)
+
+
 def predicted_seconds(call: CallShape, rows: int, block: int | None = None) -> float:
     """The module docstring's cost model for ``rows`` rows per chunk (and ``block``
     vocabulary columns per block, or whole rows)."""
@@ -162,12 +170,11 @@ def predicted_seconds(call: CallShape, rows: int, block: int | None = None) -> f
         n_blocks = math.ceil(v / block)
         passes = 2 if call.any_gradient else 1
         gemm_flops += 2 * n * v * h * (passes - 1)  # the logits again in the gradient pass
+        logits_bytes = logits_elements * call.compute_dtype.itemsize * _block_logits_passes(call)
         if call.whole_row_statistics_bytes is None:
-            logits_bytes = logits_elements * call.compute_dtype.itemsize * (3 if call.any_gradient else 1)
             steps = n_blocks * n_chunks * passes
-        else:  # the first pass is one fused GEMM: no logits stored or read, one step
+        else:  # the first pass is one fused GEMM: one step
             gemm_flops += 2 * n * v * h * (FUSED_STATISTICS_GEMM_SLOWDOWN - 1)
-            logits_bytes = logits_elements * call.compute_dtype.itemsize * (2 if call.any_gradient else 0)
             steps = 1 + n_blocks * n_chunks * (passes - 1)
         accumulator = _weight_accumulator_traffic(call, n_chunks, True) if call.any_gradient else 0
         if call.grad_input:  # dX in fp32: zeroed, read and written per block, cast at the end
@@ -226,10 +233,7 @@ def _block_lower_bound(call: CallShape) -> float:
     n, v, h = call.n_rows, call.vocab, call.hidden
     passes = 2 if call.any_gradient else 1
     gemm_flops = 2 * n * v * h * (call.grad_input + call.grad_weight + passes)
-    logits_passes = 3 if call.any_gradient else 1
-    if call.whole_row_statistics_bytes is not None:
-        logits_passes -= 1  # the statistics pass is in the fused GEMM's epilogue
-    logits_bytes = n * v * call.compute_dtype.itemsize * logits_passes
+    logits_bytes = n * v * call.compute_dtype.itemsize * _block_logits_passes(call)
     return gemm_flops / GEMM_FLOPS_PER_SECOND + logits_bytes / LOGITS_PASS_BYTES_PER_SECOND
 
 

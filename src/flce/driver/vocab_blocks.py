@@ -69,6 +69,17 @@ def _block_views(per_block: BlockStatistics, n_blocks: int) -> list[BlockStatist
     return [BlockStatistics(*views) for views in zip(*fields, strict=True)]
 
 
+def _logits_buffer(
+    n_rows: int, chunk: int, block: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The block logits buffer, ``(C * V_b,)``, and its view as one ``(C, V_b)`` tile (None,
+    None without rows)."""
+    if not n_rows:
+        return None, None
+    buffer = torch.empty(chunk * block, dtype=dtype, device=device)
+    return buffer, buffer.view(chunk, block)
+
+
 def _store_rows(into: BlockStatistics, r0: int, r1: int, stats: BlockStatistics, column_offset: int) -> None:
     """Writes one block's statistics of rows ``[r0, r1)`` into its ``(N,)`` views ``into``,
     the argmax as a global column."""
@@ -109,13 +120,12 @@ def run_vocab_blocks(
     smoothing = scalars.label_smoothing > 0
     valid = target != scalars.ignore_index
     safe_target = gather_safe_target(target, valid, vocab)
-    buffer = full_tile = None  # (C * V_b,) the block logits, and as one full (C, V_b) tile
-
-    def allocate_buffer() -> None:
-        nonlocal buffer, full_tile
-        if n_rows:
-            buffer = torch.empty(chunk * block, dtype=compute_dtype, device=device)
-            full_tile = buffer.view(chunk, block)
+    # The block logits (C * V_b,) and, as one full (C, V_b) tile, every logits tile but the
+    # last row chunk's and the last block's (no view op each). With the fused first pass
+    # they wait for pass 2 (a lower peak in pass 1).
+    buffer = full_tile = None
+    if fused_statistics is None:
+        buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
 
     # Each block's slices of the weights, as views made once for both passes (one op per
     # tensor): the block's rows of W (dX), its columns of W^T (the logits GEMM), of the bias
@@ -130,7 +140,6 @@ def run_vocab_blocks(
 
     def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
         rows_, cols = r1 - r0, w_t_block.shape[1]
-        # full_tile: every logits tile but the last row chunk's and the last block's.
         logits = full_tile if (rows_, cols) == (chunk, block) else buffer[: rows_ * cols].view(rows_, cols)  # (C, V_b)
         if b_block is None:
             torch.mm(x, w_t_block, out=logits)
@@ -169,7 +178,6 @@ def run_vocab_blocks(
         lse = row_max = statistics["lse"]
         inv_sum = torch.ones_like(lse)
     else:
-        allocate_buffer()
         # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
         # and block), then combined over the blocks the way the vocab-parallel loss combines
         # them over ranks (``combine_blocks``).
@@ -218,7 +226,7 @@ def run_vocab_blocks(
 
     # Pass 2: the gradient, block by block; each block of dW is final when its loop ends.
     if buffer is None:
-        allocate_buffer()
+        buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
     scale = row_scale(valid, token_scale, row_grad_scale)
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
     eps = scalars.smoothing_eps(vocab)

@@ -63,18 +63,36 @@ def fused_forward_applicable(
     return True, ""
 
 
+def _tile_statistics_bytes(with_logit_sum: bool) -> int:
+    """Per row and vocabulary tile: max, sum of exp and argmax (and the logit sum)."""
+    return 16 if with_logit_sum else 12
+
+
+def fused_forward_rows_per_launch(
+    num_rows: int,
+    vocab: int,
+    with_logit_sum: bool,
+    *,
+    tile_n: int = FUSED_FORWARD_TILE_N,
+    cluster_rows: int = FUSED_FORWARD_CLUSTER_ROWS,
+    workspace_bytes: int = FUSED_FORWARD_WORKSPACE_BYTES,
+) -> int:
+    """Rows one launch of the fused kernel covers: as many as keep its (T, rows) tile
+    statistics (T = ceil(V / tile_n)) within ``workspace_bytes``, in whole cluster row
+    blocks, at least one block."""
+    per_row = -(-vocab // tile_n) * _tile_statistics_bytes(with_logit_sum)
+    rows = max(cluster_rows, workspace_bytes // per_row // cluster_rows * cluster_rows)
+    return min(rows, num_rows)
+
+
 def fused_forward_workspace_bytes(num_rows: int, vocab: int, with_logit_sum: bool, has_bias: bool) -> int:
     """The bytes ``fused_forward.fused_forward_statistics`` allocates at its default launch
     shape: the (N,) outputs (lse, target logit and argmax: 16 bytes a row, 20 with the
-    logit sum), the fp32 copy of a bias, and one launch's (T, rows) tile statistics
-    (max, sum of exp and argmax: 12 bytes, 16 with the sum), T = ceil(V / 256), for as many
-    rows as fit in the workspace budget, in whole cluster row blocks (its ``rows_per_launch``)."""
-    per_tile = 16 if with_logit_sum else 12
+    logit sum), the fp32 copy of a bias, and one launch's (T, rows) tile statistics."""
     tiles = -(-vocab // FUSED_FORWARD_TILE_N)
-    block = FUSED_FORWARD_CLUSTER_ROWS
-    rows = min(num_rows, max(block, FUSED_FORWARD_WORKSPACE_BYTES // (tiles * per_tile) // block * block))
+    rows = fused_forward_rows_per_launch(num_rows, vocab, with_logit_sum)
     outputs = num_rows * (20 if with_logit_sum else 16)
-    return outputs + (vocab * 4 if has_bias else 0) + (tiles * rows * per_tile if num_rows else 0)
+    return outputs + (vocab * 4 if has_bias else 0) + tiles * rows * _tile_statistics_bytes(with_logit_sum)
 
 
 @cache

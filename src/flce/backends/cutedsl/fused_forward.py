@@ -73,7 +73,7 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from flce.backends.base import softcap_tanh_is_approximate
-from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES
+from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES, fused_forward_rows_per_launch
 from flce.backends.cutedsl.common import (
     arg_f32,
     arg_i32,
@@ -824,12 +824,16 @@ def _validate(input, weight, target, bias, softcap) -> None:
 def rows_per_launch(
     num_rows: int, vocab: int, with_logit_sum: bool, config: FusedForwardConfig, workspace_bytes: int
 ) -> int:
-    """Rows covered by one launch: as many as keep the (T, rows) statistics within
-    ``workspace_bytes``, in whole cluster row blocks, at least one block."""
-    block = config.tile_m * config.cluster_m
-    per_row = cdiv(vocab, config.tile_n) * (16 if with_logit_sum else 12)
-    rows = max(block, workspace_bytes // per_row // block * block)
-    return min(rows, num_rows)
+    """Rows covered by one launch at ``config`` (``fused_forward_rows_per_launch``, which the
+    memory model reads without cutlass)."""
+    return fused_forward_rows_per_launch(
+        num_rows,
+        vocab,
+        with_logit_sum,
+        tile_n=config.tile_n,
+        cluster_rows=config.tile_m * config.cluster_m,
+        workspace_bytes=workspace_bytes,
+    )
 
 
 def fused_forward_statistics(
