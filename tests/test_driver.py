@@ -107,7 +107,15 @@ def test_whole_row_chunk_size_is_the_default_budgets_choice(monkeypatch):
 
     monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
     for n, v, extra, accumulator in ((8192, 128256, 0, torch.float32), (16384, 32000, 12, torch.float32)):
-        call = sizing.CallShape(n, v, 4096, accumulator_dtype=accumulator, chunk_extra_bytes_per_logit=extra)
+        call = sizing.CallShape(
+            n,
+            v,
+            4096,
+            accumulator_dtype=accumulator,
+            # A backend's chunk and split-row kernels take the same workspace per logit.
+            chunk_extra_bytes_per_logit=extra,
+            block_extra_bytes_per_logit=extra,
+        )
         rows = sizing.whole_row_chunk_size(n, v, 4096, torch.bfloat16, torch.bfloat16, extra, True)
         assert scheme_for_call(call, LossOptions(), torch.device("cpu")).rows == rows
 

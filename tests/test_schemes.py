@@ -40,6 +40,7 @@ from flce.driver.sizing import (
     peak_extra_bytes,
     token_chunk_memory,
     vocab_block_memory,
+    weight_grad_tail_start,
 )
 from flce.options import LossOptions
 from flce.testing import FEATURES, Case, make_tensors, run_case
@@ -70,22 +71,23 @@ def test_token_chunk_peak_is_the_documented_formula(n, v, h, extra, chunk_fracti
 
 
 def test_reference_shape_predictions_match_the_measured_peaks():
-    """The peaks measured on the H200 (benchmarks/results: fwd-bwd-h200, memory-mode-h200),
-    to the two decimals they were reported with."""
+    """The peaks measured on the H200 (benchmarks/results/memory-mode-h200: the budget run
+    of 2026-12-01, cutedsl, whose 16 blocks take the fused first pass; the plain model's
+    per-block statistics differ from it by under 0.2%), within 0.3%."""
     measured = {  # (N, V): (default GiB, vocabulary blocks of V/16 GiB)
-        (8192, 128256): (3.00, 1.29),
-        (4096, 128256): (1.99, 1.13),
-        (16384, 128256): (3.06, 1.60),
-        (8192, 32000): (0.79, 0.46),
-        (8192, 151936): (3.54, 1.49),
-        (8192, 262144): (6.06, 2.44),
+        (8192, 128256): (2.998, 1.227),
+        (4096, 128256): (1.988, 1.103),
+        (16384, 128256): (3.061, 1.475),
+        (8192, 32000): (0.795, 0.432),
+        (8192, 151936): (3.541, 1.431),
+        (8192, 262144): (6.063, 2.376),
     }
     for (n, v), (default_gib, blocks_gib) in measured.items():
         call = CallShape(n, v, 4096)
         chosen = choose_scheme(call, v * 4096 * 4)  # the default budget (sizing.default_memory_budget)
-        assert round(chosen.memory.peak / GIB, 2) == default_gib, (n, v)
+        assert chosen.memory.peak / GIB == pytest.approx(default_gib, rel=3e-3), (n, v)
         blocks = block_scheme(call, n, -(-v // 16))
-        assert round(blocks.memory.peak / GIB, 2) == blocks_gib, (n, v)
+        assert blocks.memory.peak / GIB == pytest.approx(blocks_gib, rel=3e-3), (n, v)
 
 
 def test_vocabulary_block_peak_matches_the_gpu_test_formula():
@@ -93,11 +95,42 @@ def test_vocabulary_block_peak_matches_the_gpu_test_formula():
     n, h, v, block = 8192, 4096, 128256, 16032
     call = CallShape(n, v, h)
     statistics = -(-v // block) * n * 13
-    one_chunk = n * block * 2 + n * h * 4 + v * h * 2 + n * h * 2
+    # The block buffer is freed before dX's bf16 cast at the end: the larger of the two.
+    one_chunk = n * h * 4 + v * h * 2 + max(n * block * 2, n * h * 2)
     assert vocab_block_memory(call, n, block).peak == one_chunk + statistics
-    # 2048 rows per chunk: an fp32 V_b x H block of dW instead of dX's bf16 cast at the end.
-    several = 2048 * block * 2 + n * h * 4 + v * h * 2 + max(block * h * 4, n * h * 2)
+    # 2048 rows per chunk: with the buffer, an fp32 V_b x H block of dW.
+    several = n * h * 4 + v * h * 2 + max(2048 * block * 2 + block * h * 4, n * h * 2)
     assert vocab_block_memory(call, 2048, block).peak == several + statistics
+    narrow = 512  # a buffer smaller than dX: the cast's moment is the peak
+    assert vocab_block_memory(call, n, narrow).peak == n * h * 4 + v * h * 2 + n * h * 2 + -(-v // narrow) * n * 13
+
+
+def test_the_workspace_inside_dw_formula():
+    """The variant with its workspace inside dW peaks at the returned gradients, one block
+    buffer and the per-block statistics; the dX accumulator and pass 2's buffer fit in the
+    rows of dW from ``weight_grad_tail_start`` on, which the cost model runs again."""
+    n, h, v, block = 8192, 4096, 128256, 3072
+    call = CallShape(n, v, h)
+    tail_start = weight_grad_tail_start(call, n, block)
+    assert tail_start % block == 0
+    scratch = (v - tail_start) * h * 2
+    assert scratch >= n * h * 4 + n * block * 2 > scratch - block * h * 2 - 512
+    statistics = -(-v // block) * n * 13
+    memory = vocab_block_memory(call, n, block, workspace_in_weight_grad=True)
+    assert memory.peak == v * h * 2 + n * h * 2 + n * block * 2 + statistics
+    assert memory.workspace == n * block * 2 + statistics
+    plain, inside = block_scheme(call, n, block), block_scheme(call, n, block, workspace_in_weight_grad=True)
+    again = (v - tail_start) * n * (2 * h / schemes.GEMM_FLOPS_PER_SECOND + 4 / schemes.LOGITS_PASS_BYTES_PER_SECOND)
+    again += math.ceil((v - tail_start) / block) * schemes.SECONDS_PER_STEP
+    assert math.isclose(inside.seconds - plain.seconds, again, rel_tol=1e-9)
+    assert inside.weight_grad_tail_start == tail_start and plain.weight_grad_tail_start is None
+    assert inside.describe(n).endswith(f"workspace inside dW (columns from {tail_start} computed again)")
+    # Several row chunks (dW accumulated per block), no dW, or a workspace larger than dW: no variant.
+    assert weight_grad_tail_start(call, n - 1, block) is None
+    assert weight_grad_tail_start(dataclasses.replace(call, grad_weight=False), n, block) is None
+    assert weight_grad_tail_start(CallShape(n, 2 * n, h), n, block) is None
+    with pytest.raises(ValueError, match="inside dW"):
+        vocab_block_memory(CallShape(n, 2 * n, h), n, block, workspace_in_weight_grad=True)
 
 
 def test_the_fused_first_pass_in_the_block_formulas():
@@ -440,7 +473,11 @@ def test_the_frontier_trades_memory_for_time():
     for scheme in frontier:  # each is what the chooser runs at its own workspace
         assert choose_scheme(call, scheme.memory.workspace) == scheme
     assert max(seconds) <= 3.0 * min(seconds)
-    assert len(scheme_frontier(call, max_slowdown=None)) > len(frontier)
+    # The least workspace: blocks inside dW, whose peak is little more than the gradients.
+    least = scheme_frontier(call, max_slowdown=None)[0]
+    assert least == smallest_scheme(call) and least.workspace_in_weight_grad
+    assert least.memory.workspace < 32 * MIB
+    assert len(scheme_frontier(call, max_slowdown=1.5)) < len(frontier)
 
 
 def test_the_cost_model_against_the_measured_times():
@@ -558,6 +595,92 @@ def _call_of(x, w, b, backend: str, options: LossOptions) -> CallShape:
 
 
 SCHEMES = ["one chunk", "token chunks", "vocabulary blocks"]
+
+
+def _budget_inside_dw(call: CallShape) -> int:
+    """A budget under which the chooser runs the vocabulary blocks with their workspace
+    inside dW: the workspace of that variant at the widest aligned width it picks there
+    (the fewest blocks: Triton's interpreter runs each block's kernels slowly)."""
+    for width in range(call.vocab // BLOCK_ALIGNMENT * BLOCK_ALIGNMENT, 0, -BLOCK_ALIGNMENT):
+        if weight_grad_tail_start(call, call.n_rows, width) is None:
+            continue
+        budget = block_scheme(call, call.n_rows, width, workspace_in_weight_grad=True).memory.workspace
+        if choose_scheme(call, budget).workspace_in_weight_grad:
+            return budget
+    raise AssertionError("no budget runs the blocks inside dW")
+
+
+# Every combination on the torch backend; one on Triton's (its interpreter is slow on CPU;
+# the GPU tests run the others).
+INSIDE_DW_CASES = [
+    ("torch", feature, dtype, reduction)
+    for feature in ("plain", "all")
+    for dtype in (torch.bfloat16, torch.float16)
+    for reduction in ("mean", "sum", "none")
+] + [(backend, "all", torch.bfloat16, "mean") for backend in BACKENDS if backend != "torch"]
+
+
+@pytest.mark.parametrize(("backend", "feature", "dtype", "reduction"), INSIDE_DW_CASES, ids=str)
+def test_the_workspace_inside_dw_runs_exactly(monkeypatch, backend, feature, dtype, reduction):
+    """The budget that makes the chooser hold the blocks' workspace inside dW: float64
+    parity of every output and gradient (the shared harness, ragged blocks: V prime), and
+    the same bits as the plain blocks of the same width (dX is summed in the same order,
+    the last blocks' dW comes from the same GEMM on the same gradient)."""
+    case = Case(
+        feature=feature, reduction=reduction, dtype=dtype, bias=feature == "all", n_rows=64, hidden=256, vocab=6007
+    )
+    tensors = make_tensors(case, CPU)
+    feature_options = {k: v for k, v in FEATURES[feature].items() if k != "ce_weight"}
+    call = _call_of(tensors.input, tensors.weight, tensors.bias, backend, LossOptions(**feature_options))
+    budget = _budget_inside_dw(call)
+    chosen = choose_scheme(call, budget)
+    assert chosen.rows == call.n_rows and 0 < chosen.weight_grad_tail_start < call.vocab
+    ran = _spy_schemes(monkeypatch)
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", repr(budget / MIB))
+    outcome = run_case(case, backend, CPU)
+    assert outcome.passed, f"{case.name}: {outcome.failures}"
+    assert ran[-1] == ("run_vocab_blocks", chosen.rows, chosen.block)
+
+    def gradients(**options):
+        x, w = (t.detach().clone().requires_grad_() for t in (tensors.input, tensors.weight))
+        b = None if tensors.bias is None else tensors.bias.detach().clone().requires_grad_()
+        result = flce.fused_linear_cross_entropy(
+            x,
+            w,
+            tensors.target,
+            bias=b,
+            ce_weight=tensors.ce_weight,
+            backend=backend,
+            reduction=reduction,
+            **{k: v for k, v in FEATURES[feature].items() if k != "ce_weight"},
+            **options,
+        )
+        loss = getattr(result, "loss", result)  # a CrossEntropyOutput with the extra outputs
+        loss.backward(torch.ones_like(loss))
+        return loss.detach(), x.grad, w.grad, None if b is None else b.grad
+
+    inside = gradients(memory_budget=budget)
+    plain = gradients(vocab_chunk_size=chosen.block, chunk_size=chosen.rows)
+    # With reduction="none" the loss comes from a forward without gradients, whose scheme
+    # the budget picks for that call (the gradients' pass runs in the backward).
+    compared = slice(1, None) if reduction == "none" else slice(None)
+    for got, expected in zip(inside[compared], plain[compared], strict=True):
+        assert (got is None and expected is None) or torch.equal(got, expected)
+
+
+def test_the_workspace_inside_dw_needs_a_16_bit_dx_and_dw():
+    """The variant holds the fp32 dX accumulator in dW: without dW there is no room, and
+    without that accumulator (dX not requested, or fp32 and so its own accumulator) it
+    would only add the second pass. The chooser never offers it there."""
+    call = CallShape(64, 6007, 256, upcast_operands=True)
+    assert choose_scheme(call, _budget_inside_dw(call)).workspace_in_weight_grad
+    for other in (
+        dataclasses.replace(call, grad_weight=False),
+        dataclasses.replace(call, grad_input=False),
+        dataclasses.replace(call, input_dtype=torch.float32, compute_dtype=torch.float32, weight_dtype=torch.float32),
+    ):
+        assert all(weight_grad_tail_start(other, other.n_rows, block) is None for block in (128, 256, 1024))
+        assert not any(choose_scheme(other, b).workspace_in_weight_grad for b in _budgets(other, 20))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -233,6 +233,7 @@ class Plan(CrossEntropyPlan):
                 request,
                 row_grad_scale,
                 fused_statistics=whole_rows,
+                weight_grad_tail_start=scheme.weight_grad_tail_start,
             )
         return run_chunks(
             o.input,

@@ -185,8 +185,117 @@ def test_vocabulary_blocks_peak_memory(chunk_size):
     flce.fused_linear_cross_entropy(x, w, t, backend="triton", vocab_chunk_size=block, chunk_size=chunk_size).backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    # The block buffer is freed before dX's bf16 cast: the larger of the two counts.
     if chunk_size is None:
-        formula = n * block * 2 + n * h * 4 + v * h * 2 + n * h * 2
+        formula = n * h * 4 + v * h * 2 + max(n * block * 2, n * h * 2)
     else:
-        formula = chunk_size * block * 2 + block * h * 4 + n * h * 4 + v * h * 2 + n * h * 2
-    assert peak <= 1.1 * formula, f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
+        formula = n * h * 4 + v * h * 2 + max(chunk_size * block * 2 + block * h * 4, n * h * 2)
+    message = f"peak {peak / 2**30:.3f} GiB vs formula {formula / 2**30:.3f} GiB"
+    assert 0.99 * formula <= peak <= 1.1 * formula, message
+
+
+def _fused_first_pass(spec, options, x, w, has_ce_weight: bool) -> bool:
+    from flce.plan import fused_statistics_apply
+
+    return fused_statistics_apply(
+        spec,
+        options,
+        x.dtype,
+        x.device,
+        x.shape[1],
+        w.shape[0],
+        has_ce_weight=has_ce_weight,
+        weight_tma_ready=True,
+        loss_only=False,
+    )
+
+
+def _inside_dw_budget(x, w, backend: str, b=None, options=None, has_ce_weight=False) -> tuple[int, object]:
+    """(budget, scheme): the workspace of the vocabulary blocks inside dW at the widest
+    aligned width the chooser then runs, for ``backend``'s fused fwd+bwd of ``x``, ``w``
+    (and the bias ``b``) with ``options`` (LossOptions)."""
+    from flce.dispatch import get_backend, split_rows_of
+    from flce.driver.chunks import GradRequest
+    from flce.driver.schemes import block_scheme, choose_scheme, describe_call
+    from flce.driver.sizing import BLOCK_ALIGNMENT, weight_grad_tail_start
+    from flce.options import LossOptions
+
+    spec = get_backend(backend)
+    call = describe_call(
+        x,
+        w,
+        b,
+        GradRequest(True, True, b is not None),
+        options or LossOptions(),
+        x.dtype,
+        spec,
+        split_rows_of(spec),
+        # The fused first pass where the plan takes it (cutedsl on Hopper, most features).
+        whole_row_statistics=spec.loss_only
+        if _fused_first_pass(spec, options or LossOptions(), x, w, has_ce_weight)
+        else None,
+    )
+    n, v = call.n_rows, call.vocab
+    for width in range(v // BLOCK_ALIGNMENT * BLOCK_ALIGNMENT, 0, -BLOCK_ALIGNMENT):
+        if weight_grad_tail_start(call, n, width) is None:
+            continue
+        budget = block_scheme(call, n, width, workspace_in_weight_grad=True).memory.workspace
+        scheme = choose_scheme(call, budget)
+        if scheme.workspace_in_weight_grad:
+            return budget, scheme
+    raise AssertionError("no budget runs the vocabulary blocks inside dW")
+
+
+@pytest.mark.parametrize("backend", ["triton", "cutedsl"])
+def test_vocabulary_blocks_inside_dw_at_the_reference_shape(backend):
+    """N = 8192, H = 4096, V = 128256, bf16: under a budget that holds the blocks' workspace
+    inside dW, the call peaks at the predicted bytes (within 1%; the returned gradients and
+    one block), and its loss, dX and dW are bit for bit those of the plain blocks of the
+    same width (the same GEMMs and kernels, in the same order)."""
+    _require(backend)
+    import flce
+
+    n, h, v = 8192, 4096, 128256
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda")
+    budget, scheme = _inside_dw_budget(x, w, backend)
+
+    def run(**options):
+        loss = flce.fused_linear_cross_entropy(x, w, t, backend=backend, **options)
+        loss.backward()
+        out = loss.detach(), x.grad, w.grad
+        x.grad = w.grad = None
+        return out
+
+    run(memory_budget=budget)  # compiled
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    inside = run(memory_budget=budget)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base  # the returned gradients included, as in the model
+    assert abs(peak / scheme.memory.peak - 1) < 0.01, (peak / 2**30, scheme.memory.peak / 2**30, scheme)
+    plain = run(vocab_chunk_size=scheme.block, chunk_size=n)
+    for got, expected in zip(inside, plain, strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch", "cutedsl"])
+@pytest.mark.parametrize("vocab", [32000, 151936])
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_vocabulary_blocks_inside_dw_real_vocabularies(monkeypatch, backend, vocab, feature):
+    """float64 parity of the vocabulary blocks with their workspace inside dW (bf16: the
+    variant needs a 16-bit dX and dW), every output and gradient."""
+    _require(backend)
+    from flce.options import LossOptions
+    from flce.testing import FEATURES, make_tensors
+
+    case = Case(n_rows=96, hidden=128, vocab=vocab, dtype=torch.bfloat16, feature=feature, bias=feature == "all")
+    tensors = make_tensors(case, CUDA)
+    options = LossOptions(**{k: v for k, v in FEATURES[feature].items() if k != "ce_weight"})
+    has_ce_weight = tensors.ce_weight is not None
+    budget, _ = _inside_dw_budget(tensors.input, tensors.weight, backend, tensors.bias, options, has_ce_weight)
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", repr(budget / 2**20))
+    outcome = run_case(case, backend, CUDA)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"

@@ -7,7 +7,10 @@ The candidates, from fastest to smallest:
 - one chunk: every row's logits at once, dW written by one GEMM (no fp32 accumulator);
 - token chunks: the most rows per chunk that fit, dW summed in an fp32 accumulator;
 - vocabulary blocks (``flce.driver.vocab_blocks``): the widest block that fits, for each
-  of a range of rows per chunk; the logits are computed twice (8NVH instead of 6NVH).
+  of a range of rows per chunk; the logits are computed twice (8NVH instead of 6NVH);
+- vocabulary blocks with their workspace inside dW (one row chunk): the widest block that
+  fits; the last blocks, whose rows of dW held the workspace, run their gradient pass
+  again once dX is final.
 
 ``chunk_size``/``vocab_chunk_size`` given explicitly win: the scheme they name runs, and
 only what they leave open follows the budget. With no budget set,
@@ -36,7 +39,10 @@ with, for ``k`` row chunks and ``B`` vocabulary blocks (dX and dW requested):
   the end: ``8k*V*H`` bytes more than writing a bf16 dW once; vocabulary blocks add the
   fp32 dX accumulator's read and write per block, ``8B*N*H``;
 - steps: ``k`` chunks; ``2*B*k`` block passes for vocabulary blocks (``B*k + 1`` with the
-  fused first pass).
+  fused first pass);
+- with the workspace inside dW, the last blocks' ``V_t`` columns (``weight_grad_tail_start``)
+  again: a logits GEMM (``2N*V_t*H``), a gradient pass (``2N*V_t`` bytes per byte of the
+  compute dtype) and one step per block.
 
 The constants are H200 bf16 measurements (``benchmarks/results/``):
 
@@ -92,6 +98,7 @@ from flce.driver.sizing import (
     legacy_chunk_budget_bytes,
     token_chunk_memory,
     vocab_block_memory,
+    weight_grad_tail_start,
 )
 from flce.options import LossOptions
 
@@ -116,6 +123,14 @@ class Scheme:
     memory: Memory
     seconds: float
     fused_first_pass: bool = False  # vocabulary blocks: the statistics from one fused GEMM
+    # Vocabulary blocks with their workspace inside dW: the first column of the last
+    # blocks, whose rows of dW hold the fp32 dX accumulator and the block buffer and which
+    # run their gradient pass again (flce.driver.vocab_blocks); None: not that variant.
+    weight_grad_tail_start: int | None = None
+
+    @property
+    def workspace_in_weight_grad(self) -> bool:
+        return self.weight_grad_tail_start is not None
 
     def name(self, n_rows: int) -> str:
         if self.block is not None:
@@ -125,7 +140,11 @@ class Scheme:
     def describe(self, n_rows: int) -> str:
         if self.block is not None:
             text = f"vocabulary blocks of {self.block} columns, {self.rows} rows per chunk"
-            return text + ", statistics from one fused GEMM" if self.fused_first_pass else text
+            if self.fused_first_pass:
+                text += ", statistics from one fused GEMM"
+            if self.workspace_in_weight_grad:
+                text += f", workspace inside dW (columns from {self.weight_grad_tail_start} computed again)"
+            return text
         if self.rows >= n_rows:
             return f"one chunk of {n_rows} rows"
         return f"token chunks of {self.rows} rows"
@@ -155,9 +174,12 @@ def _block_logits_passes(call: CallShape) -> int:
     return statistics + (2 if call.any_gradient else 0)
 
 
-def predicted_seconds(call: CallShape, rows: int, block: int | None = None) -> float:
+def predicted_seconds(
+    call: CallShape, rows: int, block: int | None = None, workspace_in_weight_grad: bool = False
+) -> float:
     """The module docstring's cost model for ``rows`` rows per chunk (and ``block``
-    vocabulary columns per block, or whole rows)."""
+    vocabulary columns per block, or whole rows; ``workspace_in_weight_grad``: that
+    variant of the blocks)."""
     n, v, h = call.n_rows, call.vocab, call.hidden
     n_chunks = max(1, math.ceil(n / max(rows, 1)))
     logits_elements = n * v
@@ -182,6 +204,11 @@ def predicted_seconds(call: CallShape, rows: int, block: int | None = None) -> f
             accumulator += dx_elements * (4 + 8 * n_blocks)
             if call.input_dtype != torch.float32:
                 accumulator += dx_elements * 4
+        if workspace_in_weight_grad:  # the last blocks' gradient pass again
+            tail = v - weight_grad_tail_start(call, rows, block)
+            gemm_flops += 2 * n * tail * h
+            logits_bytes += 2 * n * tail * call.compute_dtype.itemsize
+            steps += math.ceil(tail / block)
     return (
         gemm_flops / GEMM_FLOPS_PER_SECOND
         + logits_bytes / LOGITS_PASS_BYTES_PER_SECOND
@@ -195,14 +222,15 @@ def token_scheme(call: CallShape, rows: int) -> Scheme:
     return Scheme(rows, None, token_chunk_memory(call, rows), predicted_seconds(call, rows))
 
 
-def block_scheme(call: CallShape, rows: int, block: int) -> Scheme:
+def block_scheme(call: CallShape, rows: int, block: int, workspace_in_weight_grad: bool = False) -> Scheme:
     rows, block = max(1, min(rows, max(call.n_rows, 1))), max(1, min(block, call.vocab))
     return Scheme(
         rows,
         block,
-        vocab_block_memory(call, rows, block),
-        predicted_seconds(call, rows, block),
+        vocab_block_memory(call, rows, block, workspace_in_weight_grad),
+        predicted_seconds(call, rows, block, workspace_in_weight_grad),
         fused_first_pass=call.whole_row_statistics_bytes is not None,
+        weight_grad_tail_start=weight_grad_tail_start(call, rows, block) if workspace_in_weight_grad else None,
     )
 
 
@@ -218,12 +246,17 @@ def _block_row_counts(n_rows: int) -> list[int]:
 
 
 def _block_schemes(call: CallShape, budget: int) -> list[Scheme]:
-    """For each row count tried, the widest block that fits."""
+    """For each row count tried, the widest block that fits; and the widest block of the
+    variant with its workspace inside dW (one row chunk) where it applies."""
     schemes = []
     for rows in _block_row_counts(call.n_rows):
         block = largest_block(call, rows, budget)
         if block is not None:
             schemes.append(block_scheme(call, rows, block))
+    if call.any_gradient and call.one_gemm_weight_grad:
+        block = largest_block(call, call.n_rows, budget, workspace_in_weight_grad=True)
+        if block is not None:
+            schemes.append(block_scheme(call, call.n_rows, block, workspace_in_weight_grad=True))
     return schemes
 
 
@@ -245,6 +278,10 @@ def smallest_scheme(call: CallShape) -> Scheme:
     if call.block_extra_bytes_per_logit is not None:
         for rows in _block_row_counts(call.n_rows):
             candidates.append(block_scheme(call, rows, least_workspace_block(call, rows)))
+        if call.any_gradient and call.one_gemm_weight_grad:
+            block = least_workspace_block(call, call.n_rows, workspace_in_weight_grad=True)
+            if weight_grad_tail_start(call, call.n_rows, block) is not None:
+                candidates.append(block_scheme(call, call.n_rows, block, workspace_in_weight_grad=True))
     return min(candidates, key=lambda s: (s.memory.workspace, s.seconds))
 
 
@@ -292,7 +329,7 @@ def scheme_frontier(call: CallShape, points: int = 48, max_slowdown: float | Non
     chosen = {}
     for budget in sorted(budgets):
         scheme = choose_scheme(call, max(budget, low))
-        chosen.setdefault((scheme.rows, scheme.block), scheme)
+        chosen.setdefault((scheme.rows, scheme.block, scheme.workspace_in_weight_grad), scheme)
     frontier = []
     for scheme in sorted(chosen.values(), key=lambda s: (s.memory.workspace, s.seconds)):
         if not frontier or scheme.seconds < frontier[-1].seconds:

@@ -45,12 +45,21 @@ another dtype is cast once for the call (``V*H*itemsize(compute)`` more).
 The vocabulary-block scheme (``vocab_block_memory``, ``flce.driver.vocab_blocks``) with
 ``C`` rows per chunk and ``B = ceil(V / V_b)`` blocks peaks at
 
-    C*V_b*(itemsize + extra) + N*H*4 + dW + max(V_b*H*4 [C < N], dX)
+    N*H*4 + dW + max(C*V_b*(itemsize + extra) + V_b*H*4 [C < N], dX)
   + B*N*(13 [+4 smoothing] [+8 argmax])       the per-block row statistics
 
-(dX accumulated in fp32 over the blocks, cast at the end; with one row chunk each dW
-block is written by one GEMM, without the ``V_b x H`` fp32 block). Vectors of N or V
-values (row outputs, targets) are left out of every formula.
+(dX accumulated in fp32 over the blocks, cast at the end, after the block buffer is
+freed; with one row chunk each dW block is written by one GEMM, without the ``V_b x H``
+fp32 block). With one row chunk the scheme can also hold its workspace inside dW
+(``workspace_in_weight_grad``: the fp32 dX accumulator and the block buffer live in the
+rows of dW that the last blocks fill, and those blocks are computed again once dX is
+final), which peaks at
+
+    dW + dX + C*V_b*(itemsize + extra)        (the last blocks' second pass)
+
+for the extra logits GEMM and gradient pass of those last blocks
+(``weight_grad_tail_start``). Vectors of N or V values (row outputs, targets) are left out
+of every formula.
 """
 
 from __future__ import annotations
@@ -85,6 +94,10 @@ BLOCK_COMBINE_BYTES = 8 * 4
 # three-GEMM floor where 42752-column ones took 1.43x (benchmarks/results/memory-budget-h200).
 # 128 is also the GEMM tile width.
 BLOCK_ALIGNMENT = 128
+# The pieces of the workspace held inside dW (the fp32 dX accumulator, the block buffer)
+# start at this byte alignment: GEMM operands and TMA descriptors need 16 bytes, and a
+# cache line's alignment costs nothing here.
+WEIGHT_GRAD_SCRATCH_ALIGNMENT = 256
 
 
 def _positive_mib(env_var: str) -> int | None:
@@ -256,16 +269,42 @@ def token_chunk_memory(call: CallShape, rows: int) -> Memory:
     return Memory(peak, peak - call.gradient_bytes())
 
 
-def vocab_block_memory(call: CallShape, rows: int, block: int) -> Memory:
+def _aligned_up(nbytes: int) -> int:
+    return -(-nbytes // WEIGHT_GRAD_SCRATCH_ALIGNMENT) * WEIGHT_GRAD_SCRATCH_ALIGNMENT
+
+
+def weight_grad_tail_start(call: CallShape, rows: int, block: int) -> int | None:
+    """The variant with its workspace inside dW (``workspace_in_weight_grad``): the first
+    column of the last vocabulary blocks, whose rows of dW hold the fp32 dX accumulator and
+    the block buffer until dX is final (those blocks' dW comes from a second gradient pass
+    after it). None where the variant does not apply: several row chunks, dW not written by
+    one GEMM, no fp32 dX accumulator to hold (dX not requested, or fp32 itself: the variant
+    would only add the second pass), or a workspace larger than dW."""
+    n, v = call.n_rows, call.vocab
+    if not (call.one_gemm_weight_grad and rows >= n and call.grad_input and call.input_dtype != torch.float32):
+        return None
+    block = max(1, min(block, v))
+    dx_accumulator, buffer = n * call.hidden * 4, rows * block * call.compute_dtype.itemsize
+    # Each piece aligned, from an aligned start inside the tail's first row.
+    needed = _aligned_up(dx_accumulator) + _aligned_up(buffer) + WEIGHT_GRAD_SCRATCH_ALIGNMENT
+    row_bytes = call.hidden * call.weight_dtype.itemsize
+    tail_rows = -(-needed // row_bytes)
+    if tail_rows > v:
+        return None
+    return (v - tail_rows) // block * block
+
+
+def vocab_block_memory(call: CallShape, rows: int, block: int, workspace_in_weight_grad: bool = False) -> Memory:
     """Peak of ``flce.driver.vocab_blocks.run_vocab_blocks`` with ``rows`` rows per chunk
-    and vocabulary blocks of ``block`` columns."""
+    and vocabulary blocks of ``block`` columns; ``workspace_in_weight_grad``: its variant
+    with the workspace inside dW (``weight_grad_tail_start`` must apply)."""
     if call.block_extra_bytes_per_logit is None:
         raise ValueError("the backend has no split-row kernels: the vocabulary-block scheme cannot run")
     n, v, h = call.n_rows, call.vocab, call.hidden
     rows, block = max(1, min(rows, n)), max(1, min(block, v))
     c = call.compute_dtype.itemsize
     n_blocks = -(-v // block)
-    buffer = rows * block * c  # alive from its first GEMM until the call returns
+    buffer = rows * block * c  # alive from its first GEMM until dX is cast
     kernel = rows * block * call.block_extra_bytes_per_logit
     if call.whole_row_statistics_bytes is None:
         statistics = n_blocks * n * call.block_statistics_bytes
@@ -280,6 +319,20 @@ def vocab_block_memory(call: CallShape, rows: int, block: int) -> Memory:
         resident = call.weight_cast_bytes() + statistics + buffer
     if not call.any_gradient:
         return Memory(pass_one, pass_one)
+    dx_cast = n * h * call.input_dtype.itemsize if call.grad_input and call.input_dtype != torch.float32 else 0
+    if workspace_in_weight_grad:
+        if weight_grad_tail_start(call, rows, block) is None:
+            raise ValueError("the vocabulary blocks cannot hold their workspace inside dW for this call and block")
+        # Pass 2 in dW's tail (the accumulator, the buffer); then dX, and the last blocks'
+        # second gradient pass with a buffer of their own.
+        resident = call.weight_cast_bytes() + statistics + v * h * call.weight_dtype.itemsize
+        resident += v * 4 if call.bias_dtype is not None else 0
+        upcasts = call.upcast_bytes(rows, block, False, call.grad_input)
+        temporaries = call.row_temporary_bytes(rows)
+        pass_two = resident + max(kernel, upcasts) + temporaries
+        tail_pass = resident + dx_cast + buffer + kernel + temporaries
+        peak = max(pass_one, pass_two, tail_pass)
+        return Memory(peak, peak - call.gradient_bytes())
     resident += n * h * 4 if call.grad_input else 0  # dX accumulated in fp32
     resident += v * h * call.weight_dtype.itemsize if call.grad_weight else 0  # dW, filled block by block
     resident += v * 4 if call.bias_dtype is not None else 0
@@ -290,8 +343,8 @@ def vocab_block_memory(call: CallShape, rows: int, block: int) -> Memory:
     accumulated_in_fp32 = weight_grad_accumulated and call.accumulator_dtype == torch.float32
     upcasts = call.upcast_bytes(rows, block, accumulated_in_fp32, call.grad_input)
     transient = max(kernel, upcasts) + call.row_temporary_bytes(rows)
-    dx_cast = n * h * call.input_dtype.itemsize if call.grad_input and call.input_dtype != torch.float32 else 0
-    peak = max(pass_one, resident + weight_block + transient, resident + dx_cast)
+    # The block buffer is freed before dX's cast: the two never coexist.
+    peak = max(pass_one, resident + weight_block + transient, resident - buffer + dx_cast)
     return Memory(peak, peak - call.gradient_bytes())
 
 
@@ -334,18 +387,26 @@ def largest_block_rows(call: CallShape, block: int, budget: int) -> int | None:
     return _largest_rows(call.n_rows, lambda rows: vocab_block_memory(call, rows, block).workspace, budget)
 
 
-def _blocks_workspace(call: CallShape, rows: int):
+def block_workspace(call: CallShape, rows: int, block: int, workspace_in_weight_grad: bool = False) -> float:
+    """``vocab_block_memory(...).workspace``, infinite where the variant with the workspace
+    inside dW does not apply (``weight_grad_tail_start``)."""
+    if workspace_in_weight_grad and weight_grad_tail_start(call, rows, block) is None:
+        return math.inf
+    return vocab_block_memory(call, rows, block, workspace_in_weight_grad).workspace
+
+
+def _blocks_workspace(call: CallShape, rows: int, workspace_in_weight_grad: bool):
     """Workspace as a function of the number of (balanced) vocabulary blocks."""
-    return lambda n_blocks: vocab_block_memory(call, rows, -(-call.vocab // n_blocks)).workspace
+    return lambda n_blocks: block_workspace(call, rows, -(-call.vocab // n_blocks), workspace_in_weight_grad)
 
 
 @functools.lru_cache(maxsize=4096)
-def _least_workspace_blocks(call: CallShape, rows: int) -> int:
+def _least_workspace_blocks(call: CallShape, rows: int, workspace_in_weight_grad: bool = False) -> int:
     """The block count with (near) the least workspace for ``rows`` rows per chunk. The
     blocks' buffers shrink with more blocks while the (B, N) statistics grow, so the
     workspace falls to one minimum and rises again: a scan over powers of two, then
     finer steps around the best."""
-    vocab, workspace = call.vocab, _blocks_workspace(call, rows)
+    vocab, workspace = call.vocab, _blocks_workspace(call, rows, workspace_in_weight_grad)
     coarse = sorted({min(vocab, 2**i) for i in range(vocab.bit_length() + 1)})
     best = min(coarse, key=workspace)
     fine = {max(1, min(vocab, round(best * 1.1**i))) for i in range(-8, 9)}
@@ -361,36 +422,42 @@ def aligned_block(block: int, vocab: int) -> int:
     return block - block % BLOCK_ALIGNMENT
 
 
-def least_workspace_block(call: CallShape, rows: int) -> int:
+def least_workspace_block(call: CallShape, rows: int, workspace_in_weight_grad: bool = False) -> int:
     """The block width (columns, aligned) of (near) the least workspace for ``rows`` rows per
-    chunk: of the aligned widths on either side of the balanced optimum, the lesser."""
-    balanced = -(-call.vocab // _least_workspace_blocks(call, rows))
+    chunk: of the aligned widths on either side of the balanced optimum, the lesser. With
+    the workspace inside dW, never narrower than one alignment (the narrow blocks' GEMMs
+    are slow, and the workspace saved is a block buffer's)."""
+    balanced = -(-call.vocab // _least_workspace_blocks(call, rows, workspace_in_weight_grad))
     below = aligned_block(balanced, call.vocab)
+    if workspace_in_weight_grad:
+        below = max(below, min(BLOCK_ALIGNMENT, call.vocab))
     above = aligned_block(below + BLOCK_ALIGNMENT, call.vocab) if below >= BLOCK_ALIGNMENT else below
-    return min((below, above), key=lambda block: (vocab_block_memory(call, rows, block).workspace, -block))
+    return min((below, above), key=lambda block: (block_workspace(call, rows, block, workspace_in_weight_grad), -block))
 
 
-def largest_block(call: CallShape, rows: int, budget: int) -> int | None:
+def largest_block(call: CallShape, rows: int, budget: int, workspace_in_weight_grad: bool = False) -> int | None:
     """The widest vocabulary block (a multiple of ``BLOCK_ALIGNMENT`` columns, or the whole
-    vocabulary) whose workspace with ``rows`` rows per chunk fits ``budget``, or None."""
+    vocabulary) whose workspace with ``rows`` rows per chunk fits ``budget``, or None;
+    ``workspace_in_weight_grad``: of that variant, where it applies."""
     vocab = call.vocab
-    workspace = _blocks_workspace(call, rows)
-    least = least_workspace_block(call, rows)
-    if vocab_block_memory(call, rows, least).workspace > budget:
+    workspace = _blocks_workspace(call, rows, workspace_in_weight_grad)
+    least = least_workspace_block(call, rows, workspace_in_weight_grad)
+    if block_workspace(call, rows, least, workspace_in_weight_grad) > budget:
         return None
 
     # Wider than the least-workspace block, the workspace grows with the width (the
-    # buffers grow faster than the per-block statistics shrink): the widest aligned width
-    # that fits, by bisection over multiples of the alignment.
+    # buffers grow faster than the per-block statistics shrink; the variant inside dW
+    # stops applying once its workspace outgrows dW): the widest aligned width that fits,
+    # by bisection over multiples of the alignment.
     def fits(units: int) -> bool:
-        return vocab_block_memory(call, rows, min(units * BLOCK_ALIGNMENT, vocab)).workspace <= budget
+        return block_workspace(call, rows, min(units * BLOCK_ALIGNMENT, vocab), workspace_in_weight_grad) <= budget
 
     if least < BLOCK_ALIGNMENT and (vocab <= BLOCK_ALIGNMENT or not fits(1)):
         # Blocks narrower than one alignment (a small vocabulary, or per-block statistics
         # so cheap that the least workspace takes many narrow blocks, as with the fused
         # first pass, and a budget that no aligned width fits): balanced blocks
         # (``ceil(V / B)`` columns for the fewest blocks ``B`` that fit), by bisection.
-        low, high = 1, _least_workspace_blocks(call, rows)
+        low, high = 1, _least_workspace_blocks(call, rows, workspace_in_weight_grad)
         while low < high:
             mid = (low + high) // 2
             if workspace(mid) <= budget:

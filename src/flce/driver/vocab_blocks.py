@@ -9,10 +9,19 @@ instead of a GEMM and a statistics pass per block. Pass 2, only for gradients, r
 each block's logits, writes their gradient in place (the backend's split-row kernels)
 and finishes that block of dW in one fp32 accumulator of ``V_b x H`` before moving on
 (or, when one chunk holds every row, writes it into dW directly: one GEMM accumulates in
-fp32 inside); dX is accumulated in fp32 over the blocks. Exact fp32 accumulation of both
-with peak extra memory ``C*V_b*(itemsize + extra) + V_b*H*4 + N*H*4 + dW + dX`` (no
-``V_b*H*4`` term with one row chunk) instead of a ``V x H`` fp32 buffer, for one more
-logits GEMM (8NVH FLOPs instead of 6NVH).
+fp32 inside); dX is accumulated in fp32 over the blocks and cast once the block buffer
+is freed. Exact fp32 accumulation of both with peak extra memory
+``N*H*4 + dW + max(C*V_b*(itemsize + extra) + V_b*H*4, dX)`` (no ``V_b*H*4`` term with one
+row chunk) instead of a ``V x H`` fp32 buffer, for one more logits GEMM (8NVH FLOPs
+instead of 6NVH).
+
+With one row chunk, the workspace can live inside dW (``weight_grad_tail_start``, chosen
+by the memory budget): until the last block's dX is summed, the rows of dW that the last
+blocks (columns from ``weight_grad_tail_start`` on) will hold are free, and they hold the
+fp32 dX accumulator and the block buffer. Those blocks add their dX then, and their dW
+once dX is cast, from a second gradient pass with a buffer of its own. Peak extra memory
+``dW + dX + C*V_b*(itemsize + extra)``: the returned gradients and one block, for the
+last blocks' logits GEMM and gradient pass again (``flce.driver.sizing``).
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from flce.driver.gemm import (
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
-from flce.driver.sizing import default_chunk_size
+from flce.driver.sizing import WEIGHT_GRAD_SCRATCH_ALIGNMENT, default_chunk_size
 from flce.options import LossOptions
 from flce.rows.cross_entropy import (
     BlockStatistics,
@@ -80,6 +89,32 @@ def _logits_buffer(
     return buffer, buffer.view(chunk, block)
 
 
+def _weight_grad_scratch(
+    dw: torch.Tensor,  # (V, H) bf16/fp16, contiguous: the returned dW, not yet written
+    tail_start: int,  # the first row of dW that the scratch may use
+    dx_shape: tuple[int, int],  # (N, H) of the fp32 dX accumulator
+    buffer_elements: int,  # the block buffer's, in dW's dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of dW's rows from ``tail_start`` on as the fp32 dX accumulator ``(N, H)`` and
+    the block buffer ``(buffer_elements,)``, each starting ``WEIGHT_GRAD_SCRATCH_ALIGNMENT``
+    bytes aligned (the layout ``flce.driver.sizing.weight_grad_tail_start`` sized)."""
+    itemsize = dw.element_size()
+    flat = dw.view(-1)
+    align = WEIGHT_GRAD_SCRATCH_ALIGNMENT // itemsize  # elements
+
+    def aligned(offset: int) -> int:
+        base = flat.storage_offset()  # the allocation's own alignment counts
+        return -(-(base + offset) // align) * align - base
+
+    offset = aligned(tail_start * dw.shape[1])
+    dx_elements = dx_shape[0] * dx_shape[1] * 4 // itemsize
+    dx_accumulator = flat[offset : offset + dx_elements].view(torch.float32).view(dx_shape)
+    offset = aligned(offset + dx_elements)
+    if offset + buffer_elements > flat.numel():
+        raise RuntimeError("flce: the vocabulary blocks' workspace does not fit in dW's last blocks (sizing bug)")
+    return dx_accumulator, flat[offset : offset + buffer_elements]
+
+
 def _store_rows(into: BlockStatistics, r0: int, r1: int, stats: BlockStatistics, column_offset: int) -> None:
     """Writes one block's statistics of rows ``[r0, r1)`` into its ``(N,)`` views ``into``,
     the argmax as a global column."""
@@ -106,8 +141,11 @@ def run_vocab_blocks(
     row_grad_scale: torch.Tensor | None = None,  # (N,) fp32
     *,
     fused_statistics: LossOnlyStatistics | None = None,  # pass 1 from it (applicable: flce.plan)
+    weight_grad_tail_start: int | None = None,  # the workspace inside dW (flce.driver.schemes.Scheme)
 ) -> tuple[RowOutputs, Gradients]:
-    """The driver over token chunks x vocabulary blocks of ``options.vocab_chunk_size``."""
+    """The driver over token chunks x vocabulary blocks of ``options.vocab_chunk_size``
+    (module docstring); ``weight_grad_tail_start``: the first column of the blocks whose
+    rows of dW hold the workspace (one row chunk, dW written by one GEMM per block)."""
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
     device = input.device
@@ -224,13 +262,11 @@ def run_vocab_blocks(
     if not request.any:
         return rows, Gradients(None, None, None)
 
-    # Pass 2: the gradient, block by block; each block of dW is final when its loop ends.
-    if buffer is None:
-        buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
+    # Pass 2: the gradient, block by block; each block of dW is final when its loop ends
+    # (with the workspace inside dW, the last blocks' dW waits for their second pass).
     scale = row_scale(valid, token_scale, row_grad_scale)
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
     eps = scalars.smoothing_eps(vocab)
-    dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None
     dw = torch.empty(vocab, hidden, dtype=weight.dtype, device=device) if request.weight else None
     db = torch.zeros(vocab, **f32) if request.bias else None
     acc_dtype = weight_accumulator_dtype(options.accum_dtype, weight.dtype)
@@ -238,31 +274,53 @@ def run_vocab_blocks(
     # V_b x H fp32 accumulator, this mode's largest buffer after dW itself.
     dw_direct = request.weight and weight_grad_in_one_gemm(n_rows, chunk, weight.dtype, compute_dtype, acc_dtype)
     dw_parts = dw.split(block) if dw is not None else None
+    tail_start = vocab if weight_grad_tail_start is None else weight_grad_tail_start
+    if tail_start < vocab:
+        if not (dw_direct and request.input and input.dtype != torch.float32):
+            raise ValueError(
+                "weight_grad_tail_start needs dW written by one GEMM per block (one row chunk, a bf16/fp16 "
+                "weight) and dX of a bf16/fp16 input (flce.driver.sizing.weight_grad_tail_start)"
+            )
+        buffer = full_tile = None  # pass 1's, if any: freed before its place in dW is used
+        dx_acc, buffer = _weight_grad_scratch(dw, tail_start, (n_rows, hidden), chunk * block)
+        full_tile = buffer.view(chunk, block)
+        dx_acc.zero_()
+    else:
+        if buffer is None:
+            buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
+        dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None
+
+    def block_gradient(target_of_block: torch.Tensor, r0: int, r1: int, x, ce_block, w_t_block, b_block):
+        """The block's logits of rows ``[r0, r1)``, overwritten with their gradient."""
+        grad = logits_of(r0, r1, x, w_t_block, b_block)
+        kernels.gradient(
+            grad,
+            row_range(target_of_block, r0, r1),
+            ce_block,
+            row_range(row_max, r0, r1),
+            row_range(inv_sum, r0, r1),
+            row_range(w_y, r0, r1),
+            row_range(lse, r0, r1),
+            row_range(scale, r0, r1),
+            scalars,
+            eps,
+        )
+        return grad
+
     for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
+        in_tail = v0 >= tail_start
         grad_target_of_block = block_target(index, v0, v1)
         if dw_direct:
-            dw_block = dw_parts[index]  # (V_b, H) contiguous rows of dW
+            dw_block = None if in_tail else dw_parts[index]  # (V_b, H) contiguous rows of dW
         elif request.weight:
             dw_block = torch.empty(v1 - v0, hidden, dtype=acc_dtype, device=device)
         else:
             dw_block = None
         for r0, r1, x in chunks():
-            grad = logits_of(r0, r1, x, w_t_block, b_block)
-            kernels.gradient(
-                grad,
-                row_range(grad_target_of_block, r0, r1),
-                ce_block,
-                row_range(row_max, r0, r1),
-                row_range(inv_sum, r0, r1),
-                row_range(w_y, r0, r1),
-                row_range(lse, r0, r1),
-                row_range(scale, r0, r1),
-                scalars,
-                eps,
-            )
+            grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
             if dx_acc is not None:
                 accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False)
-            if dw_direct:
+            if dw_direct and dw_block is not None:
                 with full_precision_reductions():
                     torch.mm(grad.t(), x, out=dw_block)
             elif dw_block is not None:
@@ -274,5 +332,20 @@ def run_vocab_blocks(
                 dw_block.zero_()
             dw[v0:v1] = dw_block
             del dw_block
+    # The block buffer is freed before dX's cast, so that the two never coexist.
+    buffer = full_tile = grad = None
     dx = None if dx_acc is None else (dx_acc if input.dtype == torch.float32 else dx_acc.to(input.dtype))
+    dx_acc = None
+    if tail_start < vocab:
+        # The last blocks' rows of dW are free again: their gradient once more, then dW.
+        buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
+        for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
+            if v0 < tail_start:
+                continue
+            grad_target_of_block = block_target(index, v0, v1)
+            for r0, r1, x in chunks():
+                grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
+                with full_precision_reductions():
+                    torch.mm(grad.t(), x, out=dw_parts[index])
+        buffer = full_tile = grad = None
     return rows, Gradients(dx, dw, None if db is None else db.to(bias.dtype))
