@@ -44,6 +44,7 @@ from flce.driver.sizing import (
 )
 from flce.options import LossOptions
 from flce.testing import FEATURES, Case, make_tensors, run_case
+from tests.budgets import inside_dw_budget
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -597,19 +598,6 @@ def _call_of(x, w, b, backend: str, options: LossOptions) -> CallShape:
 SCHEMES = ["one chunk", "token chunks", "vocabulary blocks"]
 
 
-def _budget_inside_dw(call: CallShape) -> int:
-    """A budget under which the chooser runs the vocabulary blocks with their workspace
-    inside dW: the workspace of that variant at the widest aligned width it picks there
-    (the fewest blocks: Triton's interpreter runs each block's kernels slowly)."""
-    for width in range(call.vocab // BLOCK_ALIGNMENT * BLOCK_ALIGNMENT, 0, -BLOCK_ALIGNMENT):
-        if weight_grad_tail_start(call, call.n_rows, width) is None:
-            continue
-        budget = block_scheme(call, call.n_rows, width, workspace_in_weight_grad=True).memory.workspace
-        if choose_scheme(call, budget).workspace_in_weight_grad:
-            return budget
-    raise AssertionError("no budget runs the blocks inside dW")
-
-
 # Every combination on the torch backend; one on Triton's (its interpreter is slow on CPU;
 # the GPU tests run the others).
 INSIDE_DW_CASES = [
@@ -632,7 +620,7 @@ def test_the_workspace_inside_dw_runs_exactly(monkeypatch, backend, feature, dty
     tensors = make_tensors(case, CPU)
     feature_options = {k: v for k, v in FEATURES[feature].items() if k != "ce_weight"}
     call = _call_of(tensors.input, tensors.weight, tensors.bias, backend, LossOptions(**feature_options))
-    budget = _budget_inside_dw(call)
+    budget = inside_dw_budget(call)[0]
     chosen = choose_scheme(call, budget)
     assert chosen.rows == call.n_rows and 0 < chosen.weight_grad_tail_start < call.vocab
     ran = _spy_schemes(monkeypatch)
@@ -673,7 +661,7 @@ def test_the_workspace_inside_dw_needs_a_16_bit_dx_and_dw():
     without that accumulator (dX not requested, or fp32 and so its own accumulator) it
     would only add the second pass. The chooser never offers it there."""
     call = CallShape(64, 6007, 256, upcast_operands=True)
-    assert choose_scheme(call, _budget_inside_dw(call)).workspace_in_weight_grad
+    assert choose_scheme(call, inside_dw_budget(call)[0]).workspace_in_weight_grad
     for other in (
         dataclasses.replace(call, grad_weight=False),
         dataclasses.replace(call, grad_input=False),

@@ -212,3 +212,14 @@ def test_no_plots_writes_no_png(tmp_path: Path) -> None:
     argv = ["--frontier", *RUN, "--frontier-points", "2", "--no-plots", "--out", str(tmp_path)]
     assert run_bench(bench_parser().parse_args(argv)) == 0
     assert not list(tmp_path.rglob("*.png")) and (tmp_path / "bench-frontier-bf16.json").exists()
+
+
+def test_the_scheme_cell_names_the_blocks_inside_dw() -> None:
+    """The table's few words say which blocks hold their workspace inside dW (the JSON's
+    ``scheme_text`` says it in full)."""
+    row = {"scheme": "vocabulary blocks", "rows_per_chunk": 64, "vocab_block": 512, "n": 64}
+    assert frontier.scheme_cell({**row, "weight_grad_tail_start": None}) == "512-column blocks"
+    assert frontier.scheme_cell({**row, "weight_grad_tail_start": 2048}) == "512-column blocks, inside dW"
+    assert frontier.scheme_cell({**row, "rows_per_chunk": 32, "weight_grad_tail_start": None}) == (
+        "512-column blocks, 32-row chunks"
+    )

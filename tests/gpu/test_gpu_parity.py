@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from flce.dispatch import availability
-from flce.testing import Case, run_case
+from flce.options import LossOptions
+from flce.testing import FEATURES, Case, make_tensors, run_case
+from tests.budgets import call_of, inside_dw_budget
 
 if not torch.cuda.is_available():
     pytest.skip("GPU parity suite: needs a CUDA GPU", allow_module_level=True)
@@ -194,58 +196,6 @@ def test_vocabulary_blocks_peak_memory(chunk_size):
     assert 0.99 * formula <= peak <= 1.1 * formula, message
 
 
-def _fused_first_pass(spec, options, x, w, has_ce_weight: bool) -> bool:
-    from flce.plan import fused_statistics_apply
-
-    return fused_statistics_apply(
-        spec,
-        options,
-        x.dtype,
-        x.device,
-        x.shape[1],
-        w.shape[0],
-        has_ce_weight=has_ce_weight,
-        weight_tma_ready=True,
-        loss_only=False,
-    )
-
-
-def _inside_dw_budget(x, w, backend: str, b=None, options=None, has_ce_weight=False) -> tuple[int, object]:
-    """(budget, scheme): the workspace of the vocabulary blocks inside dW at the widest
-    aligned width the chooser then runs, for ``backend``'s fused fwd+bwd of ``x``, ``w``
-    (and the bias ``b``) with ``options`` (LossOptions)."""
-    from flce.dispatch import get_backend, split_rows_of
-    from flce.driver.chunks import GradRequest
-    from flce.driver.schemes import block_scheme, choose_scheme, describe_call
-    from flce.driver.sizing import BLOCK_ALIGNMENT, weight_grad_tail_start
-    from flce.options import LossOptions
-
-    spec = get_backend(backend)
-    call = describe_call(
-        x,
-        w,
-        b,
-        GradRequest(True, True, b is not None),
-        options or LossOptions(),
-        x.dtype,
-        spec,
-        split_rows_of(spec),
-        # The fused first pass where the plan takes it (cutedsl on Hopper, most features).
-        whole_row_statistics=spec.loss_only
-        if _fused_first_pass(spec, options or LossOptions(), x, w, has_ce_weight)
-        else None,
-    )
-    n, v = call.n_rows, call.vocab
-    for width in range(v // BLOCK_ALIGNMENT * BLOCK_ALIGNMENT, 0, -BLOCK_ALIGNMENT):
-        if weight_grad_tail_start(call, n, width) is None:
-            continue
-        budget = block_scheme(call, n, width, workspace_in_weight_grad=True).memory.workspace
-        scheme = choose_scheme(call, budget)
-        if scheme.workspace_in_weight_grad:
-            return budget, scheme
-    raise AssertionError("no budget runs the vocabulary blocks inside dW")
-
-
 @pytest.mark.parametrize("backend", ["triton", "cutedsl"])
 def test_vocabulary_blocks_inside_dw_at_the_reference_shape(backend):
     """N = 8192, H = 4096, V = 128256, bf16: under a budget that holds the blocks' workspace
@@ -259,7 +209,7 @@ def test_vocabulary_blocks_inside_dw_at_the_reference_shape(backend):
     x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * 0.02).requires_grad_()
     t = torch.randint(0, v, (n,), device="cuda")
-    budget, scheme = _inside_dw_budget(x, w, backend)
+    budget, scheme = inside_dw_budget(call_of(x, w, backend))
 
     def run(**options):
         loss = flce.fused_linear_cross_entropy(x, w, t, backend=backend, **options)
@@ -288,14 +238,11 @@ def test_vocabulary_blocks_inside_dw_real_vocabularies(monkeypatch, backend, voc
     """float64 parity of the vocabulary blocks with their workspace inside dW (bf16: the
     variant needs a 16-bit dX and dW), every output and gradient."""
     _require(backend)
-    from flce.options import LossOptions
-    from flce.testing import FEATURES, make_tensors
-
     case = Case(n_rows=96, hidden=128, vocab=vocab, dtype=torch.bfloat16, feature=feature, bias=feature == "all")
     tensors = make_tensors(case, CUDA)
     options = LossOptions(**{k: v for k, v in FEATURES[feature].items() if k != "ce_weight"})
-    has_ce_weight = tensors.ce_weight is not None
-    budget, _ = _inside_dw_budget(tensors.input, tensors.weight, backend, tensors.bias, options, has_ce_weight)
+    call = call_of(tensors.input, tensors.weight, backend, tensors.bias, options, tensors.ce_weight is not None)
+    budget, _ = inside_dw_budget(call)
     monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", repr(budget / 2**20))
     outcome = run_case(case, backend, CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"

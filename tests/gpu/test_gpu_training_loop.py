@@ -10,7 +10,9 @@ import torch
 
 import flce
 from flce.dispatch import availability
+from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
+from tests.budgets import call_of, inside_dw_budget
 
 if not torch.cuda.is_available():
     pytest.skip("training-loop tests: need a CUDA GPU", allow_module_level=True)
@@ -21,6 +23,9 @@ BACKENDS = ["torch", "triton", "cutedsl"]
 # H a multiple of 64 and bf16: the cutedsl loss-only route (fused GEMM) applies too.
 N, H, V = 256, 128, 1031
 OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
+# The vocabulary blocks with their workspace inside dW pay off where a chunk of logits
+# outweighs dX's fp32 accumulator: a larger vocabulary (prime: ragged blocks).
+V_INSIDE_DW = 4099
 
 
 def _usable(backend: str) -> None:
@@ -29,11 +34,11 @@ def _usable(backend: str) -> None:
         pytest.skip(f"{backend}: {why}")
 
 
-def _inputs(seed: int, dtype=torch.bfloat16):
+def _inputs(seed: int, dtype=torch.bfloat16, vocab: int = V):
     gen = torch.Generator(device=CUDA).manual_seed(seed)
     x = torch.randn(N, H, device=CUDA, generator=gen).to(dtype)
-    w = (torch.randn(V, H, device=CUDA, generator=gen) * 0.3).to(dtype)
-    y = torch.randint(0, V, (N,), device=CUDA, generator=gen)
+    w = (torch.randn(vocab, H, device=CUDA, generator=gen) * 0.3).to(dtype)
+    y = torch.randint(0, vocab, (N,), device=CUDA, generator=gen)
     y[::7] = -100
     return x, w, y
 
@@ -51,14 +56,22 @@ def _assert_close_to(reference, *got, rtol=2e-2):
         assert err < rtol, f"relative error {float(err):.3g}"
 
 
+def _blocks_inside_dw(backend: str, x, w) -> dict:
+    """The options that run the vocabulary blocks with their workspace inside dW."""
+    budget, _ = inside_dw_budget(call_of(x, w, backend, options=LossOptions(**OPTIONS)))
+    return dict(memory_budget=budget)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", ["fwd_bwd", "loss_only", "per_token", "vocab_blocks"])
+@pytest.mark.parametrize("mode", ["fwd_bwd", "loss_only", "per_token", "vocab_blocks", "blocks_inside_dw"])
 def test_no_host_sync(backend, mode):
     _usable(backend)
-    x, w, y = _inputs(0)
+    x, w, y = _inputs(0, vocab=V_INSIDE_DW if mode == "blocks_inside_dw" else V)
     extra = dict(reduction="none") if mode == "per_token" else {}
     if mode == "vocab_blocks":
         extra = dict(vocab_chunk_size=256)
+    if mode == "blocks_inside_dw":
+        extra = _blocks_inside_dw(backend, x, w)
 
     def step():
         xr = x.clone().requires_grad_(mode != "loss_only")
@@ -81,12 +94,15 @@ def test_no_host_sync(backend, mode):
 # "vocab_blocks": the exact low-memory mode (with cutedsl on Hopper, its first pass from the
 # fused statistics GEMM, captured too).
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scheme", ["default", "vocab_blocks"])
+@pytest.mark.parametrize("scheme", ["default", "vocab_blocks", "blocks_inside_dw"])
 def test_cuda_graph_capture_and_replay(backend, scheme):
     _usable(backend)
-    x, w, y = _inputs(1)
+    vocab = V_INSIDE_DW if scheme == "blocks_inside_dw" else V
+    x, w, y = _inputs(1, vocab=vocab)
     static_x, static_w, static_y = x.clone().requires_grad_(), w.clone().requires_grad_(), y.clone()
     extra = dict(vocab_chunk_size=384) if scheme == "vocab_blocks" else {}
+    if scheme == "blocks_inside_dw":
+        extra = _blocks_inside_dw(backend, x, w)
 
     def step():
         loss = flce.fused_linear_cross_entropy(static_x, static_w, static_y, backend=backend, **OPTIONS, **extra)
@@ -104,7 +120,7 @@ def test_cuda_graph_capture_and_replay(backend, scheme):
         outputs = step()
 
     for seed in (2, 3):  # new data copied into the captured buffers, then replayed
-        x, w, y = _inputs(seed)
+        x, w, y = _inputs(seed, vocab=vocab)
         with torch.no_grad():
             static_x.copy_(x)
             static_w.copy_(w)

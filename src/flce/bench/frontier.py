@@ -83,6 +83,7 @@ FRONTIER_FIELDS = (
     "scheme_text",
     "rows_per_chunk",
     "vocab_block",
+    "weight_grad_tail_start",
     "predicted_workspace_bytes",
     "predicted_peak_bytes",
     "predicted_peak_gib",
@@ -155,6 +156,7 @@ class BudgetPoint:
             "scheme_text": self.scheme.describe(n),
             "rows_per_chunk": self.scheme.rows,
             "vocab_block": self.scheme.block,
+            "weight_grad_tail_start": self.scheme.weight_grad_tail_start,
             "predicted_workspace_bytes": memory.workspace,
             "predicted_peak_bytes": memory.peak,
             "predicted_peak_gib": memory.peak / report.GIB,
@@ -389,7 +391,8 @@ def scheme_cell(record: dict[str, Any]) -> str:
     rows, block, n_rows = record["rows_per_chunk"], record["vocab_block"], record["n"]
     chunks = f"{rows}-row chunks" if rows < n_rows else ""
     if block is not None:
-        return f"{block}-column blocks" + (f", {chunks}" if chunks else "")
+        inside = ", inside dW" if record.get("weight_grad_tail_start") is not None else ""
+        return f"{block}-column blocks" + (f", {chunks}" if chunks else "") + inside
     return chunks or "one chunk"
 
 
