@@ -28,13 +28,15 @@
 #                  `flce bench --loss logprobs|distill` at V=128256, 151936 -> heads-tests.log, heads/
 #   frontier       the memory budget's schemes, predicted and measured, at
 #                  V=128256 and 32000 (`flce bench --frontier`)           -> memory-budget/
+#   liger-memory   the exact mode under the budget that keeps its peak within 1.1x
+#                  Liger Triton's, at the six shapes (benchmarks/budget_vs_liger.py) -> liger-memory/
 #   graph          fwd+bwd replayed from a CUDA graph, reference and small shapes -> training-loop/
 #
 # LIMIT_SCALE=2 doubles every time limit (a slower GPU). OUTDIR/steps.txt gets one line per
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward autocast tp heads frontier graph]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward autocast tp heads frontier liger-memory graph]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -181,6 +183,10 @@ step_heads() {
 step_frontier() {
   run frontier 170 "$python" -m flce.cli bench --frontier --tokens 8192 --vocab 128256,32000 --hidden 4096 \
     --frontier-points 4 --rounds 3 --warmup 1 --out "$out/memory-budget"
+}
+
+step_liger_memory() {
+  run liger-memory 300 "$python" benchmarks/budget_vs_liger.py "$out/liger-memory" --rounds 3
 }
 
 step_graph() {
