@@ -295,3 +295,44 @@ def test_column_sums_accumulate_in_fp32(dtype):
         accumulate_column_sums(acc, a, first=i == 0)
     expected = sum(a.double().sum(dim=0) for a in chunks_)
     torch.testing.assert_close(acc.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [17, 64, 200], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("options", [{}, {"chunk_size": 8}, {"vocab_chunk_size": 128}], ids=["one", "chunks", "blocks"])
+def test_logits_rows_are_aligned_for_the_gemms(vocab, options):
+    """The logits flce writes have rows a multiple of LOGITS_ROW_ALIGNMENT elements apart,
+    whatever V (cuBLAS runs unaligned leading dimensions on slow kernels: V = 50257 took
+    6x V = 50304's time on an H200), in every chunk and block (the ragged last block keeps
+    the full tile's row stride); the kernels read them through the stride, and the results
+    equal float64's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, h = 20, 12
+    written = []
+
+    class LogitsGemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # The logits GEMMs: (rows, columns) from (rows, H) @ (H, columns).
+            if func in (torch.ops.aten.mm.out, torch.ops.aten.mm.default, torch.ops.aten.addmm.out):
+                a = args[1] if func is torch.ops.aten.addmm.out else args[0]
+                if a.shape[-1] == h and out.shape[0] <= n:
+                    written.append(out.stride(0))
+            return out
+
+    x, w, b, t = _inputs(n=n, h=h, v=vocab)
+    x.requires_grad_()
+    w.requires_grad_()
+    with LogitsGemms():
+        loss = flce.fused_linear_cross_entropy(x, w, t, backend="torch", **options)
+        loss.backward()
+    blocks = "vocab_chunk_size" in options
+    stride = sizing.logits_row_stride(min(128, vocab) if blocks else vocab)
+    assert written and set(written) == {stride}, written
+    assert stride % sizing.LOGITS_ROW_ALIGNMENT == 0
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    expected = fused_linear_cross_entropy_reference(xd, wd, t).loss
+    expected.backward()
+    assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-6)

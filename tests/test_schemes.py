@@ -37,6 +37,7 @@ from flce.driver.sizing import (
     CallShape,
     default_chunk_size,
     largest_block,
+    logits_row_stride,
     peak_extra_bytes,
     token_chunk_memory,
     vocab_block_memory,
@@ -97,10 +98,13 @@ def test_vocabulary_block_peak_matches_the_gpu_test_formula():
     call = CallShape(n, v, h)
     statistics = -(-v // block) * n * 13
     # The block buffer is freed before dX's bf16 cast at the end: the larger of the two.
-    one_chunk = n * h * 4 + v * h * 2 + max(n * block * 2, n * h * 2)
+    # Its rows are 16064 elements apart (logits_row_stride: aligned for the GEMMs).
+    stride = logits_row_stride(block)
+    assert stride == 16064
+    one_chunk = n * h * 4 + v * h * 2 + max(n * stride * 2, n * h * 2)
     assert vocab_block_memory(call, n, block).peak == one_chunk + statistics
     # 2048 rows per chunk: with the buffer, an fp32 V_b x H block of dW.
-    several = n * h * 4 + v * h * 2 + max(2048 * block * 2 + block * h * 4, n * h * 2)
+    several = n * h * 4 + v * h * 2 + max(2048 * stride * 2 + block * h * 4, n * h * 2)
     assert vocab_block_memory(call, 2048, block).peak == several + statistics
     narrow = 512  # a buffer smaller than dX: the cast's moment is the peak
     assert vocab_block_memory(call, n, narrow).peak == n * h * 4 + v * h * 2 + n * h * 2 + -(-v // narrow) * n * 13

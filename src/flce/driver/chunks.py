@@ -34,7 +34,7 @@ from flce.driver.gemm import (
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
-from flce.driver.sizing import default_chunk_size, whole_row_chunk_size
+from flce.driver.sizing import default_chunk_size, logits_row_stride, whole_row_chunk_size
 from flce.options import LossOptions
 from flce.rows.cross_entropy import ChunkScalars, RowOutputs
 
@@ -116,6 +116,16 @@ class TokenChunkKernel(Protocol):
     ) -> None: ...
 
 
+def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``(rows, vocab)`` logits buffer whose rows are
+    ``logits_row_stride(vocab)`` elements apart (a view of a wider one when ``vocab`` is
+    not a multiple of ``LOGITS_ROW_ALIGNMENT``): cuBLAS runs the GEMMs that write and read
+    it on its aligned kernels, the loss kernels take the row stride."""
+    stride = logits_row_stride(vocab)
+    buffer = torch.empty(rows, stride, dtype=dtype, device=device)
+    return buffer if stride == vocab else buffer[:, :vocab]
+
+
 def _logits_into(out: torch.Tensor | None, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding); a new tensor
     when ``out`` is None."""
@@ -181,19 +191,18 @@ def run_token_chunks(
     db_acc = torch.empty(vocab, dtype=torch.float32, device=device) if request.bias else None
 
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
-    # chunk otherwise: its GEMM allocates the logits (the same memory, one op fewer than a buffer).
-    logits_buffer = kept_logits
-    if logits_buffer is None and chunk < n_rows:
-        logits_buffer = torch.empty(chunk, vocab, dtype=compute_dtype, device=device)
-    constant_buffers = [
-        torch.empty(chunk, vocab, dtype=c.compute_dtype, device=device) for c in constant_heads if n_rows
-    ]
+    # chunk of aligned rows otherwise: its GEMM allocates the logits (the same memory, one op
+    # fewer than a buffer).
+    buffer = kept_logits
+    if buffer is None and (chunk < n_rows or logits_row_stride(vocab) != vocab):
+        buffer = logits_buffer(chunk, vocab, compute_dtype, device)
+    constant_buffers = [logits_buffer(chunk, vocab, c.compute_dtype, device) for c in constant_heads if n_rows]
 
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         x = in_compute_dtype(row_range(input, start, end), compute_dtype)
         if kept_logits is None:
-            logits = _logits_into(row_range(logits_buffer, 0, end - start), x, w_t, b)  # (C, V)
+            logits = _logits_into(row_range(buffer, 0, end - start), x, w_t, b)  # (C, V)
         else:
             logits = row_range(kept_logits, start, end)  # (C, V), computed by the forward
         constant_logits = tuple(
@@ -221,7 +230,7 @@ def run_token_chunks(
     # Free the chunk buffers (the loop's views of them too) before the fp32 -> weight-dtype
     # cast below, so the chunks and the cast's output never coexist.
     logits = grad_logits = x = None
-    del logits_buffer, constant_buffers
+    del buffer, constant_buffers
     dw = None
     if dw_acc is not None:
         if n_rows == 0:  # no chunk ran: the gradient is zero

@@ -37,7 +37,9 @@ weight and fp32 dW accumulation:
   + N*H*itemsize(input) + V*4 (db)            both: dX, and db in fp32
 
 (``extra`` is an upper bound for the torch backend, whose temporaries are not all alive
-at once; ``peak_extra_bytes`` is this formula). With an fp32 weight, or ``accum_dtype``
+at once; ``peak_extra_bytes`` is this formula; the logits' rows are
+``logits_row_stride(V)`` elements apart, V rounded up to a multiple of 64, which the
+``itemsize`` terms count). With an fp32 weight, or ``accum_dtype``
 equal to the weight's dtype, the accumulator is the returned dW:
 ``C*V*(itemsize + extra) + V*H*itemsize + N*H*itemsize``. Under autocast a weight of
 another dtype is cast once for the call (``V*H*itemsize(compute)`` more).
@@ -94,10 +96,23 @@ BLOCK_COMBINE_BYTES = 8 * 4
 # three-GEMM floor where 42752-column ones took 1.43x (benchmarks/results/memory-budget-h200).
 # 128 is also the GEMM tile width.
 BLOCK_ALIGNMENT = 128
+# The logits buffers of the token chunks have rows of a multiple of this many elements
+# (``logits_row_stride``): cuBLAS runs GEMMs whose leading dimension is not a multiple of 8
+# elements on slow kernels, and the logits are an operand of all three. Measured on the
+# H200 (N = 8192, H = 4096, bf16, fwd+bwd): V = 50257 took 86.4 ms in the three-GEMM floor,
+# 117 TFLOP/s, where V = 50304 took 14.2 ms (benchmarks/results/odd-vocabulary-h200).
+LOGITS_ROW_ALIGNMENT = 64
 # The pieces of the workspace held inside dW (the fp32 dX accumulator, the block buffer)
 # start at this byte alignment: GEMM operands and TMA descriptors need 16 bytes, and a
 # cache line's alignment costs nothing here.
 WEIGHT_GRAD_SCRATCH_ALIGNMENT = 256
+
+
+def logits_row_stride(vocab: int) -> int:
+    """Elements between rows of a logits buffer of ``vocab`` columns: ``vocab`` rounded up
+    to a multiple of ``LOGITS_ROW_ALIGNMENT`` (the GEMMs that write and read it then run
+    on cuBLAS's aligned kernels)."""
+    return -(-vocab // LOGITS_ROW_ALIGNMENT) * LOGITS_ROW_ALIGNMENT
 
 
 def _positive_mib(env_var: str) -> int | None:
@@ -264,7 +279,7 @@ def token_chunk_memory(call: CallShape, rows: int) -> Memory:
             upcasts = call.upcast_bytes(rows, v, True, False)
     # The chunk's logits, and at different moments the kernel's workspace or the GEMMs' copies.
     transient = max(rows * v * call.chunk_extra_bytes_per_logit, upcasts) + call.row_temporary_bytes(rows)
-    loop = resident + rows * v * c + transient
+    loop = resident + rows * logits_row_stride(v) * c + transient
     peak = max(loop, resident + final_cast)
     return Memory(peak, peak - call.gradient_bytes())
 
@@ -284,7 +299,7 @@ def weight_grad_tail_start(call: CallShape, rows: int, block: int) -> int | None
     if not (call.one_gemm_weight_grad and rows >= n and call.grad_input and call.input_dtype != torch.float32):
         return None
     block = max(1, min(block, v))
-    dx_accumulator, buffer = n * call.hidden * 4, rows * block * call.compute_dtype.itemsize
+    dx_accumulator, buffer = n * call.hidden * 4, rows * logits_row_stride(block) * call.compute_dtype.itemsize
     # Each piece aligned, from an aligned start inside the tail's first row.
     needed = _aligned_up(dx_accumulator) + _aligned_up(buffer) + WEIGHT_GRAD_SCRATCH_ALIGNMENT
     row_bytes = call.hidden * call.weight_dtype.itemsize
@@ -304,7 +319,7 @@ def vocab_block_memory(call: CallShape, rows: int, block: int, workspace_in_weig
     rows, block = max(1, min(rows, n)), max(1, min(block, v))
     c = call.compute_dtype.itemsize
     n_blocks = -(-v // block)
-    buffer = rows * block * c  # alive from its first GEMM until dX is cast
+    buffer = rows * logits_row_stride(block) * c  # alive from its first GEMM until dX is cast
     kernel = rows * block * call.block_extra_bytes_per_logit
     if call.whole_row_statistics_bytes is None:
         statistics = n_blocks * n * call.block_statistics_bytes
@@ -536,7 +551,7 @@ def peak_extra_bytes(
     """The module docstring's peak extra memory of a forward+backward call with a
     bf16/fp16 weight (``itemsize`` bytes) and fp32 dW accumulation, for ``chunk`` rows
     per chunk (a promise that the GPU tests hold the driver to)."""
-    logits = chunk * vocab * (itemsize + extra_bytes_per_logit)
+    logits = chunk * (logits_row_stride(vocab) * itemsize + vocab * extra_bytes_per_logit)
     if chunk >= n_rows:
         body = logits + vocab * hidden * itemsize
     else:

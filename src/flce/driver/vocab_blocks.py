@@ -38,7 +38,7 @@ from flce.driver.gemm import (
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
-from flce.driver.sizing import WEIGHT_GRAD_SCRATCH_ALIGNMENT, default_chunk_size
+from flce.driver.sizing import WEIGHT_GRAD_SCRATCH_ALIGNMENT, default_chunk_size, logits_row_stride
 from flce.options import LossOptions
 from flce.rows.cross_entropy import (
     BlockStatistics,
@@ -78,15 +78,24 @@ def _block_views(per_block: BlockStatistics, n_blocks: int) -> list[BlockStatist
     return [BlockStatistics(*views) for views in zip(*fields, strict=True)]
 
 
+def _tile(buffer: torch.Tensor, chunk: int, block: int) -> torch.Tensor:
+    """``buffer`` (``C * logits_row_stride(V_b)`` elements) as one ``(C, V_b)`` tile whose rows
+    are ``logits_row_stride(V_b)`` apart: the GEMMs that write and read it run on cuBLAS's
+    aligned kernels whatever the block's width (flce.driver.sizing)."""
+    stride = logits_row_stride(block)
+    tile = buffer.view(chunk, stride)
+    return tile if stride == block else tile[:, :block]
+
+
 def _logits_buffer(
     n_rows: int, chunk: int, block: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The block logits buffer, ``(C * V_b,)``, and its view as one ``(C, V_b)`` tile (None,
-    None without rows)."""
+    """The block logits buffer, ``(C * logits_row_stride(V_b),)``, and its view as one
+    ``(C, V_b)`` tile (``_tile``; None, None without rows)."""
     if not n_rows:
         return None, None
-    buffer = torch.empty(chunk * block, dtype=dtype, device=device)
-    return buffer, buffer.view(chunk, block)
+    buffer = torch.empty(chunk * logits_row_stride(block), dtype=dtype, device=device)
+    return buffer, _tile(buffer, chunk, block)
 
 
 def _weight_grad_scratch(
@@ -159,8 +168,9 @@ def run_vocab_blocks(
     valid = target != scalars.ignore_index
     safe_target = gather_safe_target(target, valid, vocab)
     # The block logits (C * V_b,) and, as one full (C, V_b) tile, every logits tile but the
-    # last row chunk's and the last block's (no view op each). With the fused first pass
-    # they wait for pass 2 (a lower peak in pass 1).
+    # last row chunk's and the last block's (no view op each; those are views of its first
+    # rows and columns). With the fused first pass they wait for pass 2 (a lower peak in
+    # pass 1).
     buffer = full_tile = None
     if fused_statistics is None:
         buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
@@ -177,8 +187,11 @@ def run_vocab_blocks(
             yield v0, min(v0 + block, vocab), ce_parts[index], w_parts[index], w_t_parts[index], b_parts[index]
 
     def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
+        # The last row chunk's and the last block's tiles keep the full tile's row stride
+        # (V_b, aligned: the chooser's widths are multiples of 128): a ragged last block of
+        # an odd vocabulary would otherwise be a GEMM output cuBLAS runs on slow kernels.
         rows_, cols = r1 - r0, w_t_block.shape[1]
-        logits = full_tile if (rows_, cols) == (chunk, block) else buffer[: rows_ * cols].view(rows_, cols)  # (C, V_b)
+        logits = full_tile if (rows_, cols) == (chunk, block) else full_tile[:rows_, :cols]  # (C, V_b)
         if b_block is None:
             torch.mm(x, w_t_block, out=logits)
         else:
@@ -282,8 +295,8 @@ def run_vocab_blocks(
                 "weight) and dX of a bf16/fp16 input (flce.driver.sizing.weight_grad_tail_start)"
             )
         buffer = full_tile = None  # pass 1's, if any: freed before its place in dW is used
-        dx_acc, buffer = _weight_grad_scratch(dw, tail_start, (n_rows, hidden), chunk * block)
-        full_tile = buffer.view(chunk, block)
+        dx_acc, buffer = _weight_grad_scratch(dw, tail_start, (n_rows, hidden), chunk * logits_row_stride(block))
+        full_tile = _tile(buffer, chunk, block)
         dx_acc.zero_()
     else:
         if buffer is None:
