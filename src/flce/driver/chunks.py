@@ -119,8 +119,8 @@ class TokenChunkKernel(Protocol):
 def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised ``(rows, vocab)`` logits buffer whose rows are
     ``logits_row_stride(vocab)`` elements apart (a view of a wider one when ``vocab`` is
-    not a multiple of ``LOGITS_ROW_ALIGNMENT``): cuBLAS runs the GEMMs that write and read
-    it on its aligned kernels, the loss kernels take the row stride."""
+    not a multiple of ``LOGITS_ROW_ALIGNMENT``): an aligned leading dimension for the
+    GEMMs that write and read it (flce.driver.sizing); the loss kernels take the row stride."""
     stride = logits_row_stride(vocab)
     buffer = torch.empty(rows, stride, dtype=dtype, device=device)
     return buffer if stride == vocab else buffer[:, :vocab]

@@ -96,11 +96,12 @@ BLOCK_COMBINE_BYTES = 8 * 4
 # three-GEMM floor where 42752-column ones took 1.43x (benchmarks/results/memory-budget-h200).
 # 128 is also the GEMM tile width.
 BLOCK_ALIGNMENT = 128
-# The logits buffers of the token chunks have rows of a multiple of this many elements
-# (``logits_row_stride``): cuBLAS runs GEMMs whose leading dimension is not a multiple of 8
-# elements on slow kernels, and the logits are an operand of all three. Measured on the
-# H200 (N = 8192, H = 4096, bf16, fwd+bwd): V = 50257 took 86.4 ms in the three-GEMM floor,
-# 117 TFLOP/s, where V = 50304 took 14.2 ms (benchmarks/results/odd-vocabulary-h200).
+# The logits buffers flce allocates have rows a multiple of this many elements apart
+# (``logits_row_stride``), so that the logits, an operand of all three GEMMs, never have an
+# unaligned leading dimension. Measured on the H200 (N = 8192, H = 4096, bf16, fwd+bwd,
+# benchmarks/results/odd-vocabulary-h200): at V = 50257 the aligned rows took flce from
+# 88.3 to 83.4 ms (cutedsl). cuBLAS stays slow there, the floor's three GEMMs 86-88 ms
+# against 14.2-14.8 ms at V = 50304: an odd V also makes an odd extent of every GEMM.
 LOGITS_ROW_ALIGNMENT = 64
 # The pieces of the workspace held inside dW (the fp32 dX accumulator, the block buffer)
 # start at this byte alignment: GEMM operands and TMA descriptors need 16 bytes, and a
@@ -110,8 +111,8 @@ WEIGHT_GRAD_SCRATCH_ALIGNMENT = 256
 
 def logits_row_stride(vocab: int) -> int:
     """Elements between rows of a logits buffer of ``vocab`` columns: ``vocab`` rounded up
-    to a multiple of ``LOGITS_ROW_ALIGNMENT`` (the GEMMs that write and read it then run
-    on cuBLAS's aligned kernels)."""
+    to a multiple of ``LOGITS_ROW_ALIGNMENT`` (an aligned leading dimension for the GEMMs
+    that write and read it)."""
     return -(-vocab // LOGITS_ROW_ALIGNMENT) * LOGITS_ROW_ALIGNMENT
 
 

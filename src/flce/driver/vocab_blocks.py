@@ -80,8 +80,8 @@ def _block_views(per_block: BlockStatistics, n_blocks: int) -> list[BlockStatist
 
 def _tile(buffer: torch.Tensor, chunk: int, block: int) -> torch.Tensor:
     """``buffer`` (``C * logits_row_stride(V_b)`` elements) as one ``(C, V_b)`` tile whose rows
-    are ``logits_row_stride(V_b)`` apart: the GEMMs that write and read it run on cuBLAS's
-    aligned kernels whatever the block's width (flce.driver.sizing)."""
+    are ``logits_row_stride(V_b)`` apart: an aligned leading dimension for the GEMMs that
+    write and read it, whatever the block's width (flce.driver.sizing)."""
     stride = logits_row_stride(block)
     tile = buffer.view(chunk, stride)
     return tile if stride == block else tile[:, :block]
@@ -187,9 +187,9 @@ def run_vocab_blocks(
             yield v0, min(v0 + block, vocab), ce_parts[index], w_parts[index], w_t_parts[index], b_parts[index]
 
     def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
-        # The last row chunk's and the last block's tiles keep the full tile's row stride
-        # (V_b, aligned: the chooser's widths are multiples of 128): a ragged last block of
-        # an odd vocabulary would otherwise be a GEMM output cuBLAS runs on slow kernels.
+        # The last row chunk's and the last block's tiles keep the full tile's aligned row
+        # stride: a ragged last block of an odd vocabulary would otherwise be a GEMM
+        # operand with an unaligned leading dimension.
         rows_, cols = r1 - r0, w_t_block.shape[1]
         logits = full_tile if (rows_, cols) == (chunk, block) else full_tile[:rows_, :cols]  # (C, V_b)
         if b_block is None:
