@@ -602,6 +602,36 @@ def _call_of(x, w, b, backend: str, options: LossOptions) -> CallShape:
 SCHEMES = ["one chunk", "token chunks", "vocabulary blocks"]
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 20000),
+    v=st.integers(1, 300000),
+    h=st.integers(1, 8192).map(lambda h: 8 * h),
+    block=st.integers(1, 4096).map(lambda b: 64 * b),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+)
+def test_the_workspace_inside_dw_fits_the_rows_it_is_given(n, v, h, block, dtype):
+    """Wherever the model offers the blocks inside dW, the driver's layout (each piece
+    aligned) fits in dW's rows from ``weight_grad_tail_start`` on: the accumulator and the
+    buffer start at or after that row, end inside dW and do not overlap. Checked on the meta
+    device (views, no memory)."""
+    from flce.driver.vocab_blocks import _weight_grad_scratch
+
+    call = CallShape(n, v, h, input_dtype=dtype, weight_dtype=dtype, compute_dtype=dtype)
+    tail = weight_grad_tail_start(call, n, block)
+    if tail is None:
+        return
+    assert 0 <= tail < v and tail % min(block, v) == 0
+    dw = torch.empty(v, h, dtype=dtype, device="meta")
+    buffer_elements = n * logits_row_stride(min(block, v))
+    dx, buffer = _weight_grad_scratch(dw, tail, (n, h), buffer_elements)
+    itemsize = dw.element_size()
+    dx_start, dx_end = dx.storage_offset() * 4, (dx.storage_offset() + dx.numel()) * 4  # bytes
+    buffer_start, buffer_end = buffer.storage_offset() * itemsize, (buffer.storage_offset() + buffer.numel()) * itemsize
+    assert tail * h * itemsize <= dx_start < dx_end <= buffer_start < buffer_end <= v * h * itemsize
+    assert dx_start % 256 == 0 and buffer_start % 256 == 0
+
+
 # Every combination on the torch backend; one on Triton's (its interpreter is slow on CPU;
 # the GPU tests run the others).
 INSIDE_DW_CASES = [
