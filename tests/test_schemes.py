@@ -73,9 +73,9 @@ def test_token_chunk_peak_is_the_documented_formula(n, v, h, extra, chunk_fracti
 
 
 def test_reference_shape_predictions_match_the_measured_peaks():
-    """The peaks measured on the H200 (benchmarks/results/memory-mode-h200: the budget run
-    of 2026-12-01, cutedsl, whose 16 blocks take the fused first pass; the plain model's
-    per-block statistics differ from it by under 0.2%), within 0.3%."""
+    """The peaks measured on the H200 (benchmarks/results/memory-budget-h200,
+    budget-vs-liger.json: cutedsl's default and 16 blocks, which take the fused first pass;
+    the plain model's per-block statistics differ from it by under 0.2%), within 0.3%."""
     measured = {  # (N, V): (default GiB, vocabulary blocks of V/16 GiB)
         (8192, 128256): (2.998, 1.227),
         (4096, 128256): (1.988, 1.103),
