@@ -17,6 +17,7 @@ import torch
 import flce
 from flce.dispatch import get_backend
 from flce.driver.chunks import GradRequest
+from flce.driver.sizing import logits_row_stride
 from flce.heads.logprobs import LogprobsOperands, choose_logprobs_scheme
 from flce.options import LogprobsOptions
 
@@ -42,8 +43,9 @@ def extra_bytes(backend: str) -> int:
 
 def keep_workspace(backend: str, dtype: torch.dtype, n_rows: int = N_ROWS, vocab: int = VOCAB) -> int:
     """One chunk of every row's workspace with fp32 weights (flce.driver.sizing: its
-    dW is the returned gradient, no accumulator): the logits and the kernel's workspace."""
-    return n_rows * vocab * (dtype.itemsize + extra_bytes(backend))
+    dW is the returned gradient, no accumulator): the logits, whose rows are
+    ``logits_row_stride(V)`` elements apart, and the kernel's workspace."""
+    return n_rows * (logits_row_stride(vocab) * dtype.itemsize + vocab * extra_bytes(backend))
 
 
 # ------------------------------------------------------------ which scheme runs
