@@ -29,12 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from flce.bench import report  # noqa: E402
 from flce.bench.cases import BenchLossSettings, Shape, make_inputs  # noqa: E402
+from flce.bench.frontier import BudgetPoint  # noqa: E402
 from flce.bench.methods import floor_method, select_methods  # noqa: E402
-from flce.bench.peers.flce_backends import flce_budget_method, flce_call_shape  # noqa: E402
+from flce.bench.peers.flce_backends import flce_call_shape  # noqa: E402
 from flce.bench.registry import all_methods  # noqa: E402
 from flce.bench.runner import BenchConfig, run_shape  # noqa: E402
 from flce.bench.timing import free_memory, peak_extra_bytes  # noqa: E402
-from flce.driver.schemes import GEMM_FLOPS_PER_SECOND, choose_scheme  # noqa: E402
+from flce.driver.schemes import choose_scheme  # noqa: E402
 
 LIGER = "liger:triton"
 GIB = 2**30
@@ -101,16 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         call = flce_call_shape(case, args.backend)
         limit = int(args.memory_factor * liger_peak(config, shape))
         budget = max(limit - call.gradient_bytes(), 0)
-        scheme = choose_scheme(call, budget)
-        floor_seconds = 6 * shape.n * shape.v * shape.h / GEMM_FLOPS_PER_SECOND
-        budgets[shape.label()] = {
-            "liger_peak_limit_bytes": limit,
-            "memory_budget_bytes": budget,
-            "scheme": scheme.describe(shape.n),
-            "predicted_peak_bytes": scheme.memory.peak,
-            "predicted_ratio_to_floor": scheme.seconds / floor_seconds,
-        }
-        budget_method = flce_budget_method(args.backend, budget, f"{budget / MIB:.4g}MiB")
+        # The frontier's rung at this budget: its method, and its scheme's predictions.
+        point = BudgetPoint(args.backend, budget, "memory_budget", False, choose_scheme(call, budget), call)
+        budgets[shape.label()] = {"liger_peak_limit_bytes": limit, **point.record()}
+        budget_method = point.method
         wanted = [default_name, *args.also, LIGER]
         peers = [m for m in select_methods(all_methods(), wanted) if not m.is_floor]
         methods = [floor_method(), budget_method, *peers]
@@ -132,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{shape.label()} {r.method:28s} {r.ratio_to_floor:6.3f}x floor"
                 f" {r.peak_extra_bytes / GIB:6.3f} GiB{versus}"
             )
-        print(f"{shape.label()} budget {budget / MIB:.1f} MiB: {scheme.describe(shape.n)}", flush=True)
+        print(f"{shape.label()} budget {budget / MIB:.1f} MiB: {point.scheme.describe(shape.n)}", flush=True)
     payload = report.run_record(
         " ".join(["python3", "benchmarks/budget_vs_liger.py", *sys.argv[1:]]),
         report.environment(device),
