@@ -45,7 +45,7 @@ from flce.driver.sizing import (
 )
 from flce.options import LossOptions
 from flce.testing import FEATURES, Case, make_tensors, run_case
-from tests.budgets import inside_dw_budget
+from tests.budgets import call_of, inside_dw_budget
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -586,17 +586,11 @@ def test_the_budget_applies_to_the_fused_loss_only():
 def test_the_option_and_the_variable_run_the_same_scheme(monkeypatch):
     ran = _spy_schemes(monkeypatch)
     x, w, t = _problem()
-    budget = token_scheme(_call_of(x, w, None, "torch", LossOptions()), 1).memory.workspace - 1  # below token chunks
+    budget = token_scheme(call_of(x, w, "torch"), 1).memory.workspace - 1  # below token chunks
     flce.fused_linear_cross_entropy(x, w, t, memory_budget=budget)
     monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", str(budget / MIB))
     flce.fused_linear_cross_entropy(x, w, t)
     assert len(ran) == 2 and ran[0] == ran[1] and ran[0][0] == "run_vocab_blocks"
-
-
-def _call_of(x, w, b, backend: str, options: LossOptions) -> CallShape:
-    """The call with every gradient (the mean/sum forward; the backward of "none")."""
-    spec = get_backend(backend)
-    return describe_call(x, w, b, GradRequest(True, True, True), options, x.dtype, spec, split_rows_of(spec))
 
 
 SCHEMES = ["one chunk", "token chunks", "vocabulary blocks"]
@@ -653,7 +647,7 @@ def test_the_workspace_inside_dw_runs_exactly(monkeypatch, backend, feature, dty
     )
     tensors = make_tensors(case, CPU)
     feature_options = {k: v for k, v in FEATURES[feature].items() if k != "ce_weight"}
-    call = _call_of(tensors.input, tensors.weight, tensors.bias, backend, LossOptions(**feature_options))
+    call = call_of(tensors.input, tensors.weight, backend, tensors.bias, LossOptions(**feature_options))
     budget = inside_dw_budget(call)[0]
     chosen = choose_scheme(call, budget)
     assert chosen.rows == call.n_rows and 0 < chosen.weight_grad_tail_start < call.vocab
@@ -719,7 +713,7 @@ def test_parity_with_budgets_that_force_each_scheme(monkeypatch, backend, scheme
     case = Case(feature="all", reduction=reduction, dtype=torch.bfloat16, bias=True, n_rows=47, hidden=16, vocab=257)
     tensors = make_tensors(case, CPU)
     feature_options = {k: v for k, v in FEATURES["all"].items() if k != "ce_weight"}
-    call = _call_of(tensors.input, tensors.weight, tensors.bias, backend, LossOptions(**feature_options))
+    call = call_of(tensors.input, tensors.weight, backend, tensors.bias, LossOptions(**feature_options))
     # The largest budget that runs ``scheme``: its fastest form (the least runs row by row).
     budget = [b for b in _budgets(call, 40) if choose_scheme(call, b).name(call.n_rows) == scheme][-1]
     chosen = choose_scheme(call, budget)
