@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import flce
-from flce.driver import chunks, sizing, statistics
+from flce.driver import chunks, gemm, sizing, statistics
 from flce.reference import fused_linear_cross_entropy_reference
+from tests.budgets import call_of, inside_dw_budget
 
 
 def _inputs(n=21, h=12, v=17, dtype=torch.float32, seed=0):
@@ -336,3 +337,136 @@ def test_logits_rows_are_aligned_for_the_gemms(vocab, options):
     assert torch.allclose(loss.double(), expected, rtol=1e-5, atol=1e-6)
     assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-6)
     assert torch.allclose(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-6)
+
+
+def _aligned_or_tail(extent: int, dtype: torch.dtype) -> bool:
+    unit = 16 // dtype.itemsize  # 16 bytes: VOCABULARY_EXTENT_ALIGNMENT_BYTES
+    return extent % unit == 0 or extent < unit
+
+
+_GEMMS = {
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.mm.out: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.addmm.out: (1, 2),
+    torch.ops.aten.addmm.dtype_out: (1, 2),
+}
+
+
+def _gemm_extents(call) -> list[tuple[int, int, int]]:
+    """(M, K, N) of every GEMM ``call`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    extents = []
+
+    class Gemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in _GEMMS:
+                a, b = (args[i] for i in _GEMMS[func])
+                extents.append((a.shape[0], a.shape[1], b.shape[1]))
+            return func(*args, **(kwargs or {}))
+
+    with Gemms():
+        call()
+    return extents
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunk_size": 8}, {"vocab_chunk_size": 300}, {"vocab_chunk_size": 384, "chunk_size": 16}, {"inside_dw": 1}],
+    ids=["one", "chunks", "unaligned-blocks", "blocks", "inside-dw"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_every_gemm_of_an_odd_vocabulary_has_aligned_extents(monkeypatch, options, dtype):
+    """At an odd V every product whose vocabulary extent is unaligned runs as an aligned
+    main part and a tail of fewer than 16 bytes (flce.driver.gemm: cuBLAS ran the three
+    GEMMs of V = 50257 4.6x slower than the split ones on an H200), in every scheme: the
+    logits (bias included), dX, dW and db. The results equal those of the unsplit products
+    to two units in the last place (dX's tail is rounded once more); the float64 parity of odd
+    vocabularies is the harness's (flce.testing: V = 123, and 6007 inside dW)."""
+    options = dict(options)
+    inside_dw = options.pop("inside_dw", None) is not None
+    # Aligned N and H: only the vocabulary is odd (large enough a dW to hold the workspace).
+    n, h, vocab = (64, 256, 6007) if inside_dw else (32, 16, 1031)
+    x, w, b, t = _inputs(n=n, h=h, v=vocab, dtype=dtype)
+    if inside_dw:
+        if dtype == torch.float32:
+            pytest.skip("the workspace inside dW holds dX of a 16-bit input only")
+        budget, scheme = inside_dw_budget(call_of(x, w, "torch"))
+        assert scheme.workspace_in_weight_grad
+        options["memory_budget"] = budget
+        b = None
+
+    def call():
+        leaves = [p.detach().clone().requires_grad_() for p in (x, w, b) if p is not None]
+        bias = leaves[2] if b is not None else None
+        loss = flce.fused_linear_cross_entropy(leaves[0], leaves[1], t, bias=bias, backend="torch", **options)
+        loss.backward()
+        return [loss, *(leaf.grad for leaf in leaves)]
+
+    outputs = []
+    extents = _gemm_extents(lambda: outputs.append(call()))
+    assert extents and all(_aligned_or_tail(extent, dtype) for gemm_ in extents for extent in gemm_), extents
+    monkeypatch.setattr(gemm, "VOCABULARY_EXTENT_ALIGNMENT_BYTES", 1)  # no split
+    whole = call()
+    unsplit = _gemm_extents(call)
+    assert not all(_aligned_or_tail(extent, dtype) for gemm_ in unsplit for extent in gemm_)  # the test can fail
+    # Two units in the last place: the same sums, in another order (and dX's one more rounding).
+    rtol = 2.0**-7 if dtype == torch.bfloat16 else 1e-5
+    for name, got, expected in zip(("loss", "dX", "dW", "db"), outputs[0], whole, strict=False):
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("head", ["logprobs", "distillation"])
+def test_the_heads_gemms_of_an_odd_vocabulary_have_aligned_extents(head):
+    n, h, vocab = 32, 16, 1031
+    x, w, _, t = _inputs(n=n, h=h, v=vocab, dtype=torch.bfloat16)
+    x.requires_grad_()
+    w.requires_grad_()
+
+    def call():
+        if head == "logprobs":
+            out = flce.fused_linear_logprobs(x, w, t, backend="torch")
+            out.logprobs.sum().backward()
+        else:
+            teacher_x, teacher_w = x.detach() * 0.5, w.detach().flip(0)
+            flce.fused_linear_distillation(x, w, teacher_x, teacher_w, t, backend="torch").backward()
+
+    extents = _gemm_extents(call)
+    assert any(vocab - 7 <= max(e) < vocab for e in extents), extents  # the split ran
+    assert all(_aligned_or_tail(extent, torch.bfloat16) for gemm_ in extents for extent in gemm_), extents
+
+
+@pytest.mark.parametrize("vocabulary", ["rows", "columns", "reduction"])
+@pytest.mark.parametrize("first", [True, False])
+@pytest.mark.parametrize("vocab", [5, 8, 29], ids=lambda v: f"V{v}")
+def test_split_products_equal_the_whole_product(vocabulary, first, vocab):
+    """``accumulate_product`` of each vocabulary axis, split or not, equals the product in
+    float64 (whose unit of 16 bytes is 2 elements: V = 29 splits, 8 does not, 5 does)."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"rows": ((vocab, 6), (6, 4)), "columns": ((6, 4), (4, vocab)), "reduction": ((6, vocab), (vocab, 4))}
+    (m, k), (_, cols) = shapes[vocabulary]
+    f64 = dict(generator=gen, dtype=torch.float64)
+    a, b, acc = torch.randn(m, k, **f64), torch.randn(k, cols, **f64), torch.randn(m, cols, **f64)
+    expected = a @ b if first else acc + a @ b
+    gemm.accumulate_product(acc, a, b, first, vocabulary=vocabulary)
+    torch.testing.assert_close(acc, expected, rtol=1e-12, atol=1e-12)
+    assert gemm.vocabulary_main_extent(vocab, torch.float64) == (vocab if vocab % 2 == 0 or vocab < 2 else vocab - 1)
+
+
+def test_vocabulary_main_extent():
+    assert gemm.vocabulary_main_extent(50257, torch.bfloat16) == 50256
+    assert gemm.vocabulary_main_extent(50304, torch.bfloat16) == 50304
+    assert gemm.vocabulary_main_extent(32001, torch.float16) == 32000
+    assert gemm.vocabulary_main_extent(50258, torch.float32) == 50256
+    assert gemm.vocabulary_main_extent(7, torch.bfloat16) == 7  # narrower than 16 bytes: no split
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_logits_product_split_equals_the_whole(bias):
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(5, 8, generator=gen, dtype=torch.float64), torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    b = torch.randn(13, generator=gen, dtype=torch.float64) if bias else None
+    out = torch.empty(5, 16, dtype=torch.float64)[:, :13]  # aligned rows, as the drivers' buffers
+    gemm.logits_product(out, x, w.t(), b)
+    torch.testing.assert_close(out, x @ w.t() + (0 if b is None else b), rtol=1e-12, atol=1e-12)

@@ -194,17 +194,17 @@ def test_deferred_statistics_follow_the_first_gemm_and_are_still_checked(cuda, m
 
     monkeypatch.setattr(validation, "validates_synchronously", lambda device: False)
     order = []
-    logits_into, deferred = chunks._logits_into, statistics._deferred_statistics
+    logits_product, deferred = chunks.logits_product, statistics._deferred_statistics
 
     def gemm(*args, **kwargs):
         order.append("gemm")
-        return logits_into(*args, **kwargs)
+        return logits_product(*args, **kwargs)
 
     def stats(*args):
         order.append("statistics")
         return deferred(*args)
 
-    monkeypatch.setattr(chunks, "_logits_into", gemm)
+    monkeypatch.setattr(chunks, "logits_product", gemm)
     monkeypatch.setattr(statistics, "_deferred_statistics", stats)
     x, w = torch.randn(6, 8), torch.randn(16, 8)
     good = torch.tensor([0, 3, 5, 15, -100, 2])

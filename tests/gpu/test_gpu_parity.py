@@ -51,7 +51,9 @@ def test_which_tensors_require_grad(backend, grads):
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("vocab", [32000, 128256, 151936, 262144])
+# 50257 (GPT-2) and 32001 (a token added to 32000): odd vocabularies, whose GEMMs run split
+# at an aligned column (flce.driver.gemm.vocabulary_main_extent).
+@pytest.mark.parametrize("vocab", [32000, 32001, 50257, 128256, 151936, 262144])
 @pytest.mark.parametrize("feature", ["plain", "all"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_real_vocabularies(backend, vocab, feature, dtype):

@@ -31,6 +31,7 @@ from flce.driver.gemm import (
     accumulate_column_sums,
     accumulate_product,
     full_precision_reductions,
+    logits_product,
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
@@ -126,16 +127,6 @@ def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.devic
     return buffer if stride == vocab else buffer[:, :vocab]
 
 
-def _logits_into(out: torch.Tensor | None, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding); a new tensor
-    when ``out`` is None."""
-    if out is None:
-        return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
-    if b is None:
-        return torch.mm(x, w_t, out=out)
-    return torch.addmm(b, x, w_t, out=out)
-
-
 def run_token_chunks(
     head: LinearHead,
     kernel: TokenChunkKernel,
@@ -202,11 +193,11 @@ def run_token_chunks(
         end = min(start + chunk, n_rows)
         x = in_compute_dtype(row_range(input, start, end), compute_dtype)
         if kept_logits is None:
-            logits = _logits_into(row_range(buffer, 0, end - start), x, w_t, b)  # (C, V)
+            logits = logits_product(row_range(buffer, 0, end - start), x, w_t, b)  # (C, V)
         else:
             logits = row_range(kept_logits, start, end)  # (C, V), computed by the forward
         constant_logits = tuple(
-            _logits_into(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
+            logits_product(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
             for buffer, (c, c_w_t, c_b) in zip(constant_buffers, constants, strict=True)
         )
         kernel(logits, start, end, request.any, constant_logits)
@@ -216,14 +207,16 @@ def run_token_chunks(
         grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
         if dx is not None:
             if dx.dtype == compute_dtype:
-                torch.mm(grad_logits, w, out=row_range(dx, start, end))
+                accumulate_product(row_range(dx, start, end), grad_logits, w, True, vocabulary="reduction")
             else:
-                dx[start:end] = grad_logits @ w
+                dx_chunk = torch.empty(end - start, hidden, dtype=compute_dtype, device=device)
+                accumulate_product(dx_chunk, grad_logits, w, True, vocabulary="reduction")
+                dx[start:end] = dx_chunk
         if dw_direct:
             with full_precision_reductions():
-                torch.mm(grad_logits.t(), x, out=dw_acc)
+                accumulate_product(dw_acc, grad_logits.t(), x, True, vocabulary="rows")
         elif dw_acc is not None:
-            accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0)
+            accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0, vocabulary="rows")
         if db_acc is not None:
             accumulate_column_sums(db_acc, grad_logits, first=start == 0)
 

@@ -1,11 +1,37 @@
-"""GEMM helpers of the drivers: fp32 accumulation of dW/dX/db across chunks, and the rule
-for writing dW with one GEMM."""
+"""GEMM helpers of the drivers: the logits product, fp32 accumulation of dW/dX/db across
+chunks, the rule for writing dW with one GEMM, and the split of every product whose
+vocabulary extent is unaligned (``vocabulary_main_extent``)."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import Literal
 
 import torch
+
+# cuBLAS runs a 16-bit GEMM whose vocabulary extent (the logits' columns, dX's reduction,
+# dW's rows) is not a multiple of 16 bytes on kernels several times slower. Measured on
+# the H200 (N = 8192, H = 4096, bf16, logits rows 64-element aligned,
+# benchmarks/results/odd-vocabulary-h200): at V = 50257 the logits GEMM took 31.4 ms, dX
+# 26.0 and dW 6.7, against 4.6, 4.9 and 4.4 for the same products split into the first
+# columns and the rest; 4.3, 4.3 and 4.6 at V = 50304 and 4.6, 4.9 and 4.9 at V = 50264 (a
+# multiple of 8, not of 64). An odd token count costs nothing (8191 rows: 4.3, 4.3, 4.8).
+# So the drivers run each product whose vocabulary extent is unaligned as an aligned main
+# part and a tail of fewer than 16 bytes of columns.
+VOCABULARY_EXTENT_ALIGNMENT_BYTES = 16
+
+# Which extent of a product ``acc = a @ b`` is the vocabulary: acc's rows (dW = G^T X),
+# its columns (the logits; db = 1^T G) or the reduction (dX = G W).
+VocabularyAxis = Literal["rows", "columns", "reduction"]
+
+
+def vocabulary_main_extent(vocab: int, dtype: torch.dtype) -> int:
+    """The columns of a product's aligned main part (``VOCABULARY_EXTENT_ALIGNMENT_BYTES``):
+    ``vocab`` rounded down to a multiple of 16 bytes of ``dtype``; ``vocab`` itself when it
+    is one already or narrower than one (no split)."""
+    unit = max(1, VOCABULARY_EXTENT_ALIGNMENT_BYTES // dtype.itemsize)
+    main = vocab - vocab % unit
+    return main if main > 0 else vocab
 
 
 @contextlib.contextmanager
@@ -55,18 +81,68 @@ def fp32_output_gemm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
 
 
-def accumulate_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """acc += a @ b (acc = a @ b when ``first``: the accumulator starts uninitialised, so
-    neither a memset nor a read of it is paid), in acc's dtype, with no parameter-sized
-    temporary."""
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     beta = 0.0 if first else 1.0  # beta = 0: the GEMM ignores acc's contents (even NaN)
     if acc.dtype == a.dtype:
-        torch.addmm(acc, a, b, beta=beta, out=acc)
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            torch.addmm(acc, a, b, out=acc)
     elif acc.dtype == torch.float32 and fp32_output_gemm_supported(acc.device):
         torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
         # CPU (or an old torch): upcast the chunk operands, which is exact and small.
         torch.addmm(acc, a.to(acc.dtype), b.to(acc.dtype), beta=beta, out=acc)
+
+
+def accumulate_product(
+    acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool, vocabulary: VocabularyAxis | None = None
+) -> None:
+    """acc += a @ b (acc = a @ b when ``first``: the accumulator starts uninitialised, so
+    neither a memset nor a read of it is paid), in acc's dtype, with no parameter-sized
+    temporary. ``vocabulary``: which extent is the vocabulary, split where it is unaligned
+    (``vocabulary_main_extent``): acc's rows or columns into two GEMMs over disjoint parts
+    of acc; the reduction into the tail's product first and the main part's added to it
+    inside its GEMM (one more rounding of acc in its dtype, of a sum of at most 7 terms)."""
+    if vocabulary is None:
+        _accumulate(acc, a, b, first)
+        return
+    vocab = a.shape[1] if vocabulary == "reduction" else acc.shape[0 if vocabulary == "rows" else 1]
+    main = vocabulary_main_extent(vocab, a.dtype)
+    if main == vocab:
+        _accumulate(acc, a, b, first)
+    elif vocabulary == "rows":
+        _accumulate(acc[:main], a[:main], b, first)
+        _accumulate(acc[main:], a[main:], b, first)
+    elif vocabulary == "columns":
+        _accumulate(acc[:, :main], a, b[:, :main], first)
+        _accumulate(acc[:, main:], a, b[:, main:], first)
+    else:
+        _accumulate(acc, a[:, main:], b[main:], first)
+        _accumulate(acc, a[:, :main], b[:main], False)
+
+
+def logits_product(
+    out: torch.Tensor | None,  # (C, V) or None: a new tensor
+    x: torch.Tensor,  # (C, H)
+    w_t: torch.Tensor,  # (H, V)
+    b: torch.Tensor | None,  # (V,)
+) -> torch.Tensor:
+    """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding), in two GEMMs
+    over disjoint columns where V is unaligned (``vocabulary_main_extent``; the drivers
+    then always give ``out``: a buffer with aligned rows)."""
+    if out is None:
+        return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
+    vocab = w_t.shape[1]
+    main = vocabulary_main_extent(vocab, x.dtype)
+    if main == vocab:
+        return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
+    for part in (slice(0, main), slice(main, vocab)):
+        if b is None:
+            torch.mm(x, w_t[:, part], out=out[:, part])
+        else:
+            torch.addmm(b[part], x, w_t[:, part], out=out[:, part])
+    return out
 
 
 def accumulate_column_sums(acc: torch.Tensor, a: torch.Tensor, first: bool) -> None:
@@ -81,7 +157,7 @@ def accumulate_column_sums(acc: torch.Tensor, a: torch.Tensor, first: bool) -> N
     if a.dtype != torch.float32 and fp32_output_gemm_supported(a.device):
         ones = torch.ones(1, a.shape[0], dtype=a.dtype, device=a.device)  # exact in any dtype
         with full_precision_reductions():
-            accumulate_product(acc.view(1, -1), ones, a, first)
+            accumulate_product(acc.view(1, -1), ones, a, first, vocabulary="columns")
     elif first:
         torch.sum(a, dim=0, dtype=torch.float32, out=acc)
     else:

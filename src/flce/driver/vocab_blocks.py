@@ -35,6 +35,7 @@ from flce.driver.gemm import (
     accumulate_column_sums,
     accumulate_product,
     full_precision_reductions,
+    logits_product,
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
@@ -192,11 +193,7 @@ def run_vocab_blocks(
         # operand with an unaligned leading dimension.
         rows_, cols = r1 - r0, w_t_block.shape[1]
         logits = full_tile if (rows_, cols) == (chunk, block) else full_tile[:rows_, :cols]  # (C, V_b)
-        if b_block is None:
-            torch.mm(x, w_t_block, out=logits)
-        else:
-            torch.addmm(b_block, x, w_t_block, out=logits)
-        return logits
+        return logits_product(logits, x, w_t_block, b_block)
 
     def chunks():
         for r0 in range(0, n_rows, chunk):
@@ -332,12 +329,12 @@ def run_vocab_blocks(
         for r0, r1, x in chunks():
             grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
             if dx_acc is not None:
-                accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False)
+                accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False, vocabulary="reduction")
             if dw_direct and dw_block is not None:
                 with full_precision_reductions():
-                    torch.mm(grad.t(), x, out=dw_block)
+                    accumulate_product(dw_block, grad.t(), x, True, vocabulary="rows")
             elif dw_block is not None:
-                accumulate_product(dw_block, grad.t(), x, first=r0 == 0)
+                accumulate_product(dw_block, grad.t(), x, first=r0 == 0, vocabulary="rows")
             if db is not None:
                 accumulate_column_sums(db[v0:v1], grad, first=r0 == 0)
         if dw_block is not None and not dw_direct:
@@ -359,6 +356,6 @@ def run_vocab_blocks(
             for r0, r1, x in chunks():
                 grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
                 with full_precision_reductions():
-                    torch.mm(grad.t(), x, out=dw_parts[index])
+                    accumulate_product(dw_parts[index], grad.t(), x, True, vocabulary="rows")
         buffer = full_tile = grad = None
     return rows, Gradients(dx, dw, None if db is None else db.to(bias.dtype))
