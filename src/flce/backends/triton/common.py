@@ -95,6 +95,64 @@ def fp32_to_bf16_rtne(x):
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
+# The vector of a row's masked loads and stores: Triton vectorizes them only where the mask
+# is constant over a vector, which it knows when the mask's bound is a multiple of 16.
+# With an odd V (GPT-2's 50257, or 32001) a mask ``offs < V`` made every access scalar; the
+# loops below run to ``aligned_extent(V)``, a multiple of 16, and take the last < 16
+# columns in one more loop (one masked block, or two of a block narrower than 16).
+ALIGNED_COLUMNS: tl.constexpr = 16
+
+
+@triton.jit
+def aligned_extent(V):
+    """``V`` rounded down to a multiple of ``ALIGNED_COLUMNS`` (which Triton then knows)."""
+    return (V // ALIGNED_COLUMNS) * ALIGNED_COLUMNS
+
+
+@triton.jit
+def _statistics_block(
+    row_ptr,
+    weight_ptr,
+    offs,
+    mask,
+    m,
+    s,
+    smooth_sum,
+    weight_sum,
+    best_idx,
+    softcap,
+    inv_softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    SUM_WEIGHTS: tl.constexpr,
+    WRITE_ARGMAX: tl.constexpr,
+):
+    """``row_statistics``' state after the columns ``offs`` (where ``mask``)."""
+    L2E: tl.constexpr = 1.4426950408889634
+    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        z = softcapped(softcap_tanh(z * inv_softcap, TANH_APPROX), softcap)
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
+            w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+            smooth_sum += tl.sum(w * z, axis=0)
+            if SUM_WEIGHTS:
+                weight_sum += tl.sum(w, axis=0)
+        else:
+            smooth_sum += tl.sum(z, axis=0)
+    z = tl.where(mask, z, -float("inf"))
+    block_max = tl.max(z, axis=0)
+    if WRITE_ARGMAX:
+        block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
+        # strict >: an earlier block keeps a tie (first index wins)
+        best_idx = tl.where(block_max > m, block_idx, best_idx)
+    m_new = tl.maximum(m, block_max)
+    s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
+    return m_new, s, smooth_sum, weight_sum, best_idx
+
+
 @triton.jit
 def row_statistics(
     row_ptr,  # one row of logits (V,)
@@ -114,37 +172,72 @@ def row_statistics(
     ``m = max z'``, ``s = sum exp2((z' - m) log2 e)``, ``smooth_sum = sum w_i z'_i``
     (HAS_SMOOTHING), ``weight_sum = sum w_i`` (SUM_WEIGHTS) and the first index of the max
     (WRITE_ARGMAX); the quantities not asked for stay 0."""
-    L2E: tl.constexpr = 1.4426950408889634
     offs0 = tl.arange(0, BLOCK_V)
     m = -float("inf")
     s = 0.0
     smooth_sum = 0.0
     weight_sum = 0.0
     best_idx = 0
-    for start in range(0, V, BLOCK_V):
+    aligned = aligned_extent(V)
+    for start in range(0, aligned, BLOCK_V):
         offs = start + offs0
-        mask = offs < V
-        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            z = softcapped(softcap_tanh(z * inv_softcap, TANH_APPROX), softcap)
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:  # masked lanes: z' = 0 and w = 0
-                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-                smooth_sum += tl.sum(w * z, axis=0)
-                if SUM_WEIGHTS:
-                    weight_sum += tl.sum(w, axis=0)
-            else:
-                smooth_sum += tl.sum(z, axis=0)
-        z = tl.where(mask, z, -float("inf"))
-        block_max = tl.max(z, axis=0)
-        if WRITE_ARGMAX:
-            block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
-            # strict >: an earlier block keeps a tie (first index wins)
-            best_idx = tl.where(block_max > m, block_idx, best_idx)
-        m_new = tl.maximum(m, block_max)
-        s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
-        m = m_new
+        m, s, smooth_sum, weight_sum, best_idx = _statistics_block(
+            row_ptr, weight_ptr, offs, offs < aligned, m, s, smooth_sum, weight_sum, best_idx, softcap, inv_softcap,
+            HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, SUM_WEIGHTS, WRITE_ARGMAX,
+        )  # fmt: skip
+    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
+        offs = start + offs0
+        m, s, smooth_sum, weight_sum, best_idx = _statistics_block(
+            row_ptr, weight_ptr, offs, offs < V, m, s, smooth_sum, weight_sum, best_idx, softcap, inv_softcap,
+            HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, SUM_WEIGHTS, WRITE_ARGMAX,
+        )  # fmt: skip
     return m, s, smooth_sum, weight_sum, best_idx
+
+
+@triton.jit
+def _gradient_block(
+    row_ptr,
+    out_row_ptr,
+    weight_ptr,
+    offs,
+    mask,
+    y,
+    m,
+    inv_s,
+    onehot_coef,
+    smooth_coef,
+    z_coef,
+    weight_sum,
+    softcap,
+    inv_softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    TANH_APPROX: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_Z_GRAD: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
+):
+    """``write_gradient_row`` over the columns ``offs`` (where ``mask``)."""
+    L2E: tl.constexpr = 1.4426950408889634
+    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        t, softcap_derivative = softcap_tanh_and_derivative(z * inv_softcap, TANH_APPROX)
+        z = softcapped(t, softcap)
+    p = tl.exp2((z - m) * L2E) * inv_s
+    g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
+    if HAS_SMOOTHING:
+        if HAS_WEIGHT:
+            w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+            g += smooth_coef * (weight_sum * p - w)
+        else:
+            g += smooth_coef * (weight_sum * p - 1.0)
+    if HAS_Z_GRAD:
+        g += z_coef * p
+    if HAS_SOFTCAP:
+        g = g * softcap_derivative
+    if BF16_ROUND_BY_BITS:
+        g = fp32_to_bf16_rtne(g)
+    tl.store(out_row_ptr + offs, g.to(out_row_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -173,27 +266,19 @@ def write_gradient_row(
     """The grouped form of flce.backends.base, each group exact where the true value is
     ~0 (p_y ~ 1, V = 1):
     grad_i = (onehot_coef (p_i - [i == y]) + smooth_coef (W p_i - w_i) + z_coef p_i) dz'_i/dz_i."""
-    L2E: tl.constexpr = 1.4426950408889634
     offs0 = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
+    aligned = aligned_extent(V)
+    for start in range(0, aligned, BLOCK_V):
         offs = start + offs0
-        mask = offs < V
-        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SOFTCAP:
-            t, softcap_derivative = softcap_tanh_and_derivative(z * inv_softcap, TANH_APPROX)
-            z = softcapped(t, softcap)
-        p = tl.exp2((z - m) * L2E) * inv_s
-        g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
-        if HAS_SMOOTHING:
-            if HAS_WEIGHT:
-                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-                g += smooth_coef * (weight_sum * p - w)
-            else:
-                g += smooth_coef * (weight_sum * p - 1.0)
-        if HAS_Z_GRAD:
-            g += z_coef * p
-        if HAS_SOFTCAP:
-            g = g * softcap_derivative
-        if BF16_ROUND_BY_BITS:
-            g = fp32_to_bf16_rtne(g)
-        tl.store(out_row_ptr + offs, g.to(out_row_ptr.dtype.element_ty), mask=mask)
+        _gradient_block(
+            row_ptr, out_row_ptr, weight_ptr, offs, offs < aligned, y, m, inv_s, onehot_coef, smooth_coef, z_coef,
+            weight_sum, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, HAS_Z_GRAD,
+            BF16_ROUND_BY_BITS,
+        )  # fmt: skip
+    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
+        offs = start + offs0
+        _gradient_block(
+            row_ptr, out_row_ptr, weight_ptr, offs, offs < V, y, m, inv_s, onehot_coef, smooth_coef, z_coef,
+            weight_sum, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, HAS_Z_GRAD,
+            BF16_ROUND_BY_BITS,
+        )  # fmt: skip
