@@ -100,7 +100,7 @@ def fp32_to_bf16_rtne(x):
 # With an odd V (GPT-2's 50257, or 32001) a mask ``offs < V`` made every access scalar; the
 # loops below run to ``aligned_extent(V)``, a multiple of 16, and take the last < 16
 # columns in one more loop (one masked block, or two of a block narrower than 16).
-ALIGNED_COLUMNS: tl.constexpr = 16
+ALIGNED_COLUMNS = tl.constexpr(16)
 
 
 @triton.jit
