@@ -100,8 +100,8 @@ BLOCK_ALIGNMENT = 128
 # (``logits_row_stride``), so that the logits, an operand of all three GEMMs, never have an
 # unaligned leading dimension. Measured on the H200 (N = 8192, H = 4096, bf16, fwd+bwd,
 # benchmarks/results/odd-vocabulary-h200): at V = 50257 the aligned rows took flce from
-# 88.3 to 83.4 ms (cutedsl). cuBLAS stays slow there, the floor's three GEMMs 86-88 ms
-# against 14.2-14.8 ms at V = 50304: an odd V also makes an odd extent of every GEMM.
+# 88.3 to 83.4 ms (cutedsl). The rest of that cliff was the GEMMs' odd extents, which
+# flce.driver.gemm splits at an aligned column.
 LOGITS_ROW_ALIGNMENT = 64
 # The pieces of the workspace held inside dW (the fp32 dX accumulator, the block buffer)
 # start at this byte alignment: GEMM operands and TMA descriptors need 16 bytes, and a
