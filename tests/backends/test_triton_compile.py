@@ -145,13 +145,20 @@ def test_every_kernel_compiles_for_hopper(monkeypatch, tmp_path, call):
 
 @pytest.mark.parametrize(
     ("call", "kernel_name"),
-    [("cross_entropy", "_ce_chunk_kernel"), ("vocabulary_blocks", "_partial_gradient_kernel")],
+    [
+        ("cross_entropy", "_ce_chunk_kernel"),
+        ("vocabulary_blocks", "_partial_gradient_kernel"),
+        ("logprobs", "_logprobs_backward_kernel"),
+        ("distillation", "_distillation_kernel"),
+    ],
 )
 def test_row_loops_are_vectorized_at_an_odd_vocabulary(monkeypatch, tmp_path, call, kernel_name):
     """At V = 1031 (blocks of 520: not multiples of 16) the row loops' loads and stores of
-    the bf16 logits are 16 bytes wide (``v4.b32``): the loops run to a multiple of 16
+    the bf16 logits are 16 bytes wide (``v4.b32``) in the gradient kernels of the CE, the
+    split rows, the logprobs and the distillation: the loops run to a multiple of 16
     columns, and only the last few go through masked scalar accesses
-    (flce.backends.triton.common). Both fail with loops masked by ``offs < V``."""
+    (flce.backends.triton.common.aligned_extent). Each fails with loops masked by
+    ``offs < V``."""
     ptx = _compile(_record_launches(monkeypatch, _calls()[call]), tmp_path)[kernel_name]["ptx"]
     assert "ld.global.v4.b32" in ptx
     assert "st.global.v4.b32" in ptx

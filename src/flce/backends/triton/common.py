@@ -98,8 +98,9 @@ def fp32_to_bf16_rtne(x):
 # The vector of a row's masked loads and stores: Triton vectorizes them only where the mask
 # is constant over a vector, which it knows when the mask's bound is a multiple of 16.
 # With an odd V (GPT-2's 50257, or 32001) a mask ``offs < V`` made every access scalar; the
-# loops below run to ``aligned_extent(V)``, a multiple of 16, and take the last < 16
-# columns in one more loop (one masked block, or two of a block narrower than 16).
+# row loops of every kernel (these, and the logprobs' and distillation's) run to
+# ``aligned_extent(V)``, a multiple of 16, and take the last < 16 columns in one more loop
+# (one masked block, or two of a block narrower than 16).
 ALIGNED_COLUMNS = tl.constexpr(16)
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.common import fp32_to_bf16_rtne
+from flce.backends.triton.common import aligned_extent, fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.logprobs import launch_per_row, row_softmax_statistics, scaled_logits
 from flce.rows import distillation as rows
@@ -36,6 +36,64 @@ def _ratios_to_mixture(log_p, log_q, beta, one_minus_beta):
     shifted_q = log_q - c
     mixture = tl.log2(beta * tl.exp2(shifted_p * L2E) + one_minus_beta * tl.exp2(shifted_q * L2E)) * LN2
     return shifted_p - mixture, shifted_q - mixture
+
+
+@triton.jit
+def _divergence_block(
+    student_row_ptr,
+    teacher_row_ptr,
+    offs,
+    mask,
+    teacher_sum,
+    student_sum,
+    inv_temperature,
+    m_q,
+    log_s_q,
+    m_p,
+    log_s_p,
+    teacher_at_anchor,
+    anchor,
+    beta,
+    one_minus_beta,
+    grad_coef,
+    centre,
+    DIVERGENCE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    WRITE_GRADIENT: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
+):
+    """``_divergence_pass`` over the columns ``offs`` (where ``mask``): its sums after them."""
+    L2E: tl.constexpr = 1.4426950408889634
+    z_q = tl.fma(tl.load(student_row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
+    z_p = tl.fma(tl.load(teacher_row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
+    z_q = tl.where(mask, z_q, m_q)
+    z_p = tl.where(mask, z_p, m_p)
+    log_q = (z_q - m_q) - log_s_q
+    q = tl.where(mask, tl.exp2(log_q * L2E), 0.0)
+    if DIVERGENCE == 0:
+        log_p = (z_p - m_p) - log_s_p
+        p = tl.where(mask, tl.exp2(log_p * L2E), 0.0)
+        g = q - p
+        if ACCUMULATE:
+            teacher_sum += tl.sum(p * (log_p - log_q), axis=0)
+    else:
+        if DIVERGENCE == 1:
+            ratio = (z_q - m_q) - (z_p - teacher_at_anchor)  # r - a, straight from the logits
+        else:
+            log_p = (z_p - m_p) - log_s_p
+            ratio_p, ratio_q = _ratios_to_mixture(log_p, log_q, beta, one_minus_beta)
+            ratio = ratio_q - anchor  # r - a, exactly 0 at the anchor
+            if ACCUMULATE:
+                teacher_sum += tl.sum(tl.where(mask, tl.exp2(log_p * L2E), 0.0) * ratio_p, axis=0)
+        if ACCUMULATE:
+            student_sum += tl.sum(q * ratio, axis=0)
+        g = q * (ratio - centre)
+    if WRITE_GRADIENT:
+        g = grad_coef * g
+        if BF16_ROUND_BY_BITS:
+            g = fp32_to_bf16_rtne(g)
+        tl.store(student_row_ptr + offs, g.to(student_row_ptr.dtype.element_ty), mask=mask)
+    return teacher_sum, student_sum
 
 
 @triton.jit
@@ -63,43 +121,26 @@ def _divergence_pass(
     """One read of both rows: ``(sum p (log p - log M), sum q (r - a))`` (ACCUMULATE),
     and the gradient over the student's row (WRITE_GRADIENT): ``q - p`` for the forward
     KL, ``w q ((r - a) - (K - a))`` otherwise. Masked lanes read a row's own max (their
-    exponentials stay <= 1), are left out of the sums and never stored."""
-    L2E: tl.constexpr = 1.4426950408889634
+    exponentials stay <= 1), are left out of the sums and never stored. The loop runs to a
+    multiple of 16 columns and takes the rest in one more (``common.aligned_extent``)."""
     offs0 = tl.arange(0, BLOCK_V)
     teacher_sum = 0.0
     student_sum = 0.0
-    for start in range(0, V, BLOCK_V):
+    aligned = aligned_extent(V)
+    for start in range(0, aligned, BLOCK_V):
         offs = start + offs0
-        mask = offs < V
-        z_q = tl.fma(tl.load(student_row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
-        z_p = tl.fma(tl.load(teacher_row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
-        z_q = tl.where(mask, z_q, m_q)
-        z_p = tl.where(mask, z_p, m_p)
-        log_q = (z_q - m_q) - log_s_q
-        q = tl.where(mask, tl.exp2(log_q * L2E), 0.0)
-        if DIVERGENCE == 0:
-            log_p = (z_p - m_p) - log_s_p
-            p = tl.where(mask, tl.exp2(log_p * L2E), 0.0)
-            g = q - p
-            if ACCUMULATE:
-                teacher_sum += tl.sum(p * (log_p - log_q), axis=0)
-        else:
-            if DIVERGENCE == 1:
-                ratio = (z_q - m_q) - (z_p - teacher_at_anchor)  # r - a, straight from the logits
-            else:
-                log_p = (z_p - m_p) - log_s_p
-                ratio_p, ratio_q = _ratios_to_mixture(log_p, log_q, beta, one_minus_beta)
-                ratio = ratio_q - anchor  # r - a, exactly 0 at the anchor
-                if ACCUMULATE:
-                    teacher_sum += tl.sum(tl.where(mask, tl.exp2(log_p * L2E), 0.0) * ratio_p, axis=0)
-            if ACCUMULATE:
-                student_sum += tl.sum(q * ratio, axis=0)
-            g = q * (ratio - centre)
-        if WRITE_GRADIENT:
-            g = grad_coef * g
-            if BF16_ROUND_BY_BITS:
-                g = fp32_to_bf16_rtne(g)
-            tl.store(student_row_ptr + offs, g.to(student_row_ptr.dtype.element_ty), mask=mask)
+        teacher_sum, student_sum = _divergence_block(
+            student_row_ptr, teacher_row_ptr, offs, offs < aligned, teacher_sum, student_sum, inv_temperature, m_q,
+            log_s_q, m_p, log_s_p, teacher_at_anchor, anchor, beta, one_minus_beta, grad_coef, centre, DIVERGENCE,
+            ACCUMULATE, WRITE_GRADIENT, BF16_ROUND_BY_BITS,
+        )  # fmt: skip
+    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
+        offs = start + offs0
+        teacher_sum, student_sum = _divergence_block(
+            student_row_ptr, teacher_row_ptr, offs, offs < V, teacher_sum, student_sum, inv_temperature, m_q,
+            log_s_q, m_p, log_s_p, teacher_at_anchor, anchor, beta, one_minus_beta, grad_coef, centre, DIVERGENCE,
+            ACCUMULATE, WRITE_GRADIENT, BF16_ROUND_BY_BITS,
+        )  # fmt: skip
     return teacher_sum, student_sum
 
 

@@ -18,7 +18,7 @@ import triton.language as tl
 from flce.backends.base import gradient_destination
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.common import fp32_to_bf16_rtne
+from flce.backends.triton.common import aligned_extent, fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.launch import launch
 from flce.rows import logprobs as rows
@@ -42,6 +42,29 @@ def scaled_logits(x, inv_temperature):
 
 
 @triton.jit
+def _softmax_statistics_block(
+    row_ptr, offs, mask, m, s, u, argmax, inv_temperature, WITH_SPREAD: tl.constexpr, WITH_ARGMAX: tl.constexpr
+):
+    """``row_softmax_statistics``' state after the columns ``offs`` (where ``mask``)."""
+    L2E: tl.constexpr = 1.4426950408889634
+    z = tl.fma(tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
+    z = tl.where(mask, z, -float("inf"))
+    tile_max = tl.max(z, axis=0)
+    if WITH_ARGMAX:
+        tile_argmax = tl.min(tl.where(z == tile_max, offs, 2147483647), axis=0)
+        argmax = tl.where(tile_max > m, tile_argmax, argmax)  # strict: an earlier tile keeps a tie
+    m_new = tl.maximum(m, tile_max)
+    rescale = tl.exp2((m - m_new) * L2E)  # 0 on the first tile (m = -inf)
+    e = tl.exp2((z - m_new) * L2E)  # (BLOCK_V,) 0 on masked lanes
+    if WITH_SPREAD:
+        d = tl.where(mask, m_new - z, 0.0)  # (BLOCK_V,) >= 0
+        # the running u re-based on m_new: each d grows by m_new - m (s = 0 while m = -inf)
+        u = rescale * (u + tl.where(s > 0.0, m_new - m, 0.0) * s) + tl.sum(e * d, axis=0)
+    s = s * rescale + tl.sum(e, axis=0)
+    return m_new, s, u, argmax
+
+
+@triton.jit
 def row_softmax_statistics(
     row_ptr,  # one row of logits (V,)
     V,
@@ -53,31 +76,24 @@ def row_softmax_statistics(
     """One streaming pass over a row of ``z = logits * inv_temperature`` (fp32):
     ``(m, s, u, argmax)`` with the running max ``m``, ``s = sum exp(z - m)``, the spread
     ``u = sum exp(z - m) (m - z)`` (WITH_SPREAD; else 0) and the first index of the max
-    (WITH_ARGMAX; else 0). Tiles combine as in ``flce.rows.logprobs``."""
-    L2E: tl.constexpr = 1.4426950408889634
+    (WITH_ARGMAX; else 0). Tiles combine as in ``flce.rows.logprobs``. The loop runs to a
+    multiple of 16 columns and takes the rest in one more (``common.aligned_extent``)."""
     offs0 = tl.arange(0, BLOCK_V)
     m = -float("inf")
     s = 0.0
     u = 0.0
     argmax = 0
-    for start in range(0, V, BLOCK_V):
+    aligned = aligned_extent(V)
+    for start in range(0, aligned, BLOCK_V):
         offs = start + offs0
-        mask = offs < V
-        z = tl.fma(tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
-        z = tl.where(mask, z, -float("inf"))
-        tile_max = tl.max(z, axis=0)
-        if WITH_ARGMAX:
-            tile_argmax = tl.min(tl.where(z == tile_max, offs, 2147483647), axis=0)
-            argmax = tl.where(tile_max > m, tile_argmax, argmax)  # strict: an earlier tile keeps a tie
-        m_new = tl.maximum(m, tile_max)
-        rescale = tl.exp2((m - m_new) * L2E)  # 0 on the first tile (m = -inf)
-        e = tl.exp2((z - m_new) * L2E)  # (BLOCK_V,) 0 on masked lanes
-        if WITH_SPREAD:
-            d = tl.where(mask, m_new - z, 0.0)  # (BLOCK_V,) >= 0
-            # the running u re-based on m_new: each d grows by m_new - m (s = 0 while m = -inf)
-            u = rescale * (u + tl.where(s > 0.0, m_new - m, 0.0) * s) + tl.sum(e * d, axis=0)
-        s = s * rescale + tl.sum(e, axis=0)
-        m = m_new
+        m, s, u, argmax = _softmax_statistics_block(
+            row_ptr, offs, offs < aligned, m, s, u, argmax, inv_temperature, WITH_SPREAD, WITH_ARGMAX
+        )
+    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
+        offs = start + offs0
+        m, s, u, argmax = _softmax_statistics_block(
+            row_ptr, offs, offs < V, m, s, u, argmax, inv_temperature, WITH_SPREAD, WITH_ARGMAX
+        )
     return m, s, u, argmax
 
 
@@ -130,6 +146,38 @@ def _logprobs_forward_kernel(
 
 
 @triton.jit
+def _logprobs_gradient_block(
+    row_ptr,
+    grad_row_ptr,
+    offs,
+    mask,
+    y,
+    lse_hi,
+    lse_lo,
+    inv_temperature,
+    coef_logprob,
+    coef_entropy,
+    entropy,
+    HAS_GRAD_LOGPROB: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
+):
+    """The logprobs' and entropy's gradient over the columns ``offs`` (where ``mask``)."""
+    L2E: tl.constexpr = 1.4426950408889634
+    z = tl.fma(tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
+    log_p = tl.where(mask, (z - lse_hi) - lse_lo, 0.0)  # masked lanes: p = 1, finite, never stored
+    p = tl.exp2(log_p * L2E)
+    g = tl.zeros_like(p)
+    if HAS_GRAD_LOGPROB:
+        g = coef_logprob * (tl.where(offs == y, 1.0, 0.0) - p)  # one group: exact where p_y ~ 1
+    if HAS_GRAD_ENTROPY:
+        g -= coef_entropy * (p * (log_p + entropy))
+    if BF16_ROUND_BY_BITS:
+        g = fp32_to_bf16_rtne(g)
+    tl.store(grad_row_ptr + offs, g.to(grad_row_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _logprobs_backward_kernel(
     logits_ptr,  # (M, V) fp16/bf16/fp32, unit stride along V
     logits_row_stride,
@@ -153,7 +201,6 @@ def _logprobs_backward_kernel(
     BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see fp32_to_bf16_rtne
     BLOCK_V: tl.constexpr,
 ):
-    L2E: tl.constexpr = 1.4426950408889634
     offs0 = tl.arange(0, BLOCK_V)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride
@@ -173,20 +220,19 @@ def _logprobs_backward_kernel(
         if HAS_GRAD_ENTROPY:
             coef_entropy = tl.load(grad_entropy_ptr + row * grad_entropy_stride) * inv_temperature
             entropy = tl.load(entropy_ptr + row * entropy_stride)
-        for start in range(0, V, BLOCK_V):
+        aligned = aligned_extent(V)
+        for start in range(0, aligned, BLOCK_V):
             offs = start + offs0
-            mask = offs < V
-            z = tl.fma(tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
-            log_p = tl.where(mask, (z - lse_hi) - lse_lo, 0.0)  # masked lanes: p = 1, finite, never stored
-            p = tl.exp2(log_p * L2E)
-            g = tl.zeros([BLOCK_V], dtype=tl.float32)
-            if HAS_GRAD_LOGPROB:
-                g = coef_logprob * (tl.where(offs == y, 1.0, 0.0) - p)  # one group: exact where p_y ~ 1
-            if HAS_GRAD_ENTROPY:
-                g -= coef_entropy * (p * (log_p + entropy))
-            if BF16_ROUND_BY_BITS:
-                g = fp32_to_bf16_rtne(g)
-            tl.store(grad_row_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+            _logprobs_gradient_block(
+                row_ptr, grad_row_ptr, offs, offs < aligned, y, lse_hi, lse_lo, inv_temperature, coef_logprob,
+                coef_entropy, entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, BF16_ROUND_BY_BITS,
+            )  # fmt: skip
+        for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
+            offs = start + offs0
+            _logprobs_gradient_block(
+                row_ptr, grad_row_ptr, offs, offs < V, y, lse_hi, lse_lo, inv_temperature, coef_logprob,
+                coef_entropy, entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, BF16_ROUND_BY_BITS,
+            )  # fmt: skip
     else:
         zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
         for start in range(0, V, BLOCK_V):
