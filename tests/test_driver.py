@@ -419,6 +419,8 @@ def test_every_gemm_of_an_odd_vocabulary_has_aligned_extents(monkeypatch, option
 
 @pytest.mark.parametrize("head", ["logprobs", "distillation"])
 def test_the_heads_gemms_of_an_odd_vocabulary_have_aligned_extents(head):
+    """The logprobs and distillation heads run on the same products: split at an odd V
+    (the teacher's logits GEMM too)."""
     n, h, vocab = 32, 16, 1031
     x, w, _, t = _inputs(n=n, h=h, v=vocab, dtype=torch.bfloat16)
     x.requires_grad_()
