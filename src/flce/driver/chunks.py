@@ -117,14 +117,19 @@ class TokenChunkKernel(Protocol):
     ) -> None: ...
 
 
-def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised ``(rows, vocab)`` logits buffer whose rows are
-    ``logits_row_stride(vocab)`` elements apart (a view of a wider one when ``vocab`` is
-    not a multiple of ``LOGITS_ROW_ALIGNMENT``): an aligned leading dimension for the
-    GEMMs that write and read it (flce.driver.sizing); the loss kernels take the row stride."""
+def logits_tile(flat: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+    """The first ``rows * logits_row_stride(vocab)`` elements of ``flat`` as a ``(rows, vocab)``
+    logits tile whose rows are ``logits_row_stride(vocab)`` elements apart: an aligned
+    leading dimension for the GEMMs that write and read it (flce.driver.sizing), whatever
+    ``vocab``; the loss kernels take the row stride."""
     stride = logits_row_stride(vocab)
-    buffer = torch.empty(rows, stride, dtype=dtype, device=device)
-    return buffer if stride == vocab else buffer[:, :vocab]
+    tile = flat[: rows * stride].view(rows, stride)
+    return tile if stride == vocab else tile[:, :vocab]
+
+
+def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised ``logits_tile`` of its own."""
+    return logits_tile(torch.empty(rows * logits_row_stride(vocab), dtype=dtype, device=device), rows, vocab)
 
 
 def run_token_chunks(

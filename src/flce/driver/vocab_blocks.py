@@ -29,7 +29,15 @@ from __future__ import annotations
 import torch
 
 from flce.backends.base import LossOnlyStatistics, SplitRowKernels
-from flce.driver.chunks import Gradients, GradRequest, allocate_rows, in_compute_dtype, row_range
+from flce.driver.chunks import (
+    Gradients,
+    GradRequest,
+    allocate_rows,
+    in_compute_dtype,
+    logits_buffer,
+    logits_tile,
+    row_range,
+)
 from flce.driver.fused import fused_whole_row_statistics, rows_from_whole_row_statistics
 from flce.driver.gemm import (
     accumulate_column_sums,
@@ -77,26 +85,6 @@ def _block_views(per_block: BlockStatistics, n_blocks: int) -> list[BlockStatist
         )
     ]
     return [BlockStatistics(*views) for views in zip(*fields, strict=True)]
-
-
-def _tile(buffer: torch.Tensor, chunk: int, block: int) -> torch.Tensor:
-    """``buffer`` (``C * logits_row_stride(V_b)`` elements) as one ``(C, V_b)`` tile whose rows
-    are ``logits_row_stride(V_b)`` apart: an aligned leading dimension for the GEMMs that
-    write and read it, whatever the block's width (flce.driver.sizing)."""
-    stride = logits_row_stride(block)
-    tile = buffer.view(chunk, stride)
-    return tile if stride == block else tile[:, :block]
-
-
-def _logits_buffer(
-    n_rows: int, chunk: int, block: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The block logits buffer, ``(C * logits_row_stride(V_b),)``, and its view as one
-    ``(C, V_b)`` tile (``_tile``; None, None without rows)."""
-    if not n_rows:
-        return None, None
-    buffer = torch.empty(chunk * logits_row_stride(block), dtype=dtype, device=device)
-    return buffer, _tile(buffer, chunk, block)
 
 
 def _weight_grad_scratch(
@@ -168,13 +156,13 @@ def run_vocab_blocks(
     smoothing = scalars.label_smoothing > 0
     valid = target != scalars.ignore_index
     safe_target = gather_safe_target(target, valid, vocab)
-    # The block logits (C * V_b,) and, as one full (C, V_b) tile, every logits tile but the
-    # last row chunk's and the last block's (no view op each; those are views of its first
-    # rows and columns). With the fused first pass they wait for pass 2 (a lower peak in
-    # pass 1).
-    buffer = full_tile = None
-    if fused_statistics is None:
-        buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
+    # The block logits as one full (C, V_b) tile with aligned rows (``logits_buffer``): every
+    # logits tile but the last row chunk's and the last block's, which are views of its first
+    # rows and columns (no view op per tile otherwise). With the fused first pass it waits
+    # for pass 2 (a lower peak in pass 1).
+    full_tile = None
+    if fused_statistics is None and n_rows:
+        full_tile = logits_buffer(chunk, block, compute_dtype, device)
 
     # Each block's slices of the weights, as views made once for both passes (one op per
     # tensor): the block's rows of W (dX), its columns of W^T (the logits GEMM), of the bias
@@ -291,13 +279,13 @@ def run_vocab_blocks(
                 "weight_grad_tail_start needs dW written by one GEMM per block (one row chunk, a bf16/fp16 "
                 "weight) and dX of a bf16/fp16 input (flce.driver.sizing.weight_grad_tail_start)"
             )
-        buffer = full_tile = None  # pass 1's, if any: freed before its place in dW is used
-        dx_acc, buffer = _weight_grad_scratch(dw, tail_start, (n_rows, hidden), chunk * logits_row_stride(block))
-        full_tile = _tile(buffer, chunk, block)
+        full_tile = None  # pass 1's, if any: freed before its place in dW is used
+        dx_acc, scratch = _weight_grad_scratch(dw, tail_start, (n_rows, hidden), chunk * logits_row_stride(block))
+        full_tile = logits_tile(scratch, chunk, block)
         dx_acc.zero_()
     else:
-        if buffer is None:
-            buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
+        if full_tile is None and n_rows:
+            full_tile = logits_buffer(chunk, block, compute_dtype, device)
         dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None
 
     def block_gradient(target_of_block: torch.Tensor, r0: int, r1: int, x, ce_block, w_t_block, b_block):
@@ -343,12 +331,12 @@ def run_vocab_blocks(
             dw[v0:v1] = dw_block
             del dw_block
     # The block buffer is freed before dX's cast, so that the two never coexist.
-    buffer = full_tile = grad = None
+    full_tile = grad = None
     dx = None if dx_acc is None else (dx_acc if input.dtype == torch.float32 else dx_acc.to(input.dtype))
     dx_acc = None
     if tail_start < vocab:
         # The last blocks' rows of dW are free again: their gradient once more, then dW.
-        buffer, full_tile = _logits_buffer(n_rows, chunk, block, compute_dtype, device)
+        full_tile = logits_buffer(chunk, block, compute_dtype, device) if n_rows else None
         for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
             if v0 < tail_start:
                 continue
@@ -357,5 +345,5 @@ def run_vocab_blocks(
                 grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
                 with full_precision_reductions():
                     accumulate_product(dw_parts[index], grad.t(), x, True, vocabulary="rows")
-        buffer = full_tile = grad = None
+        full_tile = grad = None
     return rows, Gradients(dx, dw, None if db is None else db.to(bias.dtype))
