@@ -20,6 +20,35 @@ def _inputs(n=21, h=12, v=17, dtype=torch.float32, seed=0):
     return x, w, b, t
 
 
+# Where the two factors of each GEMM op are among its arguments.
+_GEMMS = {
+    torch.ops.aten.mm.default: (0, 1),
+    torch.ops.aten.mm.out: (0, 1),
+    torch.ops.aten.addmm.default: (1, 2),
+    torch.ops.aten.addmm.out: (1, 2),
+    torch.ops.aten.addmm.dtype_out: (1, 2),
+}
+
+
+def _gemms(call) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(a, b, out) of every GEMM ``call`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gemms = []
+
+    class Gemms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in _GEMMS:
+                a, b = (args[i] for i in _GEMMS[func])
+                gemms.append((a, b, out))
+            return out
+
+    with Gemms():
+        call()
+    return gemms
+
+
 def test_chunk_size_follows_the_budget_formula():
     # 512 MiB / (128256 * 2 bytes) = 2093 rows -> 4 balanced chunks of 2048 for N = 8192.
     assert sizing.default_chunk_size(8192, 128256, torch.bfloat16, 0, 512 * 2**20) == 2048
@@ -306,27 +335,19 @@ def test_logits_rows_are_aligned_for_the_gemms(vocab, options):
     call from 88.3 to 83.4 ms on an H200), in every chunk and block (the ragged last block
     keeps the full tile's row stride); the kernels read them through the stride, and the
     results equal float64's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     n, h = 20, 12
-    written = []
-
-    class LogitsGemms(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            # The logits GEMMs: (rows, columns) from (rows, H) @ (H, columns).
-            if func in (torch.ops.aten.mm.out, torch.ops.aten.mm.default, torch.ops.aten.addmm.out):
-                a = args[1] if func is torch.ops.aten.addmm.out else args[0]
-                if a.shape[-1] == h and out.shape[0] <= n:
-                    written.append(out.stride(0))
-            return out
-
     x, w, b, t = _inputs(n=n, h=h, v=vocab)
     x.requires_grad_()
     w.requires_grad_()
-    with LogitsGemms():
-        loss = flce.fused_linear_cross_entropy(x, w, t, backend="torch", **options)
-        loss.backward()
+    result = {}
+
+    def call():
+        result["loss"] = flce.fused_linear_cross_entropy(x, w, t, backend="torch", **options)
+        result["loss"].backward()
+
+    # The logits GEMMs: (rows, columns) from (rows, H) @ (H, columns).
+    written = [out.stride(0) for a, _, out in _gemms(call) if a.shape[-1] == h and out.shape[0] <= n]
+    loss = result["loss"]
     blocks = "vocab_chunk_size" in options
     stride = sizing.logits_row_stride(min(128, vocab) if blocks else vocab)
     assert written and set(written) == {stride}, written
@@ -344,31 +365,9 @@ def _aligned_or_tail(extent: int, dtype: torch.dtype) -> bool:
     return extent % unit == 0 or extent < unit
 
 
-_GEMMS = {
-    torch.ops.aten.mm.default: (0, 1),
-    torch.ops.aten.mm.out: (0, 1),
-    torch.ops.aten.addmm.default: (1, 2),
-    torch.ops.aten.addmm.out: (1, 2),
-    torch.ops.aten.addmm.dtype_out: (1, 2),
-}
-
-
 def _gemm_extents(call) -> list[tuple[int, int, int]]:
     """(M, K, N) of every GEMM ``call`` dispatches."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    extents = []
-
-    class Gemms(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in _GEMMS:
-                a, b = (args[i] for i in _GEMMS[func])
-                extents.append((a.shape[0], a.shape[1], b.shape[1]))
-            return func(*args, **(kwargs or {}))
-
-    with Gemms():
-        call()
-    return extents
+    return [(a.shape[0], a.shape[1], b.shape[1]) for a, b, _ in _gemms(call)]
 
 
 @pytest.mark.parametrize(
