@@ -309,6 +309,10 @@ def test_the_default_keeps_one_chunk_where_it_fits_the_fp32_accumulator():
     assert scheme_for_call(CallShape(8192, 128256, 4096), options, CPU).rows == 8192
     # N = 16384: token chunks of 4096 rows (their logits the size of a bf16 dW).
     assert scheme_for_call(CallShape(16384, 128256, 4096), options, CPU).rows == 4096
+    # An odd vocabulary, whose logits rows are padded to a multiple of 64 (50304 elements at
+    # V = 50257): still one chunk at N = 2H.
+    for vocab in (50257, 32001, 151937):
+        assert scheme_for_call(CallShape(8192, vocab, 4096), options, CPU).rows == 8192, vocab
     # No dW (a frozen LM head): chunk logits within 512 MiB, as before the budget existed.
     frozen = CallShape(8192, 128256, 4096, grad_weight=False)
     assert scheme_for_call(frozen, options, CPU).rows == default_chunk_size(8192, 128256, torch.bfloat16)

@@ -184,10 +184,22 @@ def check(
     seed: int = 0,
     logits_view=None,
     config: cute_ce.KernelConfig | None = None,
+    padding: float | None = None,
 ) -> None:
+    """``padding``: the logits are rows of V rounded up to 64 elements (the driver's
+    buffers), the columns past V holding this value; the kernel must neither use them (a
+    NaN or an Inf there would show in every output) nor write them."""
     opts = FEATURES[feature]
     base = make_logits(rows, vocab, dtype, seed, ties=ties)
     view = logits_view or (lambda z: z)
+    buffers = []
+    if padding is not None:
+
+        def view(z):
+            buffer = torch.full((rows, -(-vocab // 64) * 64), padding, dtype=dtype, device=DEVICE)
+            buffer[:, :vocab] = z
+            buffers.append(buffer)
+            return buffer[:, :vocab]
 
     def fresh_logits():  # a new copy with the layout under test (strides, offset)
         return view(base.clone())
@@ -203,6 +215,9 @@ def check(
         cute_ce.cross_entropy_chunk(*args, config=config, **kwargs)
 
     ours = run_kernel(ours_fn, fresh_logits(), target, weight, scalars, opts, row_scale)
+    if padding is not None:
+        past_v = buffers[-1][:, vocab:].double()
+        assert torch.equal(past_v.nan_to_num(), torch.full_like(past_v, padding).nan_to_num()), "wrote past V"
     twin = run_kernel(torch_chunk, fresh_logits(), target, weight, scalars, opts, row_scale)
     truth = reference(logits, target, weight, scalars, row_scale)
     torch.cuda.synchronize()
@@ -286,6 +301,40 @@ def test_strided_and_misaligned_rows(dtype):
     check(32, 32000, dtype, "all", logits_view=lambda z: torch.cat([z, z[:, :8]], dim=1)[:, :32000])
     check(32, 32000, dtype, "all", logits_view=lambda z: torch.cat([z, z[:, :3]], dim=1)[:, :32000])
     check(32, 32000, dtype, "all", logits_view=lambda z: torch.cat([z[:, :1], z], dim=1)[:, 1:])
+
+
+# Rows padded to a multiple of 64 elements, as the driver allocates them: an odd V is read
+# in 16-byte vectors whose last one is ragged (GPT-2's 50257 on 8-CTA clusters in bf16,
+# 32001 in fp32; 7 and 123 inside one vector or tile). NaN, +Inf or -Inf past V must change
+# nothing.
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("vocab", [7, 123, 32001, 50257])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_padded_rows_with_a_ragged_last_vector(dtype, vocab, feature):
+    check(8 if vocab > 10000 else 40, vocab, dtype, feature, padding=math.nan)
+
+
+@pytest.mark.parametrize("padding", [math.inf, -math.inf], ids=["inf", "-inf"])
+@pytest.mark.parametrize("vocab", [123, 50257])
+@pytest.mark.parametrize("feature", ["plain", "all"])
+def test_infinite_padding_is_never_used(feature, vocab, padding):
+    check(8, vocab, torch.bfloat16, feature, padding=padding)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        cute_ce.KernelConfig(threads=256, stages=8, resident=0),
+        cute_ce.KernelConfig(threads=128, stages=2, resident=5),
+        cute_ce.KernelConfig(threads=256, stages=4, resident=3, cluster=2),
+        cute_ce.KernelConfig(threads=128, stages=8, resident=0, cluster=8),
+    ],
+    ids=str,
+)
+def test_ragged_last_vector_in_every_launch_shape(config):
+    """The ragged vector in the ring, in resident tiles and in re-read ones, and in the
+    last CTA of a cluster."""
+    check(8, 50257, torch.bfloat16, "all", config=config, padding=math.nan)
 
 
 def test_one_row_and_empty_chunk():
@@ -386,6 +435,37 @@ def test_gradient_into_grad_out_leaves_logits_untouched(dtype, feature, offset):
     else:
         torch.testing.assert_close(grad_out, in_place)
         torch.testing.assert_close(loss, loss_in_place)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_ragged_gradient_into_grad_out(dtype):
+    """Padded rows of an odd V with ``grad_out`` in another padded buffer: the same
+    gradient as in place, bit for bit, and neither buffer touched past V."""
+    vocab, rows, stride = 50257, 8, 50304
+    logits = make_logits(rows, vocab, dtype, 4)
+    target = make_target(logits, -100, 0.2, 4)
+    scalars = make_scalars(target, None, vocab, FEATURES["all"], -100)
+    kwargs = dict(z_loss_out=None, correct_out=None, predicted_out=None, row_grad_scale=None, compute_grad=True)
+
+    def padded(fill):
+        buffer = torch.full((rows, stride), fill, dtype=dtype, device=DEVICE)
+        buffer[:, :vocab] = logits
+        return buffer
+
+    in_place = padded(math.nan)
+    loss_in_place = torch.empty(rows, device=DEVICE)
+    cute_ce.cross_entropy_chunk(in_place[:, :vocab], target, None, scalars, loss_out=loss_in_place, **kwargs)
+    source, destination = padded(math.nan), torch.full((rows, stride), 7.0, dtype=dtype, device=DEVICE)
+    loss = torch.empty(rows, device=DEVICE)
+    cute_ce.cross_entropy_chunk(
+        source[:, :vocab], target, None, scalars, loss_out=loss, grad_out=destination[:, :vocab], **kwargs
+    )
+    torch.cuda.synchronize()
+    assert cute_ce.row_vector_width(source[:, :vocab]) == 16 // source.element_size()
+    assert torch.equal(source[:, :vocab], logits), "the logits must only be read"
+    assert torch.isnan(source[:, vocab:]).all() and torch.isnan(in_place[:, vocab:]).all()
+    assert torch.all(destination[:, vocab:] == 7.0)
+    assert torch.equal(destination[:, :vocab], in_place[:, :vocab]) and torch.equal(loss, loss_in_place)
 
 
 _LAUNCH_MODE_SCRIPT = """

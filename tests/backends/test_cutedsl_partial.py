@@ -74,6 +74,7 @@ class Block:
         seed: int = 0,
         ties: bool = False,
         view: bool = False,
+        padded: bool = False,
         ignored_fraction: float = 0.2,
         target_dtype=torch.int64,
     ):
@@ -94,6 +95,8 @@ class Block:
         full = z.to(dtype).to(DEVICE)  # (rows, total)
         self.full = full
         self._view = view
+        self._padded = padded
+        self.buffers: list[torch.Tensor] = []  # the padded buffers handed out, in order
         # Targets: a third inside the block, the rest anywhere in the row; some ignored.
         target = torch.randint(0, self.total, (rows,), generator=gen)
         inside = torch.rand(rows, generator=gen) < 0.35
@@ -113,10 +116,19 @@ class Block:
         self.row_scale = (torch.randn(rows, generator=gen).to(DEVICE) * self.valid).float()
 
     def block(self) -> torch.Tensor:
-        """A fresh (rows, V_r) block: a strided, unaligned view of the full rows or a
-        contiguous copy."""
+        """A fresh (rows, V_r) block: a strided, unaligned view of the full rows, a view of
+        rows padded with NaN to a multiple of 64 columns (the driver's buffers; kept in
+        ``buffers``), or a contiguous copy."""
         sl = self.full.clone()[:, self.v0 : self.v0 + self.vocab]
+        if self._padded:
+            buffer = torch.full((sl.shape[0], -(-self.vocab // 64) * 64), math.nan, dtype=self.dtype, device=DEVICE)
+            buffer[:, : self.vocab] = sl
+            self.buffers.append(buffer)
+            return buffer[:, : self.vocab]
         return sl if self._view else sl.contiguous()
+
+    def padding_is_untouched(self, buffer: torch.Tensor) -> bool:
+        return bool(torch.isnan(buffer[:, self.vocab :]).all())
 
     @property
     def ce_local(self) -> torch.Tensor | None:
@@ -258,6 +270,8 @@ def check_gradient(b: Block) -> None:
         target = b.grad_target if name == "ours" else b.grad_target.long()
         kernels.gradient(logits, target, b.ce_local, row_max, inv_sum, w_y, lse, b.row_scale, scalars, eps)
         grads[name] = logits
+        if name == "ours" and b.buffers:
+            assert b.padding_is_untouched(b.buffers[-1]), "the gradient was written past the block's columns"
     torch.cuda.synchronize()
 
     # float64, with the same fp32 row inputs: the grouped form of flce.backends.base.
@@ -307,6 +321,20 @@ def test_strided_unaligned_block(dtype, vocab):
     b = Block(16, vocab, dtype, "all", view=True, seed=5)
     check_statistics(b)
     check_gradient(b)
+
+
+# Rows padded to a multiple of 64 columns (NaN past V_r), as the driver allocates them: an
+# odd V_r is read in 16-byte vectors, the last one ragged, and nothing past V_r is used or
+# written.
+@pytest.mark.parametrize("feature", ["plain", "all", "weight_smoothing", "argmax"])
+@pytest.mark.parametrize("vocab", [1, 7, 1001, 50257])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_padded_rows_with_a_ragged_last_vector(dtype, vocab, feature):
+    b = Block(8 if vocab > 10000 else 40, vocab, dtype, feature, padded=True, seed=vocab + 9)
+    check_statistics(b)
+    check_gradient(b)
+    padded = b.block()
+    assert cute_partial.row_vector_width(padded) == 16 // padded.element_size()
 
 
 @pytest.mark.parametrize("feature", ["plain", "all"])

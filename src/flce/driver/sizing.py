@@ -6,7 +6,7 @@ every scheme). A call therefore peaks at most at ``budget + its gradients``. The
 ``memory_budget=`` (bytes), else ``FLCE_MEMORY_BUDGET_MIB``, else the default rule
 (``default_memory_budget``):
 
-    max(512 MiB, V*H*4 when dW of a bf16/fp16 weight is accumulated in fp32),
+    max(512 MiB, V'*H*4 when dW of a bf16/fp16 weight is accumulated in fp32),
     at most 1/16 of the device's memory (CUDA),
   + what every scheme of the call holds whatever its chunking (``fixed_workspace_bytes``:
     the weight cast to the compute dtype under autocast, db's fp32 sum beyond db)
@@ -14,7 +14,11 @@ every scheme). A call therefore peaks at most at ``budget + its gradients``. The
 Exact dW in 6NVH FLOPs needs either the whole batch's logits or an fp32 ``V x H``
 accumulator (4 bytes per LM-head weight). Several token chunks need that accumulator,
 so under this default one chunk runs exactly when the batch's logits are no larger than
-the accumulator it makes unnecessary (N <= 2H in bf16). The workspace never grows with N
+the accumulator it makes unnecessary (N <= 2H in bf16). ``V'`` is V rounded up to a
+multiple of 64 (``logits_row_stride``), the row length of flce's logits buffers: counted
+with V, the accumulator of an odd vocabulary fell a few hundred KiB short of the batch's
+padded logits at N = 2H, and V = 50257 ran three token chunks and a dW cast instead of
+one chunk (16.85 ms against 15.33 ms at V = 50304, fwd+bwd on the H200). The workspace never grows with N
 beyond it, and a call that needs no accumulator gets the 512 MiB of chunk logits it has
 always had. The fixed part is added because no choice of scheme can save it: counted
 against the first term it tipped calls off the scheme the rule means for them, a
@@ -164,7 +168,9 @@ def default_memory_budget(call: CallShape, device_memory: int | None) -> int:
     that no scheme can save (``CallShape.fixed_workspace_bytes``)."""
     budget = DEFAULT_CHUNK_BUDGET_BYTES
     if call.fp32_accumulator_of_low_precision_weight:
-        budget = max(budget, call.vocab * call.hidden * 4)
+        # The accumulator counted in rows of the logits' length, so that N <= 2H keeps the
+        # batch's (padded) logits inside it at every V.
+        budget = max(budget, logits_row_stride(call.vocab) * call.hidden * 4)
     if device_memory is not None:
         budget = min(budget, int(device_memory * DEFAULT_BUDGET_DEVICE_FRACTION))
     return budget + call.fixed_workspace_bytes()

@@ -29,7 +29,8 @@ the memory budget (``choose_logprobs_scheme``; no host sync):
   check would refuse the in-place gradient, so saved-tensor hooks (activation offloading,
   non-reentrant checkpointing) do not see them; a ``chunk_size`` below the number of
   tokens recomputes instead.
-  The default budget, ``max(512 MiB, V*H*4)`` with dW of a bf16 weight, keeps them
+  The default budget, ``max(512 MiB, V'*H*4)`` with dW of a bf16 weight (``V'``: V
+  rounded up to the logits' row stride, ``flce.driver.sizing``), keeps them
   while ``N <= 2H`` in bf16: the batch's logits are then no larger than the fp32 dW
   accumulator the recompute would need.
 - **recompute** (four GEMMs, 8NVH): otherwise, or with ``chunk_size < N``, or with no

@@ -70,8 +70,8 @@ from flce.backends.cutedsl.common import (
     softcap_tanh,
     softcapped,
     store_to_peer,
-    vector_width,
 )
+from flce.backends.cutedsl.layout import row_vector_width
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class KernelKey:
 
     dtype: torch.dtype
     vocab: int
-    vec: int  # elements per thread per copy (alignment-limited, divides vocab)
+    vec: int  # elements per thread per copy (flce.backends.cutedsl.layout; the last may be ragged)
     target_int64: bool
     has_weight: bool
     has_smoothing: bool
@@ -110,7 +110,7 @@ def default_config(key: KernelKey) -> KernelConfig:
       ring, so up to 16 stages cost no shared memory; otherwise 8 stages (7 tiles, 28 KiB,
       in flight) and the rest of ``CTA_SMEM_BUDGET`` (two CTAs per SM) resident.
     """
-    num_vec = key.vocab // key.vec
+    num_vec = cdiv(key.vocab, key.vec)
     threads = row_threads(num_vec)
     esize = torch.empty((), dtype=key.dtype).element_size()
     tile_bytes = threads * key.vec * esize
@@ -174,7 +174,7 @@ class ChunkCrossEntropy(RowStream):
         mScales = cute.make_tensor(p_scales, cute.make_layout((3,)))  # (3,)
         mWeight = cute.make_tensor(
             p_weight, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec))
-        )  # (vec, V/vec)
+        )  # (vec, ceil(V/vec))
         self.kernel(
             p_logits,
             p_grad,
@@ -209,7 +209,7 @@ class ChunkCrossEntropy(RowStream):
         p_logits: cute.Pointer,  # (M, V) base of the chunk
         p_grad: cute.Pointer,  # (M, V) base of the gradient (p_logits when in place)
         mTarget: cute.Tensor,  # (M,)
-        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        mWeight: cute.Tensor,  # (vec, ceil(V/vec)) fp32
         mLoss: cute.Tensor,  # (M,)
         mZLoss: cute.Tensor,  # (M,)
         mCorrect: cute.Tensor,  # (M,)
@@ -470,7 +470,7 @@ def cross_entropy_chunk(
     key = KernelKey(
         dtype=logits.dtype,
         vocab=vocab,
-        vec=vector_width(logits) if grad is logits else min(vector_width(logits), vector_width(grad)),
+        vec=row_vector_width(logits) if grad is logits else min(row_vector_width(logits), row_vector_width(grad)),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=ls > 0.0,

@@ -154,7 +154,12 @@ class RowStream:
         self.tanh_approx = key.approximate_tanh  # decided by the plan (ChunkScalars.approximate_tanh)
         self.vocab = key.vocab
         self.vec = key.vec
-        self.num_vec = key.vocab // key.vec
+        self.num_vec = cdiv(key.vocab, key.vec)
+        # The last vector of a row holds ``tail`` columns: ``vec`` unless V is not a multiple
+        # of it (a ragged row end, flce.backends.cutedsl.layout). It is then read whole, but
+        # only its first ``tail`` elements are used and written.
+        self.tail = key.vocab - (self.num_vec - 1) * key.vec
+        self.ragged = self.tail != key.vec
         self.cluster = config.cluster
         assert self.cluster in (1, 2, 4, 8), "cluster must be 1, 2, 4 or 8"
         self.num_vec_cta = cdiv(self.num_vec, self.cluster)  # vectors of the row slice of one CTA
@@ -176,8 +181,9 @@ class RowStream:
 
     @cute.jit
     def _row_vectors(self, p_base: cute.Pointer, row, row_stride: Int64) -> cute.Tensor:
-        """Row ``row`` of a row-major matrix at ``p_base`` as ``(vec, V/vec)``: element
-        ``[None, v]`` is its ``v``-th vector (64-bit offset; aligned to ``vec``)."""
+        """Row ``row`` of a row-major matrix at ``p_base`` as ``(vec, ceil(V/vec))``: element
+        ``[None, v]`` is its ``v``-th vector (64-bit offset; aligned to ``vec``), the last one
+        ragged where ``vec`` does not divide V."""
         row_offset = cute.assume(Int64(row) * row_stride, divby=self.vec)
         return cute.make_tensor(p_base + row_offset, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec)))
 
@@ -209,13 +215,13 @@ class RowStream:
     @cute.jit
     def _pass1(
         self,
-        gRow: cute.Tensor,  # (vec, V/vec) the row in global memory
+        gRow: cute.Tensor,  # (vec, ceil(V/vec)) the row in global memory
         sBuf,  # (vec, threads, slots) the cp.async ring, or None
         copy_atom,
         v0,  # this CTA's slice of the row: vectors [v0, v_end)
         v_end,
         tid: Int32,
-        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        mWeight: cute.Tensor,  # (vec, ceil(V/vec)) fp32
         softcap: Float32,
         inv_softcap: Float32,
     ):
@@ -339,21 +345,52 @@ class RowStream:
             cute.copy(copy_atom, gRow[None, vidx], sBuf[None, tid, slot])
 
     @cute.jit
-    def _argmax_step(self, x: cute.Tensor, vidx: Int32, best_v: Float32, best_i: Int32):
-        """Merges vector ``vidx`` (``x``: (vec,) fp32 registers) into the running argmax;
-        a strictly larger value replaces it, so the first column of a tie wins."""
+    def _argmax_step(self, x: cute.Tensor, vidx: Int32, best_v: Float32, best_i: Int32, lanes: int):
+        """Merges the first ``lanes`` elements of vector ``vidx`` (``x``: (vec,) fp32
+        registers) into the running argmax; a strictly larger value replaces it, so the
+        first column of a tie wins."""
         VEC = self.vec
         vmax = x[0]
-        for j in cutlass.range_constexpr(1, VEC):
+        for j in cutlass.range_constexpr(1, lanes):
             vmax = cute.arch.fmax(vmax, x[j])
         if vmax > best_v:
-            j_first = Int32(VEC - 1)
-            for j in cutlass.range_constexpr(VEC - 2, -1, -1):
+            j_first = Int32(lanes - 1)
+            for j in cutlass.range_constexpr(lanes - 2, -1, -1):
                 if x[j] == vmax:
                     j_first = Int32(j)
             best_v = vmax
             best_i = vidx * VEC + j_first
         return best_v, best_i
+
+    @cute.jit
+    def _load_weights(self, mWeight: cute.Tensor, vidx: Int32) -> cute.Tensor:
+        """Vector ``vidx`` of the (V,) fp32 class weights as (vec,) registers; the ragged
+        last vector reads only its columns (the weights end at V) and leaves 0 past them."""
+        w = cute.make_rmem_tensor((self.vec,), Float32)
+        if const_expr(self.ragged):
+            if vidx == self.num_vec - 1:  # the ragged last vector
+                w.fill(0.0)
+                for j in cutlass.range_constexpr(self.tail):
+                    w[j] = mWeight[j, vidx]
+            else:
+                cute.autovec_copy(mWeight[None, vidx], w)
+        else:
+            cute.autovec_copy(mWeight[None, vidx], w)
+        return w
+
+    @cute.jit
+    def _store_vector(self, values: cute.Tensor, gOut: cute.Tensor, vidx: Int32):
+        """Writes ``values`` ((vec,) registers, the output dtype) to vector ``vidx`` of the
+        row ``gOut``; of the ragged last vector only its columns (the memory past V is
+        not the row's)."""
+        if const_expr(self.ragged):
+            if vidx == self.num_vec - 1:  # the ragged last vector
+                for j in cutlass.range_constexpr(self.tail):
+                    gOut[j, vidx] = values[j]
+            else:
+                cute.autovec_copy(values, gOut[None, vidx])
+        else:
+            cute.autovec_copy(values, gOut[None, vidx])
 
     @cute.jit
     def _softmax_step(
@@ -365,36 +402,67 @@ class RowStream:
         sxs: Float32,
         best_v: Float32,
         best_i: Int32,
-        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        mWeight: cute.Tensor,  # (vec, ceil(V/vec)) fp32
         softcap: Float32,
         inv_softcap: Float32,
+    ):
+        """Pass 1's step over vector ``vidx``: all its lanes, or the ragged last vector's
+        ``tail`` (the rest are memory past V, never looked at)."""
+        if const_expr(self.ragged):
+            if vidx == self.num_vec - 1:  # the ragged last vector
+                m, d, sxs, best_v, best_i = self._softmax_lanes(
+                    frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap, self.tail
+                )
+            else:
+                m, d, sxs, best_v, best_i = self._softmax_lanes(
+                    frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap, self.vec
+                )
+        else:
+            m, d, sxs, best_v, best_i = self._softmax_lanes(
+                frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap, self.vec
+            )
+        return m, d, sxs, best_v, best_i
+
+    @cute.jit
+    def _softmax_lanes(
+        self,
+        frag: cute.Tensor,  # (vec,) logits dtype, registers
+        vidx: Int32,
+        m: Float32,
+        d: Float32,
+        sxs: Float32,
+        best_v: Float32,
+        best_i: Int32,
+        mWeight: cute.Tensor,  # (vec, ceil(V/vec)) fp32
+        softcap: Float32,
+        inv_softcap: Float32,
+        lanes: int,  # the vector's first ``lanes`` elements are columns of the row
     ):
         key = self.key
         VEC = self.vec
         x = cute.make_rmem_tensor((VEC,), Float32)
         x.store(frag.load().to(Float32))
         if const_expr(self.need_argmax and not self.argmax_of_softcapped):
-            best_v, best_i = self._argmax_step(x, vidx, best_v, best_i)
+            best_v, best_i = self._argmax_step(x, vidx, best_v, best_i, lanes)
         if const_expr(key.has_softcap):
-            for j in cutlass.range_constexpr(VEC):
+            for j in cutlass.range_constexpr(lanes):
                 x[j] = softcapped(softcap_tanh(x[j] * inv_softcap, self.tanh_approx), softcap)
         if const_expr(self.need_argmax and self.argmax_of_softcapped):
-            best_v, best_i = self._argmax_step(x, vidx, best_v, best_i)
+            best_v, best_i = self._argmax_step(x, vidx, best_v, best_i, lanes)
         if const_expr(key.has_smoothing):
             if const_expr(key.has_weight):
-                w = cute.make_rmem_tensor((VEC,), Float32)
-                cute.autovec_copy(mWeight[None, vidx], w)
-                for j in cutlass.range_constexpr(VEC):
+                w = self._load_weights(mWeight, vidx)
+                for j in cutlass.range_constexpr(lanes):
                     sxs = cute.math.fma(w[j], x[j], sxs)
             else:
-                for j in cutlass.range_constexpr(VEC):
+                for j in cutlass.range_constexpr(lanes):
                     sxs = sxs + x[j]
         vmax = x[0]
-        for j in cutlass.range_constexpr(1, VEC):
+        for j in cutlass.range_constexpr(1, lanes):
             vmax = cute.arch.fmax(vmax, x[j])
         m_new = cute.arch.fmax(m, vmax)
         acc = Float32(0.0)
-        for j in cutlass.range_constexpr(VEC):
+        for j in cutlass.range_constexpr(lanes):
             acc = acc + cute.math.exp2((x[j] - m_new) * LOG2_E, fastmath=True)
         d = cute.math.fma(d, cute.math.exp2((m - m_new) * LOG2_E, fastmath=True), acc)
         return m_new, d, sxs, best_v, best_i
@@ -404,8 +472,8 @@ class RowStream:
         self,
         frag: cute.Tensor,  # (vec,) logits dtype, registers
         vidx: Int32,
-        gOut: cute.Tensor,  # (vec, V/vec) where this row's gradient goes in global memory
-        mWeight: cute.Tensor,  # (vec, V/vec) fp32
+        gOut: cute.Tensor,  # (vec, ceil(V/vec)) where this row's gradient goes in global memory
+        mWeight: cute.Tensor,  # (vec, ceil(V/vec)) fp32
         y: Int32,
         coefs: tuple,  # (m, 1/d, coef_y, coef_eps, coef_z, W) of the row, fp32
         softcap: Float32,
@@ -440,8 +508,7 @@ class RowStream:
             g[j] = cute.math.fma(coef_z, p[j], coef_y * g[j])
         if const_expr(key.has_smoothing):
             if const_expr(key.has_weight):
-                w = cute.make_rmem_tensor((VEC,), Float32)
-                cute.autovec_copy(mWeight[None, vidx], w)
+                w = self._load_weights(mWeight, vidx)
                 for j in cutlass.range_constexpr(VEC):
                     g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], -w[j]), g[j])
             else:
@@ -458,7 +525,7 @@ class RowStream:
                     g[j] = Float32(0.0)
         out = cute.make_rmem_tensor((VEC,), self.dtype)
         out.store(g.load().to(self.dtype))
-        cute.autovec_copy(out, gOut[None, vidx])
+        self._store_vector(out, gOut, vidx)
 
 
 # ---------------------------------------------------------------- compiling and launching
@@ -569,16 +636,3 @@ else:
         return s
 
     arg_i32, arg_i64, arg_f32 = Int32, Int64, Float32
-
-
-def vector_width(logits: torch.Tensor) -> int:
-    """Largest power-of-two vector (<= 16 bytes) dividing V, the row stride and the
-    base address, so every vector is aligned and no vector straddles the row end."""
-    esize = logits.element_size()
-    vec = 16 // esize
-    vocab = logits.shape[1]
-    stride = logits.stride(0) if logits.shape[0] > 1 else vocab
-    addr = logits.data_ptr() // esize
-    while vec > 1 and (vocab % vec or stride % vec or addr % vec):
-        vec //= 2
-    return vec

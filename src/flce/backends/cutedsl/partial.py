@@ -12,8 +12,8 @@ gradient with the whole row's softmax ``p_i = exp(z'_i - M) / S`` in the grouped
 
 Both kernels are built from ``flce.backends.cutedsl.ce.RowStream``, the machinery of
 the chunk CE kernel: one CTA per row, 64-bit row offsets, ``vec``-element vectors
-(alignment-limited; narrower vectors where V_r, the row stride or the base address
-forbid wider ones, so no vector straddles the row end), exponents ``(z' - m) log2(e)``
+(``flce.backends.cutedsl.layout``: as wide as the row stride and the base address
+allow; where V_r is not a multiple of them, the last vector is ragged), exponents ``(z' - m) log2(e)``
 and ``z' = fma(c, tanh(z / c), +0)``. The statistics stream the row through the
 ``cp.async`` ring; the gradient is a single read-modify-write of each vector, straight
 through registers (nothing is reused, so shared memory would buy nothing).
@@ -49,8 +49,8 @@ from flce.backends.cutedsl.common import (
     row_threads,
     softcap_tanh,
     softcapped,
-    vector_width,
 )
+from flce.backends.cutedsl.layout import row_vector_width
 
 _NAME = "cutedsl split-row kernels"
 
@@ -61,7 +61,7 @@ class StatisticsKey:
 
     dtype: torch.dtype
     vocab: int  # V_r, the block's columns
-    vec: int  # elements per vector (divides V_r, the row stride and the base address)
+    vec: int  # elements per vector (flce.backends.cutedsl.layout; the last may be ragged)
     target_int64: bool
     has_weight: bool  # class weights in the smoothing sum (only with has_smoothing)
     has_smoothing: bool
@@ -89,7 +89,7 @@ class GradientKey:
 def default_config(vocab: int, vec: int) -> KernelConfig:
     """One CTA per row, threads as in the chunk kernel, and a cp.async ring of up to 8
     stages (7 tiles in flight) for the statistics; nothing stays resident (one pass)."""
-    num_vec = vocab // vec
+    num_vec = cdiv(vocab, vec)
     threads = row_threads(num_vec)
     stages = min(8, pow2_ceil(cdiv(num_vec, threads)))
     return KernelConfig(threads=threads, stages=stages, resident=0)
@@ -145,7 +145,7 @@ class PartialStatistics(RowStream):
         self,
         p_logits: cute.Pointer,  # (M, V_r) base of the block
         mTarget: cute.Tensor,  # (M,)
-        mWeight: cute.Tensor,  # (vec, V_r/vec) fp32
+        mWeight: cute.Tensor,  # (vec, ceil(V_r/vec)) fp32
         mWeightSum: cute.Tensor,  # (1,) fp32
         mMax: cute.Tensor,  # (M,)
         mSum: cute.Tensor,  # (M,)
@@ -164,7 +164,7 @@ class PartialStatistics(RowStream):
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
 
-        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, V_r/VEC)
+        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, ceil(V_r/VEC))
 
         smem = SmemAllocator()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.num_warps, 5)), byte_alignment=16)  # (warps, 5)
@@ -249,7 +249,7 @@ class PartialGradient(RowStream):
         self,
         p_logits: cute.Pointer,  # (M, V_r) base of the block
         mTarget: cute.Tensor,  # (M,)
-        mWeight: cute.Tensor,  # (vec, V_r/vec) fp32
+        mWeight: cute.Tensor,  # (vec, ceil(V_r/vec)) fp32
         mRowMax: cute.Tensor,  # (M,)
         mInvSum: cute.Tensor,  # (M,)
         mOnehotCoef: cute.Tensor,  # (M,)
@@ -268,11 +268,12 @@ class PartialGradient(RowStream):
         tid, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
 
-        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, V_r/VEC)
+        gRow = self._row_vectors(p_logits, row, row_stride)  # (VEC, ceil(V_r/VEC))
 
         y_raw = Int64(mTarget[row])
         if y_raw >= Int64(0):
-            # An unowned target becomes column V_r, which no vector of the row holds.
+            # An unowned target becomes column V_r, which no written lane of the row holds
+            # (past a ragged last vector's columns, or past the last vector).
             y = Int32(self.vocab)
             if y_raw < Int64(self.vocab):
                 y = Int32(y_raw)
@@ -297,7 +298,7 @@ class PartialGradient(RowStream):
             vidx = tid
             for _ in cutlass.range(NT, unroll=1):
                 if vidx < NV:
-                    cute.autovec_copy(zeros, gRow[None, vidx])
+                    self._store_vector(zeros, gRow, vidx)
                 vidx = vidx + T
 
 
@@ -386,7 +387,7 @@ def partial_statistics(
     key = StatisticsKey(
         dtype=logits.dtype,
         vocab=vocab_local,
-        vec=vector_width(logits),
+        vec=row_vector_width(logits),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=bool(with_smoothing),
@@ -467,7 +468,7 @@ def partial_gradient(
     key = GradientKey(
         dtype=logits.dtype,
         vocab=vocab_local,
-        vec=vector_width(logits),
+        vec=row_vector_width(logits),
         target_int64=target.dtype == torch.int64,
         has_weight=weight is not None,
         has_smoothing=smooth_coef is not None,
