@@ -4,7 +4,11 @@ Runs each method of ``flce bench`` once to warm up, then three times under
 ``torch.profiler`` (CUDA activity only) and groups the kernels into GEMMs, the CE
 kernel, fp32 dW accumulation/casts and the rest. The sum of kernel times is what the
 GPU was busy with; the gap to the CUDA-event time of the same call is launch overhead
-and idle time. Writes ``OUT/profile.json`` and prints a table.
+and idle time. The traced calls also tell where that idle time lies: the kernels' span
+(first start to last end) against the CUDA-event time of the same traced call leaves the
+time outside it (the host's work before the first kernel, and after the last), and the
+span against the union of the kernels the GPU's idle gaps inside it. Writes
+``OUT/profile.json`` and prints a table.
 
     python3 benchmarks/profile_breakdown.py OUT [--n 8192 --v 128256 --h 4096] [--mode fwd]
 """
@@ -50,6 +54,32 @@ def kernel_group(name: str) -> str:
     return "other"
 
 
+def timeline(intervals: list[tuple[float, float]], call_ms: float) -> dict:
+    """Where one traced call's time went: ``intervals`` are its kernels' (start, end) in
+    microseconds, ``call_ms`` the CUDA-event time around the call."""
+    if not intervals:
+        return {"call_ms": call_ms}
+    intervals.sort()
+    busy_us, gaps_us = 0.0, []
+    run_start, run_end = intervals[0]
+    for begin, finish in intervals[1:]:
+        if begin > run_end:
+            busy_us += run_end - run_start
+            gaps_us.append(begin - run_end)
+            run_start, run_end = begin, finish
+        else:
+            run_end = max(run_end, finish)
+    busy_us += run_end - run_start
+    span_ms = (run_end - intervals[0][0]) / 1000.0
+    return {
+        "call_ms": call_ms,
+        "kernel_span_ms": span_ms,
+        "outside_span_ms": call_ms - span_ms,  # before the first kernel and after the last
+        "idle_inside_span_ms": span_ms - busy_us / 1000.0,
+        "largest_gaps_ms": [gap / 1000.0 for gap in sorted(gaps_us, reverse=True)[:5]],
+    }
+
+
 def profile_method(method, case: BenchCase, inputs) -> dict:
     workload = method.workload(case, inputs)
     call_once(workload)  # compile / autotune outside the measurement
@@ -57,17 +87,26 @@ def profile_method(method, case: BenchCase, inputs) -> dict:
     event_ms = [time_once(workload, case.device, before=heater) for _ in range(REPEATS)]
     per_kernel: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    timelines = []
     for _ in range(REPEATS):
         heater()  # the same power state as the timed calls, outside the trace
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # CUDA activity only: tracing the host's operations would slow the host work
+        # whose latency the timeline measures.
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start.record()
             call_once(workload)
+            end.record()
             torch.cuda.synchronize()
+        intervals = []
         for event in prof.events():
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue
             per_kernel[event.name] += event.device_time / 1000.0 / REPEATS  # us -> ms per call
             counts[event.name] += 1
+            intervals.append((event.time_range.start, event.time_range.end))
+        timelines.append(timeline(intervals, start.elapsed_time(end)))
     groups: dict[str, float] = defaultdict(float)
     for name, ms in per_kernel.items():
         groups[kernel_group(name)] += ms
@@ -75,6 +114,7 @@ def profile_method(method, case: BenchCase, inputs) -> dict:
     return {
         "event_ms_median": statistics.median(event_ms),
         "kernel_ms_total": sum(per_kernel.values()),
+        "traced_calls": timelines,
         "groups_ms": dict(sorted(groups.items(), key=lambda item: -item[1])),
         "top_kernels": [
             {"name": name[:160], "ms_per_call": ms, "launches_per_call": counts[name] / REPEATS} for name, ms in top
@@ -122,6 +162,11 @@ def main() -> int:
             continue
         groups = "  ".join(f"{group} {ms:6.2f}" for group, ms in row["groups_ms"].items())
         print(f"{name:18s} events {row['event_ms_median']:6.2f}  kernels {row['kernel_ms_total']:6.2f}  | {groups}")
+        traced = [t for t in row["traced_calls"] if "kernel_span_ms" in t]
+        if traced:
+            outside = statistics.median(t["outside_span_ms"] for t in traced)
+            inside = statistics.median(t["idle_inside_span_ms"] for t in traced)
+            print(f"    traced calls: {outside:.3f} ms outside the kernels' span, {inside:.3f} ms idle inside it")
         for kernel in row["top_kernels"][:6]:
             print(f"    {kernel['ms_per_call']:7.3f} ms  x{kernel['launches_per_call']:.0f}  {kernel['name'][:110]}")
     return 0

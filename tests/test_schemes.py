@@ -36,6 +36,7 @@ from flce.driver.sizing import (
     BLOCK_ALIGNMENT,
     CallShape,
     default_chunk_size,
+    default_memory_budget,
     largest_block,
     logits_row_stride,
     peak_extra_bytes,
@@ -313,6 +314,8 @@ def test_the_default_keeps_one_chunk_where_it_fits_the_fp32_accumulator():
     # V = 50257): still one chunk at N = 2H.
     for vocab in (50257, 32001, 151937):
         assert scheme_for_call(CallShape(8192, vocab, 4096), options, CPU).rows == 8192, vocab
+    # The accumulator is counted in rows of the logits' padded length.
+    assert default_memory_budget(CallShape(8192, 50257, 4096), None) == 50304 * 4096 * 4
     # No dW (a frozen LM head): chunk logits within 512 MiB, as before the budget existed.
     frozen = CallShape(8192, 128256, 4096, grad_weight=False)
     assert scheme_for_call(frozen, options, CPU).rows == default_chunk_size(8192, 128256, torch.bfloat16)

@@ -86,6 +86,16 @@ def make_target(
     return target.to(dtype).to(DEVICE)
 
 
+# A finite padding that no gradient takes and that would win every max and argmax (and
+# dominate every sum) of a row that read it.
+PADDING = 1000.0
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor (NaN payloads included), to compare exactly."""
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def rel_err(value: torch.Tensor, truth: torch.Tensor) -> float:
     value, truth = value.double(), truth.double()
     if not torch.isfinite(value).all():
@@ -188,7 +198,8 @@ def check(
 ) -> None:
     """``padding``: the logits are rows of V rounded up to 64 elements (the driver's
     buffers), the columns past V holding this value; the kernel must neither use them (a
-    NaN or an Inf there would show in every output) nor write them."""
+    NaN, an Inf or ``PADDING`` there would show in the outputs) nor write them (their bits
+    must stay those of ``padding``)."""
     opts = FEATURES[feature]
     base = make_logits(rows, vocab, dtype, seed, ties=ties)
     view = logits_view or (lambda z: z)
@@ -216,8 +227,8 @@ def check(
 
     ours = run_kernel(ours_fn, fresh_logits(), target, weight, scalars, opts, row_scale)
     if padding is not None:
-        past_v = buffers[-1][:, vocab:].double()
-        assert torch.equal(past_v.nan_to_num(), torch.full_like(past_v, padding).nan_to_num()), "wrote past V"
+        past_v = buffers[-1][:, vocab:]
+        assert torch.equal(bits(past_v), bits(torch.full_like(past_v, padding))), "wrote past V"
     twin = run_kernel(torch_chunk, fresh_logits(), target, weight, scalars, opts, row_scale)
     truth = reference(logits, target, weight, scalars, row_scale)
     torch.cuda.synchronize()
@@ -304,20 +315,23 @@ def test_strided_and_misaligned_rows(dtype):
 
 
 # Rows padded to a multiple of 64 elements, as the driver allocates them: an odd V is read
-# in 16-byte vectors whose last one is ragged (GPT-2's 50257 on 8-CTA clusters in bf16,
-# 32001 in fp32; 7 and 123 inside one vector or tile). NaN, +Inf or -Inf past V must change
-# nothing.
+# in 16-byte vectors whose last one is ragged (GPT-2's 50257 on clusters of CTAs in bf16,
+# 32001 in fp32; 7 and 123 inside one vector or tile). What lies past V must change nothing
+# and stay unwritten.
 @pytest.mark.parametrize("feature", list(FEATURES))
 @pytest.mark.parametrize("vocab", [7, 123, 32001, 50257])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_padded_rows_with_a_ragged_last_vector(dtype, vocab, feature):
-    check(8 if vocab > 10000 else 40, vocab, dtype, feature, padding=math.nan)
+    rows = 8 if vocab > 10000 else 40
+    check(rows, vocab, dtype, feature, padding=PADDING)
+    logits = make_logits(rows, -(-vocab // 64) * 64, dtype, 0)[:, :vocab]
+    assert cute_ce.row_vector_width(logits) == 16 // logits.element_size()  # the ragged path ran
 
 
-@pytest.mark.parametrize("padding", [math.inf, -math.inf], ids=["inf", "-inf"])
+@pytest.mark.parametrize("padding", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("vocab", [123, 50257])
 @pytest.mark.parametrize("feature", ["plain", "all"])
-def test_infinite_padding_is_never_used(feature, vocab, padding):
+def test_non_finite_padding_is_never_used(feature, vocab, padding):
     check(8, vocab, torch.bfloat16, feature, padding=padding)
 
 
@@ -334,7 +348,7 @@ def test_infinite_padding_is_never_used(feature, vocab, padding):
 def test_ragged_last_vector_in_every_launch_shape(config):
     """The ragged vector in the ring, in resident tiles and in re-read ones, and in the
     last CTA of a cluster."""
-    check(8, 50257, torch.bfloat16, "all", config=config, padding=math.nan)
+    check(8, 50257, torch.bfloat16, "all", config=config, padding=PADDING)
 
 
 def test_one_row_and_empty_chunk():

@@ -30,6 +30,9 @@ from flce.backends.cutedsl import partial as cute_partial  # noqa: E402  (import
 pytestmark = pytest.mark.gpu
 
 SOFTCAP = 5.0
+# Past a padded block's columns: finite, never a gradient's value, and it would win every
+# max and argmax (and dominate every sum) of a row that read it.
+PADDING = 1000.0
 LS = 0.2
 Z_SCALE = 1e-3
 
@@ -117,18 +120,18 @@ class Block:
 
     def block(self) -> torch.Tensor:
         """A fresh (rows, V_r) block: a strided, unaligned view of the full rows, a view of
-        rows padded with NaN to a multiple of 64 columns (the driver's buffers; kept in
-        ``buffers``), or a contiguous copy."""
+        rows padded with ``PADDING`` to a multiple of 64 columns (the driver's buffers; kept
+        in ``buffers``), or a contiguous copy."""
         sl = self.full.clone()[:, self.v0 : self.v0 + self.vocab]
         if self._padded:
-            buffer = torch.full((sl.shape[0], -(-self.vocab // 64) * 64), math.nan, dtype=self.dtype, device=DEVICE)
+            buffer = torch.full((sl.shape[0], -(-self.vocab // 64) * 64), PADDING, dtype=self.dtype, device=DEVICE)
             buffer[:, : self.vocab] = sl
             self.buffers.append(buffer)
             return buffer[:, : self.vocab]
         return sl if self._view else sl.contiguous()
 
     def padding_is_untouched(self, buffer: torch.Tensor) -> bool:
-        return bool(torch.isnan(buffer[:, self.vocab :]).all())
+        return bool((buffer[:, self.vocab :] == PADDING).all())
 
     @property
     def ce_local(self) -> torch.Tensor | None:
@@ -323,9 +326,9 @@ def test_strided_unaligned_block(dtype, vocab):
     check_gradient(b)
 
 
-# Rows padded to a multiple of 64 columns (NaN past V_r), as the driver allocates them: an
-# odd V_r is read in 16-byte vectors, the last one ragged, and nothing past V_r is used or
-# written.
+# Rows padded to a multiple of 64 columns (``PADDING`` past V_r), as the driver allocates
+# them: an odd V_r is read in 16-byte vectors, the last one ragged, and nothing past V_r is
+# used or written.
 @pytest.mark.parametrize("feature", ["plain", "all", "weight_smoothing", "argmax"])
 @pytest.mark.parametrize("vocab", [1, 7, 1001, 50257])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -82,6 +82,8 @@ def test_profile_breakdown_script(tmp_path: Path) -> None:
     for method in ("floor:gemm", "flce:torch"):
         row = profile["methods"][method]
         assert row["kernel_ms_total"] > 0 and row["groups_ms"]["gemm"] > 0, row
+        for traced in row["traced_calls"]:
+            assert 0 < traced["kernel_span_ms"] <= traced["call_ms"], traced
 
 
 def test_gpu_run_records_host_syncs_and_host_time(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -41,3 +41,21 @@ def test_back_to_back_runs_every_step_of_each_call_in_turn() -> None:
     ms = back_to_back_ms(workload, torch.device("cpu"), calls=3)
     assert steps == ["setup", "run 7", "teardown"] * 3
     assert ms >= 0
+
+
+def test_profile_timeline_splits_a_call_into_outside_the_span_and_idle_inside_it() -> None:
+    """``benchmarks/profile_breakdown.py``'s ``timeline``: kernels at 10-20 and 15-30 us
+    (overlapping) and 50-60 us, in a call of 0.1 ms: a span of 50 us, 30 us busy."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_breakdown.py"
+    spec = importlib.util.spec_from_file_location("profile_breakdown", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.timeline([(50.0, 60.0), (10.0, 20.0), (15.0, 30.0)], 0.1)
+    assert result["kernel_span_ms"] == 0.05
+    assert abs(result["outside_span_ms"] - 0.05) < 1e-12
+    assert abs(result["idle_inside_span_ms"] - 0.02) < 1e-12
+    assert result["largest_gaps_ms"] == [0.02]
+    assert module.timeline([], 0.1) == {"call_ms": 0.1}

@@ -95,7 +95,7 @@ def _reference_shape(n_rows: int, requires_grad=(True, True)) -> LogprobsOperand
     ],
 )
 def test_default_budget_at_the_bench_shape(monkeypatch, n_rows, backward, kept):
-    """The default budget, max(512 MiB, V*H*4 with dW of a bf16 weight), keeps the
+    """The default budget, max(512 MiB, V'*H*4 with dW of a bf16 weight), keeps the
     logits of a training step while N <= 2H, and never without a backward to come."""
     monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
     monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)

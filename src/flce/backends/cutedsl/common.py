@@ -236,7 +236,7 @@ class RowStream:
         d = Float32(0.0)
         sxs = Float32(0.0)
         best_v = Float32(-Float32.inf)
-        best_i = Int32(self.num_vec * VEC)
+        best_i = Int32(self.vocab)  # past every column: any real one replaces it
         if const_expr(self.use_async):
             for k in cutlass.range_constexpr(P):
                 if const_expr(k < NT):
@@ -408,19 +408,14 @@ class RowStream:
     ):
         """Pass 1's step over vector ``vidx``: all its lanes, or the ragged last vector's
         ``tail`` (the rest are memory past V, never looked at)."""
+        step = (frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap)
         if const_expr(self.ragged):
             if vidx == self.num_vec - 1:  # the ragged last vector
-                m, d, sxs, best_v, best_i = self._softmax_lanes(
-                    frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap, self.tail
-                )
+                m, d, sxs, best_v, best_i = self._softmax_lanes(*step, self.tail)
             else:
-                m, d, sxs, best_v, best_i = self._softmax_lanes(
-                    frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap, self.vec
-                )
+                m, d, sxs, best_v, best_i = self._softmax_lanes(*step, self.vec)
         else:
-            m, d, sxs, best_v, best_i = self._softmax_lanes(
-                frag, vidx, m, d, sxs, best_v, best_i, mWeight, softcap, inv_softcap, self.vec
-            )
+            m, d, sxs, best_v, best_i = self._softmax_lanes(*step, self.vec)
         return m, d, sxs, best_v, best_i
 
     @cute.jit
