@@ -18,8 +18,9 @@ the accumulator it makes unnecessary (N <= 2H in bf16). ``V'`` is V rounded up t
 multiple of 64 (``logits_row_stride``), the row length of flce's logits buffers: counted
 with V, the accumulator of an odd vocabulary fell a few hundred KiB short of the batch's
 padded logits at N = 2H, and V = 50257 ran three token chunks and a dW cast instead of
-one chunk (16.85 ms against 15.33 ms at V = 50304, fwd+bwd on the H200). The workspace never grows with N
-beyond it, and a call that needs no accumulator gets the 512 MiB of chunk logits it has
+one chunk (16.85 ms against 15.33 ms at V = 50304, fwd+bwd on the H200,
+benchmarks/results/odd-vocabulary-h200). The workspace never grows with N beyond it,
+and a call that needs no accumulator gets the 512 MiB of chunk logits it has
 always had. The fixed part is added because no choice of scheme can save it: counted
 against the first term it tipped calls off the scheme the rule means for them, a
 trainable bias's 2V bytes took the reference shape (N = 2H) from one chunk to two

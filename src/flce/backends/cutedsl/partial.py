@@ -11,10 +11,10 @@ gradient with the whole row's softmax ``p_i = exp(z'_i - M) / S`` in the grouped
 ``flce.backends.base``.
 
 Both kernels are built from ``flce.backends.cutedsl.ce.RowStream``, the machinery of
-the chunk CE kernel: one CTA per row, 64-bit row offsets, ``vec``-element vectors
-(``flce.backends.cutedsl.layout``: as wide as the row stride and the base address
-allow; where V_r is not a multiple of them, the last vector is ragged), exponents ``(z' - m) log2(e)``
-and ``z' = fma(c, tanh(z / c), +0)``. The statistics stream the row through the
+the chunk CE kernel: one CTA per row, 64-bit row offsets, ``vec``-element vectors (as
+wide as the row stride and the base address allow, ``flce.backends.cutedsl.layout``;
+where V_r is not a multiple of them, the last vector is ragged), exponents
+``(z' - m) log2(e)`` and ``z' = fma(c, tanh(z / c), +0)``. The statistics stream the row through the
 ``cp.async`` ring; the gradient is a single read-modify-write of each vector, straight
 through registers (nothing is reused, so shared memory would buy nothing).
 """
