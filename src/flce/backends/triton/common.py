@@ -100,7 +100,9 @@ def fp32_to_bf16_rtne(x):
 # With an odd V (GPT-2's 50257, or 32001) a mask ``offs < V`` made every access scalar; the
 # row loops of every kernel (these, and the logprobs' and distillation's) run to
 # ``aligned_extent(V)``, a multiple of 16, and take the last < 16 columns in one more loop
-# (one masked block, or two of a block narrower than 16).
+# (one masked block, or two of a block narrower than 16). The two loops are the two parts of
+# a ``tl.static_range(2)``: each is compiled with its own bound, and one call site serves
+# both (the compiled instructions are those of two loops written out).
 ALIGNED_COLUMNS = tl.constexpr(16)
 
 
@@ -180,18 +182,14 @@ def row_statistics(
     weight_sum = 0.0
     best_idx = 0
     aligned = aligned_extent(V)
-    for start in range(0, aligned, BLOCK_V):
-        offs = start + offs0
-        m, s, smooth_sum, weight_sum, best_idx = _statistics_block(
-            row_ptr, weight_ptr, offs, offs < aligned, m, s, smooth_sum, weight_sum, best_idx, softcap, inv_softcap,
-            HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, SUM_WEIGHTS, WRITE_ARGMAX,
-        )  # fmt: skip
-    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
-        offs = start + offs0
-        m, s, smooth_sum, weight_sum, best_idx = _statistics_block(
-            row_ptr, weight_ptr, offs, offs < V, m, s, smooth_sum, weight_sum, best_idx, softcap, inv_softcap,
-            HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, SUM_WEIGHTS, WRITE_ARGMAX,
-        )  # fmt: skip
+    for part in tl.static_range(2):  # the aligned columns, then the last < 16 (own bound each)
+        end = aligned if part == 0 else V
+        for start in range(0 if part == 0 else aligned, end, BLOCK_V):
+            offs = start + offs0
+            m, s, smooth_sum, weight_sum, best_idx = _statistics_block(
+                row_ptr, weight_ptr, offs, offs < end, m, s, smooth_sum, weight_sum, best_idx, softcap, inv_softcap,
+                HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, SUM_WEIGHTS, WRITE_ARGMAX,
+            )  # fmt: skip
     return m, s, smooth_sum, weight_sum, best_idx
 
 
@@ -269,17 +267,12 @@ def write_gradient_row(
     grad_i = (onehot_coef (p_i - [i == y]) + smooth_coef (W p_i - w_i) + z_coef p_i) dz'_i/dz_i."""
     offs0 = tl.arange(0, BLOCK_V)
     aligned = aligned_extent(V)
-    for start in range(0, aligned, BLOCK_V):
-        offs = start + offs0
-        _gradient_block(
-            row_ptr, out_row_ptr, weight_ptr, offs, offs < aligned, y, m, inv_s, onehot_coef, smooth_coef, z_coef,
-            weight_sum, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, HAS_Z_GRAD,
-            BF16_ROUND_BY_BITS,
-        )  # fmt: skip
-    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
-        offs = start + offs0
-        _gradient_block(
-            row_ptr, out_row_ptr, weight_ptr, offs, offs < V, y, m, inv_s, onehot_coef, smooth_coef, z_coef,
-            weight_sum, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, HAS_Z_GRAD,
-            BF16_ROUND_BY_BITS,
-        )  # fmt: skip
+    for part in tl.static_range(2):  # the aligned columns, then the last < 16 (own bound each)
+        end = aligned if part == 0 else V
+        for start in range(0 if part == 0 else aligned, end, BLOCK_V):
+            offs = start + offs0
+            _gradient_block(
+                row_ptr, out_row_ptr, weight_ptr, offs, offs < end, y, m, inv_s, onehot_coef, smooth_coef, z_coef,
+                weight_sum, softcap, inv_softcap, HAS_WEIGHT, HAS_SOFTCAP, TANH_APPROX, HAS_SMOOTHING, HAS_Z_GRAD,
+                BF16_ROUND_BY_BITS,
+            )  # fmt: skip

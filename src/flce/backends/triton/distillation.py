@@ -127,20 +127,15 @@ def _divergence_pass(
     teacher_sum = 0.0
     student_sum = 0.0
     aligned = aligned_extent(V)
-    for start in range(0, aligned, BLOCK_V):
-        offs = start + offs0
-        teacher_sum, student_sum = _divergence_block(
-            student_row_ptr, teacher_row_ptr, offs, offs < aligned, teacher_sum, student_sum, inv_temperature, m_q,
-            log_s_q, m_p, log_s_p, teacher_at_anchor, anchor, beta, one_minus_beta, grad_coef, centre, DIVERGENCE,
-            ACCUMULATE, WRITE_GRADIENT, BF16_ROUND_BY_BITS,
-        )  # fmt: skip
-    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
-        offs = start + offs0
-        teacher_sum, student_sum = _divergence_block(
-            student_row_ptr, teacher_row_ptr, offs, offs < V, teacher_sum, student_sum, inv_temperature, m_q,
-            log_s_q, m_p, log_s_p, teacher_at_anchor, anchor, beta, one_minus_beta, grad_coef, centre, DIVERGENCE,
-            ACCUMULATE, WRITE_GRADIENT, BF16_ROUND_BY_BITS,
-        )  # fmt: skip
+    for part in tl.static_range(2):  # the aligned columns, then the last < 16 (own bound each)
+        end = aligned if part == 0 else V
+        for start in range(0 if part == 0 else aligned, end, BLOCK_V):
+            offs = start + offs0
+            teacher_sum, student_sum = _divergence_block(
+                student_row_ptr, teacher_row_ptr, offs, offs < end, teacher_sum, student_sum, inv_temperature, m_q,
+                log_s_q, m_p, log_s_p, teacher_at_anchor, anchor, beta, one_minus_beta, grad_coef, centre, DIVERGENCE,
+                ACCUMULATE, WRITE_GRADIENT, BF16_ROUND_BY_BITS,
+            )  # fmt: skip
     return teacher_sum, student_sum
 
 

@@ -84,16 +84,13 @@ def row_softmax_statistics(
     u = 0.0
     argmax = 0
     aligned = aligned_extent(V)
-    for start in range(0, aligned, BLOCK_V):
-        offs = start + offs0
-        m, s, u, argmax = _softmax_statistics_block(
-            row_ptr, offs, offs < aligned, m, s, u, argmax, inv_temperature, WITH_SPREAD, WITH_ARGMAX
-        )
-    for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
-        offs = start + offs0
-        m, s, u, argmax = _softmax_statistics_block(
-            row_ptr, offs, offs < V, m, s, u, argmax, inv_temperature, WITH_SPREAD, WITH_ARGMAX
-        )
+    for part in tl.static_range(2):  # the aligned columns, then the last < 16 (own bound each)
+        end = aligned if part == 0 else V
+        for start in range(0 if part == 0 else aligned, end, BLOCK_V):
+            offs = start + offs0
+            m, s, u, argmax = _softmax_statistics_block(
+                row_ptr, offs, offs < end, m, s, u, argmax, inv_temperature, WITH_SPREAD, WITH_ARGMAX
+            )
     return m, s, u, argmax
 
 
@@ -221,18 +218,14 @@ def _logprobs_backward_kernel(
             coef_entropy = tl.load(grad_entropy_ptr + row * grad_entropy_stride) * inv_temperature
             entropy = tl.load(entropy_ptr + row * entropy_stride)
         aligned = aligned_extent(V)
-        for start in range(0, aligned, BLOCK_V):
-            offs = start + offs0
-            _logprobs_gradient_block(
-                row_ptr, grad_row_ptr, offs, offs < aligned, y, lse_hi, lse_lo, inv_temperature, coef_logprob,
-                coef_entropy, entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, BF16_ROUND_BY_BITS,
-            )  # fmt: skip
-        for start in range(aligned, V, BLOCK_V):  # the last < 16 columns
-            offs = start + offs0
-            _logprobs_gradient_block(
-                row_ptr, grad_row_ptr, offs, offs < V, y, lse_hi, lse_lo, inv_temperature, coef_logprob,
-                coef_entropy, entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, BF16_ROUND_BY_BITS,
-            )  # fmt: skip
+        for part in tl.static_range(2):  # the aligned columns, then the last < 16 (own bound each)
+            end = aligned if part == 0 else V
+            for start in range(0 if part == 0 else aligned, end, BLOCK_V):
+                offs = start + offs0
+                _logprobs_gradient_block(
+                    row_ptr, grad_row_ptr, offs, offs < end, y, lse_hi, lse_lo, inv_temperature, coef_logprob,
+                    coef_entropy, entropy, HAS_GRAD_LOGPROB, HAS_GRAD_ENTROPY, BF16_ROUND_BY_BITS,
+                )  # fmt: skip
     else:
         zeros = tl.zeros([BLOCK_V], dtype=grad_ptr.dtype.element_ty)
         for start in range(0, V, BLOCK_V):
