@@ -24,7 +24,7 @@ from flce.backends.base import (
     kernel_row_vector,
     kernel_target,
 )
-from flce.backends.triton.common import row_statistics, softcap_tanh, softcapped, write_gradient_row
+from flce.backends.triton.common import LOG2_E, row_statistics, softcap_tanh, softcapped, write_gradient_row
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.launch import launch
 
@@ -68,7 +68,6 @@ def _ce_chunk_kernel(
     BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see fp32_to_bf16_rtne
     BLOCK_V: tl.constexpr,
 ):
-    L2E: tl.constexpr = 1.4426950408889634
     offs0 = tl.arange(0, BLOCK_V)
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride  # 64-bit: M * V may exceed 2^31
@@ -119,7 +118,7 @@ def _ce_chunk_kernel(
             ce += eps * (tl.fma(weight_sum, lse, 0.0) - smooth_sum)
         zl = lse_square_scale * lse * lse
         if USE_TOKEN_SCALING:
-            token_scale = tl.exp2((z_y - m) * L2E) / s  # p_y, detached
+            token_scale = tl.exp2((z_y - m) * LOG2_E) / s  # p_y, detached
             ce = ce * token_scale
             zl = zl * token_scale
         tl.store(loss_ptr + row, ce)

@@ -104,6 +104,10 @@ def fp32_to_bf16_rtne(x):
 # a ``tl.static_range(2)``: each is compiled with its own bound, and one call site serves
 # both (the compiled instructions are those of two loops written out).
 ALIGNED_COLUMNS = tl.constexpr(16)
+# exp(x) = exp2(x * LOG2_E): the kernels' exponentials (a tl.constexpr object: Triton's
+# compiler refuses a plain or annotated global).
+LOG2_E = tl.constexpr(1.4426950408889634)
+LN_2 = tl.constexpr(0.6931471805599453)  # log(x) = log2(x) * LN_2
 
 
 @triton.jit
@@ -133,7 +137,6 @@ def _statistics_block(
     WRITE_ARGMAX: tl.constexpr,
 ):
     """``row_statistics``' state after the columns ``offs`` (where ``mask``)."""
-    L2E: tl.constexpr = 1.4426950408889634
     z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         z = softcapped(softcap_tanh(z * inv_softcap, TANH_APPROX), softcap)
@@ -152,7 +155,7 @@ def _statistics_block(
         # strict >: an earlier block keeps a tie (first index wins)
         best_idx = tl.where(block_max > m, block_idx, best_idx)
     m_new = tl.maximum(m, block_max)
-    s = s * tl.exp2((m - m_new) * L2E) + tl.sum(tl.exp2((z - m_new) * L2E), axis=0)
+    s = s * tl.exp2((m - m_new) * LOG2_E) + tl.sum(tl.exp2((z - m_new) * LOG2_E), axis=0)
     return m_new, s, smooth_sum, weight_sum, best_idx
 
 
@@ -217,12 +220,11 @@ def _gradient_block(
     BF16_ROUND_BY_BITS: tl.constexpr,
 ):
     """``write_gradient_row`` over the columns ``offs`` (where ``mask``)."""
-    L2E: tl.constexpr = 1.4426950408889634
     z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
         t, softcap_derivative = softcap_tanh_and_derivative(z * inv_softcap, TANH_APPROX)
         z = softcapped(t, softcap)
-    p = tl.exp2((z - m) * L2E) * inv_s
+    p = tl.exp2((z - m) * LOG2_E) * inv_s
     g = onehot_coef * (p - tl.where(offs == y, 1.0, 0.0))
     if HAS_SMOOTHING:
         if HAS_WEIGHT:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.common import aligned_extent, fp32_to_bf16_rtne
+from flce.backends.triton.common import LN_2, LOG2_E, aligned_extent, fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.logprobs import launch_per_row, row_softmax_statistics, scaled_logits
 from flce.rows import distillation as rows
@@ -29,12 +29,10 @@ EXTRA_BYTES_PER_LOGIT = 0
 @triton.jit
 def _ratios_to_mixture(log_p, log_q, beta, one_minus_beta):
     """``(log p - log M, log q - log M)`` without forming M: see flce.rows.distillation."""
-    L2E: tl.constexpr = 1.4426950408889634
-    LN2: tl.constexpr = 0.6931471805599453
     c = tl.maximum(log_p, log_q)
     shifted_p = log_p - c  # one of the two is exactly 0
     shifted_q = log_q - c
-    mixture = tl.log2(beta * tl.exp2(shifted_p * L2E) + one_minus_beta * tl.exp2(shifted_q * L2E)) * LN2
+    mixture = tl.log2(beta * tl.exp2(shifted_p * LOG2_E) + one_minus_beta * tl.exp2(shifted_q * LOG2_E)) * LN_2
     return shifted_p - mixture, shifted_q - mixture
 
 
@@ -63,16 +61,15 @@ def _divergence_block(
     BF16_ROUND_BY_BITS: tl.constexpr,
 ):
     """``_divergence_pass`` over the columns ``offs`` (where ``mask``): its sums after them."""
-    L2E: tl.constexpr = 1.4426950408889634
     z_q = tl.fma(tl.load(student_row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
     z_p = tl.fma(tl.load(teacher_row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
     z_q = tl.where(mask, z_q, m_q)
     z_p = tl.where(mask, z_p, m_p)
     log_q = (z_q - m_q) - log_s_q
-    q = tl.where(mask, tl.exp2(log_q * L2E), 0.0)
+    q = tl.where(mask, tl.exp2(log_q * LOG2_E), 0.0)
     if DIVERGENCE == 0:
         log_p = (z_p - m_p) - log_s_p
-        p = tl.where(mask, tl.exp2(log_p * L2E), 0.0)
+        p = tl.where(mask, tl.exp2(log_p * LOG2_E), 0.0)
         g = q - p
         if ACCUMULATE:
             teacher_sum += tl.sum(p * (log_p - log_q), axis=0)
@@ -84,7 +81,7 @@ def _divergence_block(
             ratio_p, ratio_q = _ratios_to_mixture(log_p, log_q, beta, one_minus_beta)
             ratio = ratio_q - anchor  # r - a, exactly 0 at the anchor
             if ACCUMULATE:
-                teacher_sum += tl.sum(tl.where(mask, tl.exp2(log_p * L2E), 0.0) * ratio_p, axis=0)
+                teacher_sum += tl.sum(tl.where(mask, tl.exp2(log_p * LOG2_E), 0.0) * ratio_p, axis=0)
         if ACCUMULATE:
             student_sum += tl.sum(q * ratio, axis=0)
         g = q * (ratio - centre)
@@ -164,7 +161,6 @@ def _distillation_kernel(
     BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see fp32_to_bf16_rtne
     BLOCK_V: tl.constexpr,
 ):
-    LN2: tl.constexpr = 0.6931471805599453
     offs0 = tl.arange(0, BLOCK_V)
     row = tl.program_id(0).to(tl.int64)
     student_row_ptr = student_ptr + row * student_row_stride  # 64-bit: M * V may exceed 2^31
@@ -179,8 +175,8 @@ def _distillation_kernel(
             student_row_ptr, V, inv_temperature, False, DIVERGENCE != 0, BLOCK_V
         )
         m_p, s_p, _, _ = row_softmax_statistics(teacher_row_ptr, V, inv_temperature, False, False, BLOCK_V)
-        log_s_q = tl.log2(s_q) * LN2
-        log_s_p = tl.log2(s_p) * LN2
+        log_s_q = tl.log2(s_q) * LN_2
+        log_s_p = tl.log2(s_p) * LN_2
         teacher_at_anchor = 0.0
         anchor = 0.0
         if DIVERGENCE != 0:

@@ -18,7 +18,7 @@ import triton.language as tl
 from flce.backends.base import gradient_destination
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.common import aligned_extent, fp32_to_bf16_rtne
+from flce.backends.triton.common import LN_2, LOG2_E, aligned_extent, fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.launch import launch
 from flce.rows import logprobs as rows
@@ -46,7 +46,6 @@ def _softmax_statistics_block(
     row_ptr, offs, mask, m, s, u, argmax, inv_temperature, WITH_SPREAD: tl.constexpr, WITH_ARGMAX: tl.constexpr
 ):
     """``row_softmax_statistics``' state after the columns ``offs`` (where ``mask``)."""
-    L2E: tl.constexpr = 1.4426950408889634
     z = tl.fma(tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
     z = tl.where(mask, z, -float("inf"))
     tile_max = tl.max(z, axis=0)
@@ -54,8 +53,8 @@ def _softmax_statistics_block(
         tile_argmax = tl.min(tl.where(z == tile_max, offs, 2147483647), axis=0)
         argmax = tl.where(tile_max > m, tile_argmax, argmax)  # strict: an earlier tile keeps a tie
     m_new = tl.maximum(m, tile_max)
-    rescale = tl.exp2((m - m_new) * L2E)  # 0 on the first tile (m = -inf)
-    e = tl.exp2((z - m_new) * L2E)  # (BLOCK_V,) 0 on masked lanes
+    rescale = tl.exp2((m - m_new) * LOG2_E)  # 0 on the first tile (m = -inf)
+    e = tl.exp2((z - m_new) * LOG2_E)  # (BLOCK_V,) 0 on masked lanes
     if WITH_SPREAD:
         d = tl.where(mask, m_new - z, 0.0)  # (BLOCK_V,) >= 0
         # the running u re-based on m_new: each d grows by m_new - m (s = 0 while m = -inf)
@@ -115,7 +114,6 @@ def _logprobs_forward_kernel(
     WRITE_PREDICTED: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    LN2: tl.constexpr = 0.6931471805599453
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * logits_row_stride  # 64-bit: M * V may exceed 2^31
     y = tl.load(target_ptr + row * target_stride).to(tl.int64)
@@ -124,7 +122,7 @@ def _logprobs_forward_kernel(
         # only keeps a bad one from reading outside the row.
         z_y = scaled_logits(tl.load(row_ptr + y, mask=(y >= 0) & (y < V), other=0.0).to(tl.float32), inv_temperature)
         m, s, u, argmax = row_softmax_statistics(row_ptr, V, inv_temperature, WRITE_ENTROPY, WRITE_PREDICTED, BLOCK_V)
-        log_s = tl.log2(s) * LN2  # >= 0
+        log_s = tl.log2(s) * LN_2  # >= 0
         tl.store(logprob_ptr + row * logprob_stride, -((m - z_y) + log_s))  # -(d_y + log s), terms >= 0
         # m + log s in float64, rounded once to lse's dtype (see flce.rows.logprobs)
         lse = m.to(tl.float64) + log_s.to(tl.float64)
@@ -160,10 +158,9 @@ def _logprobs_gradient_block(
     BF16_ROUND_BY_BITS: tl.constexpr,
 ):
     """The logprobs' and entropy's gradient over the columns ``offs`` (where ``mask``)."""
-    L2E: tl.constexpr = 1.4426950408889634
     z = tl.fma(tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32), inv_temperature, 0.0)
     log_p = tl.where(mask, (z - lse_hi) - lse_lo, 0.0)  # masked lanes: p = 1, finite, never stored
-    p = tl.exp2(log_p * L2E)
+    p = tl.exp2(log_p * LOG2_E)
     g = tl.zeros_like(p)
     if HAS_GRAD_LOGPROB:
         g = coef_logprob * (tl.where(offs == y, 1.0, 0.0) - p)  # one group: exact where p_y ~ 1
