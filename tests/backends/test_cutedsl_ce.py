@@ -16,6 +16,7 @@ import torch
 
 from flce.backends.base import ChunkScalars
 from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
+from flce.driver.sizing import logits_row_stride
 from flce.reference import cross_entropy_reference
 from tests.backends.cutedsl_gpu import DEVICE, DTYPES, EPS_FP32, EPS_GRAD, K, skip_module_without_cutedsl
 
@@ -196,7 +197,7 @@ def check(
     config: cute_ce.KernelConfig | None = None,
     padding: float | None = None,
 ) -> None:
-    """``padding``: the logits are rows of V rounded up to 64 elements (the driver's
+    """``padding``: the logits are rows ``logits_row_stride(V)`` elements apart (the driver's
     buffers), the columns past V holding this value; the kernel must neither use them (a
     NaN, an Inf or ``PADDING`` there would show in the outputs) nor write them (their bits
     must stay those of ``padding``)."""
@@ -207,7 +208,7 @@ def check(
     if padding is not None:
 
         def view(z):
-            buffer = torch.full((rows, -(-vocab // 64) * 64), padding, dtype=dtype, device=DEVICE)
+            buffer = torch.full((rows, logits_row_stride(vocab)), padding, dtype=dtype, device=DEVICE)
             buffer[:, :vocab] = z
             buffers.append(buffer)
             return buffer[:, :vocab]
@@ -324,7 +325,7 @@ def test_strided_and_misaligned_rows(dtype):
 def test_padded_rows_with_a_ragged_last_vector(dtype, vocab, feature):
     rows = 8 if vocab > 10000 else 40
     check(rows, vocab, dtype, feature, padding=PADDING)
-    logits = make_logits(rows, -(-vocab // 64) * 64, dtype, 0)[:, :vocab]
+    logits = make_logits(rows, logits_row_stride(vocab), dtype, 0)[:, :vocab]
     assert cute_ce.row_vector_width(logits) == 16 // logits.element_size()  # the ragged path ran
 
 

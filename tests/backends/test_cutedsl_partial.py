@@ -20,6 +20,7 @@ import torch
 from flce.backends.base import ChunkScalars
 from flce.backends.torch.partial import TorchSplitRowKernels
 from flce.dispatch import get_backend, split_row_kernels
+from flce.driver.sizing import logits_row_stride
 from tests.backends.cutedsl_gpu import DEVICE, DTYPES, EPS_FP32, EPS_GRAD, K, skip_module_without_cutedsl
 
 skip_module_without_cutedsl("cutedsl split-row kernel tests")
@@ -120,11 +121,11 @@ class Block:
 
     def block(self) -> torch.Tensor:
         """A fresh (rows, V_r) block: a strided, unaligned view of the full rows, a view of
-        rows padded with ``PADDING`` to a multiple of 64 columns (the driver's buffers; kept
+        rows ``logits_row_stride(V_r)`` apart, ``PADDING`` past V_r (the driver's buffers; kept
         in ``buffers``), or a contiguous copy."""
         sl = self.full.clone()[:, self.v0 : self.v0 + self.vocab]
         if self._padded:
-            buffer = torch.full((sl.shape[0], -(-self.vocab // 64) * 64), PADDING, dtype=self.dtype, device=DEVICE)
+            buffer = torch.full((sl.shape[0], logits_row_stride(self.vocab)), PADDING, dtype=self.dtype, device=DEVICE)
             buffer[:, : self.vocab] = sl
             self.buffers.append(buffer)
             return buffer[:, : self.vocab]
