@@ -216,3 +216,43 @@ def test_deferred_statistics_follow_the_first_gemm_and_are_still_checked(cuda, m
     assert flce.fused_linear_cross_entropy(x, w, bad, backend="torch").isnan()
     with pytest.raises(ValueError, match="found 1 out of range"):
         flce.check_errors()
+
+
+def test_earlier_reads_at_most_the_checks_pending_before_the_call(cuda):
+    validation.defer(_counts(0), _describe)
+    validation.defer(_counts(2), _describe)  # the current call's own check, landed already
+    validation.raise_pending(earlier=0)  # nothing was pending before the call: nothing read
+    assert len(validation._pending) == 2
+    validation.raise_pending(earlier=1)  # the earlier call's check only
+    assert len(validation._pending) == 1
+    with pytest.raises(ValueError, match="2 bad"):
+        validation.raise_pending(earlier=1)
+
+
+def test_a_call_raises_an_earlier_error_once_its_own_gemm_is_queued(cuda, monkeypatch):
+    """A call reads the earlier calls' checks after launching its kernels (their host work
+    does not delay its first GEMM), and never raises for its own input, even where its
+    check has landed by its end (here every copy lands at once): its outputs are NaN and
+    the next call raises."""
+    from flce.driver import chunks
+
+    monkeypatch.setattr(validation, "validates_synchronously", lambda device: False)
+    order = []
+    logits_product = chunks.logits_product
+
+    def gemm(*args, **kwargs):
+        order.append("gemm")
+        return logits_product(*args, **kwargs)
+
+    monkeypatch.setattr(chunks, "logits_product", gemm)
+    x, w = torch.randn(6, 8), torch.randn(16, 8)
+    good = torch.tensor([0, 3, 5, 15, -100, 2])
+    bad = good.clone()
+    bad[4] = 16
+    assert flce.fused_linear_cross_entropy(x, w, bad, backend="torch").isnan()  # its own check: pending
+    assert order == ["gemm"]
+    with pytest.raises(ValueError, match="found 1 out of range"):
+        flce.fused_linear_cross_entropy(x, w, good, backend="torch")
+    assert order == ["gemm", "gemm"]  # raised after the second call's GEMM
+    flce.fused_linear_cross_entropy(x, w, good, backend="torch")
+    flce.check_errors()

@@ -163,7 +163,6 @@ def run_token_chunks(
     # The constant heads' chunk buffers count as workspace per logit of the chunk.
     extra_bytes = extra_bytes_per_logit + sum(c.compute_dtype.itemsize for c in constant_heads)
 
-    dx = torch.empty_like(input) if request.input else None
     accumulator_dtype = weight_accumulator_dtype(accum_dtype, weight.dtype) if request.weight else None
     chunk = chunk_size or whole_row_chunk_size(
         n_rows,
@@ -178,13 +177,15 @@ def run_token_chunks(
     dw_direct = request.weight and weight_grad_in_one_gemm(
         n_rows, chunk, weight.dtype, compute_dtype, accumulator_dtype
     )
-    # Uninitialised: the first chunk's GEMM overwrites it (zeroed below if there is none).
-    dw_acc = (
-        torch.empty(vocab, hidden, dtype=weight.dtype if dw_direct else accumulator_dtype, device=device)
-        if request.weight
-        else None
-    )
-    db_acc = torch.empty(vocab, dtype=torch.float32, device=device) if request.bias else None
+
+    def gradient_buffers() -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """dX, and dW's and db's accumulators, uninitialised: the first chunk's GEMMs
+        overwrite them."""
+        dx = torch.empty_like(input) if request.input else None
+        dw_dtype = weight.dtype if dw_direct else accumulator_dtype
+        dw_acc = torch.empty(vocab, hidden, dtype=dw_dtype, device=device) if request.weight else None
+        db_acc = torch.empty(vocab, dtype=torch.float32, device=device) if request.bias else None
+        return dx, dw_acc, db_acc
 
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
     # chunk of aligned rows otherwise: its GEMM allocates the logits (the same memory, one op
@@ -194,6 +195,8 @@ def run_token_chunks(
         buffer = logits_buffer(chunk, vocab, compute_dtype, device)
     constant_buffers = [logits_buffer(chunk, vocab, c.compute_dtype, device) for c in constant_heads if n_rows]
 
+    dx = dw_acc = db_acc = None
+    compute_grad = request.any
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         x = in_compute_dtype(row_range(input, start, end), compute_dtype)
@@ -205,9 +208,12 @@ def run_token_chunks(
             logits_product(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
             for buffer, (c, c_w_t, c_b) in zip(constant_buffers, constants, strict=True)
         )
-        kernel(logits, start, end, request.any, constant_logits)
+        if start == 0:
+            # Allocated once the first GEMMs are launched: the GPU starts on them meanwhile.
+            dx, dw_acc, db_acc = gradient_buffers()
+        kernel(logits, start, end, compute_grad, constant_logits)
         constant_logits = None
-        if not request.any:
+        if not compute_grad:
             continue
         grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
         if dx is not None:
@@ -229,14 +235,15 @@ def run_token_chunks(
     # cast below, so the chunks and the cast's output never coexist.
     logits = grad_logits = x = None
     del buffer, constant_buffers
+    if n_rows == 0:  # no chunk ran: the gradients are zero (dX has no rows)
+        dx, dw_acc, db_acc = gradient_buffers()
+        for accumulator in (dw_acc, db_acc):
+            if accumulator is not None:
+                accumulator.zero_()
     dw = None
     if dw_acc is not None:
-        if n_rows == 0:  # no chunk ran: the gradient is zero
-            dw_acc.zero_()
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
         del dw_acc
-    if db_acc is not None and n_rows == 0:
-        db_acc.zero_()
     db = None if db_acc is None else db_acc.to(bias.dtype)
     return Gradients(dx, dw, db)
 
@@ -256,9 +263,12 @@ def run_chunks(
 ) -> tuple[RowOutputs, Gradients]:
     """The cross-entropy through ``run_token_chunks`` with the backend's chunk CE kernel;
     returns per-row outputs and the requested gradients."""
-    rows = allocate_rows(input.shape[0], options, input.device)
+    rows = None  # allocated at the first chunk, once its logits GEMM is launched
 
     def cross_entropy_kernel(logits, start, end, compute_grad, _constant_logits) -> None:
+        nonlocal rows
+        if rows is None:
+            rows = allocate_rows(input.shape[0], options, input.device)
         backend.cross_entropy_chunk(
             logits,
             row_range(target, start, end),
@@ -277,6 +287,8 @@ def run_chunks(
         accum_dtype=options.accum_dtype,
         extra_bytes_per_logit=backend.extra_bytes_per_logit,
     )
+    if rows is None:  # no rows, no chunk
+        rows = allocate_rows(input.shape[0], options, input.device)
     return rows, grads
 
 

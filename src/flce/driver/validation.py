@@ -10,8 +10,10 @@ guarantees"):
   weight is negative or non-finite, so the loss and every gradient of that call are NaN;
 - ``ValueError`` names the problem: at once on the CPU (where reading a count costs no
   GPU sync) and with ``FLCE_VALIDATE=sync`` (one host read per call, before any kernel);
-  else, on CUDA, at the start of the next flce call (or at ``flce.check_errors()``),
-  from a flag copied to pinned memory in the background.
+  else, on CUDA, by the next flce call (or ``flce.check_errors()``), from a flag copied to
+  pinned memory in the background. A call reads the earlier calls' flags once its own
+  kernels are queued (``pending_checks``, ``raise_pending(earlier=...)``): the host work
+  of reading them does not delay its first GEMM.
 """
 
 from __future__ import annotations
@@ -80,13 +82,24 @@ def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
     _pending.append(_Pending(slot, describe))
 
 
-def raise_pending(wait: bool = False) -> None:
+def pending_checks() -> int:
+    """How many calls' checks are pending: what a call counts at its start, to read those
+    of the calls before it (``raise_pending(earlier=...)``) once its own kernels are queued."""
+    return len(_pending)
+
+
+def raise_pending(wait: bool = False, earlier: int | None = None) -> None:
     """Raises the first problem an earlier call reported (``ValueError``); ``wait`` blocks
-    until every earlier call's counts have landed, else only those already landed are read."""
+    until every earlier call's counts have landed, else only those already landed are read.
+    ``earlier``: read at most that many of the oldest checks (``pending_checks()`` at the
+    start of the current call: never the current call's own, whose outputs are NaN and
+    whose error the next call raises, however fast the GPU was)."""
     # Only CUDA calls defer checks: with some pending, CUDA is there to ask about capture.
-    if not _pending or torch.cuda.is_current_stream_capturing():
+    if earlier == 0 or not _pending or torch.cuda.is_current_stream_capturing():
         return
-    while _pending:
+    remaining = len(_pending) if earlier is None else earlier
+    while _pending and remaining > 0:
+        remaining -= 1
         head = _pending[0]
         if wait:
             head.slot.landed.synchronize()

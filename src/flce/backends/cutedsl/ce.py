@@ -65,6 +65,7 @@ from flce.backends.cutedsl.common import (
     cuda_stream,
     gmem_ptr,
     null_ptr,
+    on_device,
     pow2_ceil,
     row_threads,
     softcap_tanh,
@@ -484,26 +485,21 @@ def cross_entropy_chunk(
         compute_grad=bool(compute_grad),
     )
     fn = compile_kernel(key, config)
-    if logits.device.index is not None and logits.device.index != torch.cuda.current_device():
-        with torch.cuda.device(logits.device):
-            _launch(
-                fn,
-                key,
-                logits,
-                grad,
-                target,
-                weight,
-                scalars,
-                loss_out,
-                z_loss_out,
-                correct_out,
-                predicted_out,
-                row_grad_scale,
-            )
-        return
-    _launch(
-        fn, key, logits, grad, target, weight, scalars, loss_out, z_loss_out, correct_out, predicted_out, row_grad_scale
-    )
+    with on_device(logits.device):
+        _launch(
+            fn,
+            key,
+            logits,
+            grad,
+            target,
+            weight,
+            scalars,
+            loss_out,
+            z_loss_out,
+            correct_out,
+            predicted_out,
+            row_grad_scale,
+        )
 
 
 def _launch(

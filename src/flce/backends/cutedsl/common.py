@@ -10,6 +10,7 @@ described in ``ce``'s module docstring.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -599,6 +600,29 @@ def null_ptr(dtype, align: int) -> cute.Pointer:
     return p
 
 
+# The current stream's raw handle by device index (what Triton's launcher asks too): a
+# Stream object from ``torch.cuda.current_stream(device)`` costs microseconds of host time
+# per launch. PyTorch's CUDA builds have the raw getter; others fall back to the object.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _current_raw_stream is not None:
+        return _current_raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """The device guard of a launch on ``device`` (the DSL launches on the current
+    device): none when it is the current one already, as in most calls (a guard sets and
+    restores the device: host time on every launch)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
+
+
 if TVM_FFI_CALLS:
 
     def gmem_ptr(tensor: torch.Tensor | None, dtype, align: int) -> int:
@@ -606,9 +630,14 @@ if TVM_FFI_CALLS:
         caller guarantees the ``align`` the kernel was compiled with."""
         return 0 if tensor is None else tensor.data_ptr()
 
+    def gmem_address(address: int, dtype, align: int) -> int:
+        """A launch's pointer argument from an address (inside a tensor the caller keeps
+        alive, with the ``align`` the kernel was compiled with)."""
+        return address
+
     def cuda_stream(device: torch.device) -> int:
         """A launch's stream argument: the current stream's handle."""
-        return torch.cuda.current_stream(device).cuda_stream
+        return current_stream_handle(device)
 
     arg_i32 = arg_i64 = int  # a launch's Int32 / Int64 argument
     arg_f32 = float  # a launch's Float32 argument
@@ -622,9 +651,13 @@ else:
             return null_ptr(dtype, align)
         return cute.runtime.make_ptr(dtype, tensor.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
+    def gmem_address(address: int, dtype, align: int) -> cute.Pointer:
+        """A launch's pointer argument from an address (inside a tensor the caller keeps alive)."""
+        return cute.runtime.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
     def cuda_stream(device: torch.device) -> cuda.CUstream:
         """A launch's stream argument: the current stream (its wrapper cached per handle)."""
-        raw = torch.cuda.current_stream(device).cuda_stream
+        raw = current_stream_handle(device)
         s = _STREAMS.get(raw)
         if s is None:
             s = _STREAMS[raw] = cuda.CUstream(raw)

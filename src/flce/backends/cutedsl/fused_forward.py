@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache, lru_cache, partial
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -81,8 +81,10 @@ from flce.backends.cutedsl.common import (
     compile_cached,
     compile_launcher,
     cuda_stream,
+    gmem_address,
     gmem_ptr,
     null_ptr,
+    on_device,
     softcap_tanh,
 )
 
@@ -836,6 +838,59 @@ def rows_per_launch(
     )
 
 
+@dataclass(frozen=True)
+class FusedForwardLaunch:
+    """What every call of one signature launches: the compiled kernels, the tiles, the
+    rows per launch and the workspace of their per-tile statistics (one allocation)."""
+
+    fused: object  # the compiled GEMM (compile_fused_forward)
+    combine: object  # the compiled combining kernel (compile_combine)
+    num_tiles: int  # T: vocabulary tiles of the GEMM
+    rows_per_launch: int
+    max_clusters: int  # clusters_to_launch
+    with_logit_sum: bool
+
+    @property
+    def tile_statistics_bytes(self) -> int:
+        """Bytes of each of the (T, rows) fp32/int32 statistics of one launch."""
+        return 4 * self.num_tiles * self.rows_per_launch
+
+    @property
+    def workspace_bytes(self) -> int:
+        """max, sum of exp, argmax (and the logit sum), one after the other."""
+        return (4 if self.with_logit_sum else 3) * self.tile_statistics_bytes
+
+
+@lru_cache(maxsize=256)  # a training loop's few signatures: their decisions are host time per call
+def fused_forward_launch(
+    dtype: torch.dtype,
+    vocab: int,
+    hidden: int,
+    target_int64: bool,
+    has_bias: bool,
+    has_softcap: bool,
+    with_logit_sum: bool,
+    config: FusedForwardConfig,
+    num_rows: int,  # > 0
+    workspace_bytes: int,
+    device_index: int,
+) -> FusedForwardLaunch:
+    """The launch of a ``FusedForwardKey`` (its fields first) at ``config`` for ``num_rows``
+    rows on a CUDA device: plain arguments, so a cached call builds no key."""
+    config.validate()
+    if vocab > INT32_MAX // 2:
+        raise ValueError(f"weight has {vocab} rows; the kernel indexes columns with int32")
+    key = FusedForwardKey(dtype, vocab, hidden, target_int64, has_bias, has_softcap, with_logit_sum)
+    return FusedForwardLaunch(
+        fused=compile_fused_forward(key, config),
+        combine=compile_combine(cdiv(vocab, config.tile_n), with_logit_sum),
+        num_tiles=cdiv(vocab, config.tile_n),
+        rows_per_launch=rows_per_launch(num_rows, vocab, with_logit_sum, config, workspace_bytes),
+        max_clusters=clusters_to_launch(config, torch.device("cuda", device_index)),
+        with_logit_sum=with_logit_sum,
+    )
+
+
 def fused_forward_statistics(
     input: torch.Tensor,  # (N, H) bf16/fp16, contiguous
     weight: torch.Tensor,  # (V, H) same dtype, contiguous
@@ -858,82 +913,100 @@ def fused_forward_statistics(
     ``config`` defaults to ``DEFAULT_CONFIG`` (128 x 256 tiles, ``cluster_m = 2``,
     persistent: the fastest measured, see the module docstring). Runs on the current CUDA
     stream, with no host synchronisation.
+
+    The host work before the GEMM's launch delays it (a synchronized call waits for it):
+    the launch's decisions are cached per signature (``fused_forward_launch``), the
+    per-tile statistics take one allocation, and the outputs that only the combining
+    kernel writes are allocated once the GEMM is queued.
     """
     _validate(input, weight, target, bias, softcap)
     num_rows, hidden = input.shape
     vocab = weight.shape[0]
     config = DEFAULT_CONFIG if config is None else config
-    config.validate()
     dev = input.device
-    out = {
-        "lse": torch.empty(num_rows, dtype=torch.float32, device=dev),
-        "target_logit": torch.zeros(num_rows, dtype=torch.float32, device=dev),
-        "predicted": torch.empty(num_rows, dtype=torch.int64, device=dev),
-    }
-    if with_logit_sum:
-        out["logit_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
+    # The GEMM's epilogue writes a row's target logit only in the tile that holds the target.
+    target_logit = torch.zeros(num_rows, dtype=torch.float32, device=dev)
     if num_rows == 0:
-        return out
-    if vocab > INT32_MAX // 2:
-        raise ValueError(f"weight has {vocab} rows; the kernel indexes columns with int32")
-
-    key = FusedForwardKey(
-        dtype=input.dtype,
-        vocab=vocab,
-        hidden=hidden,
-        target_int64=target.dtype == torch.int64,
-        has_bias=bias is not None,
-        has_softcap=softcap is not None,
-        with_logit_sum=bool(with_logit_sum),
+        config.validate()
+        return _combined_outputs(target_logit, with_logit_sum)
+    target_int64 = target.dtype == torch.int64
+    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    launch = fused_forward_launch(
+        input.dtype,
+        vocab,
+        hidden,
+        target_int64,
+        bias is not None,
+        softcap is not None,
+        bool(with_logit_sum),
+        config,
+        num_rows,
+        workspace_bytes,
+        device_index,
     )
-    fn = compile_fused_forward(key, config)
-    combine = compile_combine(cdiv(vocab, config.tile_n), bool(with_logit_sum))
-    bias32 = None
-    if bias is not None:
-        bias32 = bias.to(torch.float32).contiguous()
+    bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     target = target.contiguous()
+    # One workspace for every launch (stream order makes reusing it safe): the (T, rows)
+    # tile max, sum of exp and argmax (and logit sum), each launch's at its base.
+    workspace = torch.empty(launch.workspace_bytes, dtype=torch.uint8, device=dev)
+    step = launch.tile_statistics_bytes
+    base = workspace.data_ptr()
+    ws_max = gmem_address(base, Float32, 4)
+    ws_sumexp = gmem_address(base + step, Float32, 4)
+    ws_arg = gmem_address(base + 2 * step, Int32, 4)
+    ws_sum = gmem_address(base + 3 * step, Float32, 4) if with_logit_sum else gmem_ptr(None, Float32, 4)
     c = float(softcap) if softcap is not None else 1.0
-    T = cdiv(vocab, config.tile_n)
-    chunk = rows_per_launch(num_rows, vocab, with_logit_sum, config, workspace_bytes)
-    # One workspace for every launch: stream order makes reusing it safe.
-    ws_max = torch.empty(T * chunk, dtype=torch.float32, device=dev)
-    ws_sumexp = torch.empty(T * chunk, dtype=torch.float32, device=dev)
-    ws_arg = torch.empty(T * chunk, dtype=torch.int32, device=dev)
-    ws_sum = torch.empty(T * chunk, dtype=torch.float32, device=dev) if with_logit_sum else None
-    max_clusters = clusters_to_launch(config, dev)
-    with torch.cuda.device(dev):
+    chunk = launch.rows_per_launch
+    out = None
+    with on_device(dev):
         stream = cuda_stream(dev)
         for r0 in range(0, num_rows, chunk):
             rows = min(chunk, num_rows - r0)
             rows_of = partial(_rows_from, r0)
             # Each launch's (T, rows) tile statistics start at the workspace's base.
-            fn(
+            launch.fused(
                 gmem_ptr(rows_of(input), WGMMA_DTYPES[input.dtype], 16),
                 gmem_ptr(weight, WGMMA_DTYPES[input.dtype], 16),
-                gmem_ptr(rows_of(target), Int64 if key.target_int64 else Int32, target.element_size()),
+                gmem_ptr(rows_of(target), Int64 if target_int64 else Int32, target.element_size()),
                 gmem_ptr(bias32, Float32, 4),
-                gmem_ptr(ws_max, Float32, 4),
-                gmem_ptr(ws_sumexp, Float32, 4),
-                gmem_ptr(ws_arg, Int32, 4),
-                gmem_ptr(ws_sum, Float32, 4),
-                gmem_ptr(rows_of(out["target_logit"]), Float32, 4),
+                ws_max,
+                ws_sumexp,
+                ws_arg,
+                ws_sum,
+                gmem_ptr(rows_of(target_logit), Float32, 4),
                 arg_i32(rows),
                 arg_f32(c),
                 arg_f32(1.0 / c),
-                arg_i32(max_clusters),
+                arg_i32(launch.max_clusters),
                 stream,
             )
-            combine(
-                gmem_ptr(ws_max, Float32, 4),
-                gmem_ptr(ws_sumexp, Float32, 4),
-                gmem_ptr(ws_arg, Int32, 4),
-                gmem_ptr(ws_sum, Float32, 4),
+            if out is None:  # once the first GEMM is queued: only the combining kernel writes these
+                out = _combined_outputs(target_logit, with_logit_sum)
+            launch.combine(
+                ws_max,
+                ws_sumexp,
+                ws_arg,
+                ws_sum,
                 gmem_ptr(rows_of(out["lse"]), Float32, 4),
                 gmem_ptr(rows_of(out["predicted"]), Int64, 8),
                 gmem_ptr(rows_of(out.get("logit_sum")), Float32, 4),
                 arg_i32(rows),
                 stream,
             )
+    return out
+
+
+def _combined_outputs(target_logit: torch.Tensor, with_logit_sum: bool) -> dict:
+    """``fused_forward_statistics``' outputs around ``target_logit``: the rows' lse,
+    predicted (and logit sum), uninitialised until the combining kernel writes them."""
+    num_rows, dev = target_logit.shape[0], target_logit.device
+    out = {
+        "lse": torch.empty(num_rows, dtype=torch.float32, device=dev),
+        "target_logit": target_logit,
+        "predicted": torch.empty(num_rows, dtype=torch.int64, device=dev),
+    }
+    if with_logit_sum:
+        out["logit_sum"] = torch.empty(num_rows, dtype=torch.float32, device=dev)
     return out
 
 

@@ -45,6 +45,7 @@ from flce.backends.cutedsl.common import (
     cuda_stream,
     gmem_ptr,
     null_ptr,
+    on_device,
     pow2_ceil,
     row_threads,
     softcap_tanh,
@@ -419,7 +420,7 @@ def partial_statistics(
             cuda.CUstream(0),
         ),
     )
-    with torch.cuda.device(device):
+    with on_device(device):
         fn(
             gmem_ptr(logits, dtype, align),
             gmem_ptr(target, target_t, target.element_size()),
@@ -501,7 +502,7 @@ def partial_gradient(
         ),
     )
     weight_sum = weight_sum.to(device=logits.device, dtype=torch.float32).reshape(1)
-    with torch.cuda.device(logits.device):
+    with on_device(logits.device):
         fn(
             gmem_ptr(logits, dtype, align),
             gmem_ptr(target, target_t, target.element_size()),

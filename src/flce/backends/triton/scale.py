@@ -95,7 +95,8 @@ def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> N
         scale = scale.detach()
     if scale.dim() != 0:
         scale = scale.reshape(())
-    scale32 = scale.to(device=device, dtype=torch.float32)  # no op when it already is
+    # A dispatched op even where it changes nothing: only when it does.
+    scale32 = scale if scale.dtype == torch.float32 and scale.device == device else scale.to(device, torch.float32)
     for first in range(0, len(present), TENSORS_PER_LAUNCH):
         group = present[first : first + TENSORS_PER_LAUNCH]
         # An unused slot gets a real pointer (never read: its size is 0).
