@@ -75,6 +75,8 @@ from cutlass import Float32, Int32, Int64, const_expr
 from flce.backends.base import softcap_tanh_is_approximate
 from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES, fused_forward_rows_per_launch
 from flce.backends.cutedsl.common import (
+    LOG2_E,
+    SMEM_LIMIT,
     arg_f32,
     arg_i32,
     cdiv,
@@ -88,9 +90,7 @@ from flce.backends.cutedsl.common import (
     softcap_tanh,
 )
 
-LOG2_E = math.log2(math.e)
 INT32_MAX = 2**31 - 1
-SMEM_CAPACITY = 227 * 1024  # dynamic shared memory per CTA on sm_90
 MBAR_BYTES = 1024  # pipeline mbarriers and alignment slack
 BLOCK_K = 64  # four k=16 WGMMA steps per stage: one 128-byte swizzle atom of bf16/fp16
 # The per-tile statistics of N = 8192 rows at V = 128256 (501 tiles x 12 bytes a row) fit,
@@ -176,7 +176,7 @@ def _stage_bytes(config: FusedForwardConfig, esize: int) -> int:
 def _num_stages(config: FusedForwardConfig, esize: int) -> int:
     """``config.stages``, or as many stages as fit (4 for 128 x 256 tiles, 7 for 128 x 128),
     capped at 8: beyond that the ring hides no more latency."""
-    fit = (SMEM_CAPACITY - MBAR_BYTES) // _stage_bytes(config, esize)
+    fit = (SMEM_LIMIT - MBAR_BYTES) // _stage_bytes(config, esize)
     if config.stages:
         if config.stages > fit:
             raise ValueError(f"stages={config.stages} does not fit in shared memory (at most {fit} for this tile)")
