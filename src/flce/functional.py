@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from flce.driver.validation import pending_checks, raise_pending
 from flce.heads.distillation import DistillationOperands, make_distillation_plan
 from flce.heads.logprobs import LogprobsOperands, backward_request, make_logprobs_plan
 from flce.options import (
@@ -40,9 +39,9 @@ def as_flat(target: torch.Tensor) -> torch.Tensor:
     return target if target.dim() == 1 else target.reshape(-1)
 
 
-def prepare_ce_weight(ce_weight: torch.Tensor) -> torch.Tensor:
+def prepare_ce_weight(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
     """Class weights as the kernels read them: detached (they get no gradient), fp32, contiguous."""
-    return ce_weight.detach().float().contiguous()
+    return None if ce_weight is None else ce_weight.detach().float().contiguous()
 
 
 def fused_linear_cross_entropy_with_options(
@@ -55,7 +54,6 @@ def fused_linear_cross_entropy_with_options(
 ) -> LossResult:
     """``fused_linear_cross_entropy`` with prebuilt options (modules and shims use this)."""
     compiling = torch.compiler.is_compiling()
-    earlier_checks = 0 if compiling else pending_checks()
     compute_dtype = validate_fused_inputs(input, weight, target, bias, ce_weight, options)
     vocab = weight.shape[0]
     operands = LinearOperands(
@@ -63,7 +61,7 @@ def fused_linear_cross_entropy_with_options(
         weight=weight,
         bias=bias,
         target=as_flat(target),
-        ce_weight=None if ce_weight is None else prepare_ce_weight(ce_weight),
+        ce_weight=prepare_ce_weight(ce_weight),
     )
     if compiling:
         from flce import ops  # registers the ops on first use
@@ -72,8 +70,6 @@ def fused_linear_cross_entropy_with_options(
     else:
         plan = make_plan(options, input.device, operands.target, operands.ce_weight, vocab, compute_dtype)
         outputs = run_loss(plan, operands)
-        if earlier_checks:  # read once this call's kernels are queued: no delay to its first GEMM
-            raise_pending(earlier=earlier_checks)
     return package_result(options, tuple(target.shape), *outputs)
 
 
@@ -82,12 +78,9 @@ def cross_entropy_with_options(
 ) -> LossResult:
     """``cross_entropy`` with prebuilt options (modules and shims use this)."""
     compiling = torch.compiler.is_compiling()
-    earlier_checks = 0 if compiling else pending_checks()
     validate_logits_inputs(logits, target, weight, options)
     vocab = logits.shape[-1]
-    operands = LogitsOperands(
-        logits=as_rows(logits), target=as_flat(target), ce_weight=None if weight is None else prepare_ce_weight(weight)
-    )
+    operands = LogitsOperands(logits=as_rows(logits), target=as_flat(target), ce_weight=prepare_ce_weight(weight))
     if compiling:
         from flce import ops  # registers the ops on first use
 
@@ -95,8 +88,6 @@ def cross_entropy_with_options(
     else:
         plan = make_plan(options, logits.device, operands.target, operands.ce_weight, vocab, logits.dtype)
         outputs = run_loss(plan, operands)
-        if earlier_checks:  # read once this call's kernels are queued: no delay to its first GEMM
-            raise_pending(earlier=earlier_checks)
     return package_result(options, tuple(target.shape), *outputs)
 
 
@@ -235,7 +226,6 @@ def fused_linear_logprobs_with_options(
     options: LogprobsOptions,
 ) -> LogprobsOutput:
     """``fused_linear_logprobs`` with prebuilt options."""
-    earlier_checks = 0 if torch.compiler.is_compiling() else pending_checks()
     _check_target_type(target)
     compute_dtype = validate_linear_head(input, weight, bias)
     validate_head_target(target, input)
@@ -252,8 +242,6 @@ def fused_linear_logprobs_with_options(
     else:
         plan = make_logprobs_plan(options, operands, compute_dtype, backward_request(operands))
         logprobs, entropy, predicted = run_loss(plan, operands)
-        if earlier_checks:  # read once this call's kernels are queued: no delay to its first GEMM
-            raise_pending(earlier=earlier_checks)
     return LogprobsOutput(
         logprobs=logprobs.view(target.shape),
         entropy=entropy.view(target.shape) if options.return_entropy else None,
@@ -364,7 +352,6 @@ def fused_linear_distillation_with_options(
     options: DistillationOptions,
 ) -> torch.Tensor:
     """``fused_linear_distillation`` with prebuilt options (the Liger shims use this)."""
-    earlier_checks = 0 if torch.compiler.is_compiling() else pending_checks()
     compute_dtype, teacher_dtype = _validate_distillation_inputs(
         student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target
     )
@@ -394,8 +381,6 @@ def fused_linear_distillation_with_options(
             teacher_dtype,
         )
         (loss,) = run_loss(plan, operands)
-        if earlier_checks:  # read once this call's kernels are queued: no delay to its first GEMM
-            raise_pending(earlier=earlier_checks)
     return loss.view(student_input.shape[:-1]) if options.reduction == "none" else loss
 
 

@@ -47,6 +47,7 @@ from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row
 from flce.driver.scaling import scale_gradients_, scaled_gradients
 from flce.driver.schemes import Scheme, options_for_scheme, scheme_of_call
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
+from flce.driver.validation import pending_checks, raise_pending
 from flce.driver.vocab_blocks import run_vocab_blocks
 from flce.options import LossOptions, refuse_create_graph
 from flce.rows.cross_entropy import ChunkScalars, Reduced, RowOutputs, reduce_rows
@@ -444,7 +445,19 @@ class LossFunction(torch.autograd.Function):
 
 def run_loss(plan: LossPlan, operands) -> tuple:
     """A call through autograd when a differentiable operand requires grad (and grad mode
-    is on), else the forward alone with no gradient work: the outputs as a tuple."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in operands.differentiable()):
-        return LossFunction.apply(plan, type(operands), *operands.tensors())
-    return forward(plan, operands, NO_GRADIENTS).outputs.as_tuple()
+    is on), else the forward alone with no gradient work: the outputs as a tuple.
+
+    Then an earlier call's bad input that the device found since is raised
+    (``flce.driver.validation``): read once this call's kernels are queued, so that the
+    host work of reading the checks does not delay its first GEMM, and only the checks of
+    the calls before it (this call's own stays pending: its outputs are NaN, the next call
+    raises)."""
+    earlier_checks = pending_checks()
+    # (A list of at most three, not a generator: no frame resumed per operand.)
+    if torch.is_grad_enabled() and any([t.requires_grad for t in operands.differentiable() if t is not None]):
+        outputs = LossFunction.apply(plan, type(operands), *operands.tensors())
+    else:
+        outputs = forward(plan, operands, NO_GRADIENTS).outputs.as_tuple()
+    if earlier_checks:
+        raise_pending(earlier=earlier_checks)
+    return outputs

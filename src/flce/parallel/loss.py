@@ -58,7 +58,6 @@ from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
-from flce.driver.validation import pending_checks, raise_pending
 from flce.options import LossOptions, as_int, validate_ce_weight, validate_fused_inputs
 from flce.output import LossResult, package_result
 from flce.parallel.dtensor import unwrap_dtensors
@@ -316,7 +315,6 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     vocab_start: int | None = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
-    earlier_checks = pending_checks()  # read at the end: the collectives run on every rank first
     split_row_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
     input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
         input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
@@ -325,9 +323,8 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     plan, ce_full = _plan(input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start)
     input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
     operands = LinearOperands(input_2d, weight_shard, bias_shard, target.reshape(-1), ce_full)
-    outputs = run_loss(plan, operands)
-    raise_pending(earlier=earlier_checks)  # an earlier call's bad input, found on the device since
-    return package_result(options, tuple(target.shape), *outputs)
+    # run_loss raises an earlier call's bad input after this call's collectives, on every rank.
+    return package_result(options, tuple(target.shape), *run_loss(plan, operands))
 
 
 def vocab_parallel_fused_linear_cross_entropy(

@@ -848,7 +848,7 @@ class FusedForwardLaunch:
     num_tiles: int  # T: vocabulary tiles of the GEMM
     rows_per_launch: int
     max_clusters: int  # clusters_to_launch
-    with_logit_sum: bool
+    key: FusedForwardKey
 
     @property
     def tile_statistics_bytes(self) -> int:
@@ -858,36 +858,24 @@ class FusedForwardLaunch:
     @property
     def workspace_bytes(self) -> int:
         """max, sum of exp, argmax (and the logit sum), one after the other."""
-        return (4 if self.with_logit_sum else 3) * self.tile_statistics_bytes
+        return (4 if self.key.with_logit_sum else 3) * self.tile_statistics_bytes
 
 
 @lru_cache(maxsize=256)  # a training loop's few signatures: their decisions are host time per call
 def fused_forward_launch(
-    dtype: torch.dtype,
-    vocab: int,
-    hidden: int,
-    target_int64: bool,
-    has_bias: bool,
-    has_softcap: bool,
-    with_logit_sum: bool,
-    config: FusedForwardConfig,
-    num_rows: int,  # > 0
-    workspace_bytes: int,
-    device_index: int,
+    key: FusedForwardKey, config: FusedForwardConfig, num_rows: int, workspace_bytes: int, device_index: int
 ) -> FusedForwardLaunch:
-    """The launch of a ``FusedForwardKey`` (its fields first) at ``config`` for ``num_rows``
-    rows on a CUDA device: plain arguments, so a cached call builds no key."""
+    """The launch of ``key`` at ``config`` for ``num_rows`` rows (> 0) on a CUDA device."""
     config.validate()
-    if vocab > INT32_MAX // 2:
-        raise ValueError(f"weight has {vocab} rows; the kernel indexes columns with int32")
-    key = FusedForwardKey(dtype, vocab, hidden, target_int64, has_bias, has_softcap, with_logit_sum)
+    if key.vocab > INT32_MAX // 2:
+        raise ValueError(f"weight has {key.vocab} rows; the kernel indexes columns with int32")
     return FusedForwardLaunch(
         fused=compile_fused_forward(key, config),
-        combine=compile_combine(cdiv(vocab, config.tile_n), with_logit_sum),
-        num_tiles=cdiv(vocab, config.tile_n),
-        rows_per_launch=rows_per_launch(num_rows, vocab, with_logit_sum, config, workspace_bytes),
+        combine=compile_combine(cdiv(key.vocab, config.tile_n), key.with_logit_sum),
+        num_tiles=cdiv(key.vocab, config.tile_n),
+        rows_per_launch=rows_per_launch(num_rows, key.vocab, key.with_logit_sum, config, workspace_bytes),
         max_clusters=clusters_to_launch(config, torch.device("cuda", device_index)),
-        with_logit_sum=with_logit_sum,
+        key=key,
     )
 
 
@@ -929,21 +917,17 @@ def fused_forward_statistics(
     if num_rows == 0:
         config.validate()
         return _combined_outputs(target_logit, with_logit_sum)
-    target_int64 = target.dtype == torch.int64
-    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
-    launch = fused_forward_launch(
-        input.dtype,
-        vocab,
-        hidden,
-        target_int64,
-        bias is not None,
-        softcap is not None,
-        bool(with_logit_sum),
-        config,
-        num_rows,
-        workspace_bytes,
-        device_index,
+    key = FusedForwardKey(
+        dtype=input.dtype,
+        vocab=vocab,
+        hidden=hidden,
+        target_int64=target.dtype == torch.int64,
+        has_bias=bias is not None,
+        has_softcap=softcap is not None,
+        with_logit_sum=bool(with_logit_sum),
     )
+    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    launch = fused_forward_launch(key, config, num_rows, workspace_bytes, device_index)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     target = target.contiguous()
     # One workspace for every launch (stream order makes reusing it safe): the (T, rows)
@@ -967,7 +951,7 @@ def fused_forward_statistics(
             launch.fused(
                 gmem_ptr(rows_of(input), WGMMA_DTYPES[input.dtype], 16),
                 gmem_ptr(weight, WGMMA_DTYPES[input.dtype], 16),
-                gmem_ptr(rows_of(target), Int64 if target_int64 else Int32, target.element_size()),
+                gmem_ptr(rows_of(target), Int64 if key.target_int64 else Int32, target.element_size()),
                 gmem_ptr(bias32, Float32, 4),
                 ws_max,
                 ws_sumexp,
