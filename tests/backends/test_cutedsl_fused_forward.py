@@ -316,6 +316,33 @@ def test_several_launches_and_int32_target():
 
 @needs_sm90
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()) or "default")
+@pytest.mark.parametrize("launches", ["one", "several"])
+def test_every_row_written_over_poisoned_memory(config, launches, monkeypatch):
+    """The outputs and the tile statistics are allocated uninitialised: the kernels must
+    write every row, ``target_logit`` included (0 from the first tile where the target is
+    outside [0, V): ignore_index, a negative id, an id past V), whatever the memory held.
+    Every allocation of the call is poisoned here (NaN / all-ones bits)."""
+    x, w, y, b = make_problem(1000, 32000, 2048, torch.bfloat16, seed=13)
+    y[1::7] = 32000 + 5
+    y[2::11] = -1
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-1 if t.is_signed() else 255)
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    budget = 3 * 128 * 125 * 16 if launches == "several" else ff.DEFAULT_WORKSPACE_BYTES
+    out = ff.fused_forward_statistics(
+        x, w, y, with_logit_sum=True, config=ff.FusedForwardConfig(**config), workspace_bytes=budget
+    )
+    monkeypatch.undo()
+    check_against_reference(out, x, w, y, b, None)
+
+
+@needs_sm90
+@pytest.mark.gpu
 def test_empty_and_tiny():
     x, w, y, b = make_problem(1, 1000, 64, torch.bfloat16, seed=3)
     out = ff.fused_forward_statistics(x, w, y, with_logit_sum=True)

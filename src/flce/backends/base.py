@@ -288,7 +288,8 @@ class LossOnlyStatistics:
 
     ``applicable(device, compute_dtype, hidden, vocab, weight_tma_ready)`` -> ``(ok, reason)``;
     ``statistics(x, w, target, bias=, softcap=, with_logit_sum=)`` -> dict of (N,) tensors
-    ``lse``, ``target_logit``, ``predicted`` (and ``logit_sum``);
+    ``lse``, ``target_logit``, ``predicted`` (and ``logit_sum``), for operands that
+    ``applicable`` accepted and ``flce.driver.fused`` prepared (it need not check them again);
     ``workspace_bytes(num_rows, vocab, with_logit_sum, has_bias)`` -> the bytes
     ``statistics`` allocates, its outputs included (the memory model's term for it).
     """

@@ -18,10 +18,11 @@ tile's vocabulary slice ``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
 - ``tile_argmax[t, n]``: the first (smallest) global column achieving the tile max,
 - ``tile_sum[t, n]`` (``with_logit_sum`` only): ``sum z'``, the label-smoothing term,
 
-and the CTA holding column ``target[n]`` writes ``target_logit[n] = z'`` (one writer per
-row, so no race; rows whose target is outside [0, V), such as ignore_index, are never
-written). Columns ``>= V`` of the last tile (V = 32000, 151936, 128256 are not multiples
-of BN) are excluded; rows ``>= N`` are read as zeros by TMA and never written.
+and the CTA holding column ``target[n]`` writes ``target_logit[n] = z'``; a CTA of the first
+tile writes 0 there for a target outside [0, V) (ignore_index). One writer per row, so no
+race, and every row written: the output takes no zero fill before the launch. Columns
+``>= V`` of the last tile (V = 32000, 151936, 128256 are not multiples of BN) are
+excluded; rows ``>= N`` are read as zeros by TMA and never written.
 
 Reduction: in a WGMMA accumulator fragment a row's columns are spread over the 4 lanes of
 a quad, BN / 4 values per lane. Partitioning an identity tensor like the accumulator
@@ -655,11 +656,13 @@ class FusedForwardKernel:
 
             # The target logit (z'), from the one lane that holds its column.
             tgt_local = Int32(-1)
+            tgt_outside = cutlass.Boolean(False)  # outside [0, V): ignore_index, no column holds it
             if row_ok:
                 tgt = Int64(mTarget[row])
                 if tgt >= Int64(n0):
                     if tgt < Int64(cutlass.min(n0 + BN, V)):
                         tgt_local = Int32(tgt - Int64(n0))
+                tgt_outside = (tgt < Int64(0)) | (tgt >= Int64(V))
             z_tgt = Float32(0.0)
             found = cutlass.Boolean(False)
             for c in cutlass.range_constexpr(C):
@@ -668,6 +671,13 @@ class FusedForwardKernel:
                 found = found | hit
             if found:
                 mTgtLogit[row] = z_tgt
+            # Every row's target logit is written exactly once, so the output needs no zero
+            # fill before the launch (host time that delays the GEMM): a target outside
+            # [0, V) gets its 0 from the first vocabulary tile.
+            if tgt_outside:
+                if pid_n == 0:
+                    if lane % 4 == 0:
+                        mTgtLogit[row] = Float32(0.0)
 
             # sum exp(z' - m): exp2 of one FMA per value.
             neg_mL = -(m * LOG2_E)
@@ -904,16 +914,37 @@ def fused_forward_statistics(
 
     The host work before the GEMM's launch delays it (a synchronized call waits for it):
     the launch's decisions are cached per signature (``fused_forward_launch``), the
-    per-tile statistics take one allocation, and the outputs that only the combining
-    kernel writes are allocated once the GEMM is queued.
+    per-tile statistics take one allocation, the target logits no zero fill (the kernel
+    writes every row), and the outputs that only the combining kernel writes are
+    allocated once the GEMM is queued.
     """
     _validate(input, weight, target, bias, softcap)
+    return launch_fused_forward_statistics(
+        input, weight, target, bias, softcap, with_logit_sum, config=config, workspace_bytes=workspace_bytes
+    )
+
+
+def launch_fused_forward_statistics(
+    input: torch.Tensor,  # (N, H) bf16/fp16, contiguous, 16-byte aligned
+    weight: torch.Tensor,  # (V, H) same dtype, contiguous, 16-byte aligned
+    target: torch.Tensor,  # (N,) int64/int32
+    bias: torch.Tensor | None = None,  # (V,) any float dtype
+    softcap: float | None = None,
+    with_logit_sum: bool = False,
+    *,
+    config: FusedForwardConfig | None = None,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> dict:
+    """``fused_forward_statistics`` for operands that already satisfy its checks: the
+    backend's ``loss_only`` slot, which the driver calls with operands checked at the API
+    boundary and by ``fused_forward_applicable`` (``flce.driver.fused``). The checks are
+    host time before the GEMM's launch, once per call is enough."""
     num_rows, hidden = input.shape
     vocab = weight.shape[0]
     config = DEFAULT_CONFIG if config is None else config
     dev = input.device
-    # The GEMM's epilogue writes a row's target logit only in the tile that holds the target.
-    target_logit = torch.zeros(num_rows, dtype=torch.float32, device=dev)
+    # The GEMM's epilogue writes each row's target logit (0 outside [0, V)): no fill needed.
+    target_logit = torch.empty(num_rows, dtype=torch.float32, device=dev)
     if num_rows == 0:
         config.validate()
         return _combined_outputs(target_logit, with_logit_sum)
