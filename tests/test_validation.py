@@ -186,6 +186,35 @@ def test_gpu_bad_targets_raise_at_the_next_call_with_reused_slots(pool):
     assert sum(len(free) for free in validation._free_slots.values()) == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cutedsl"])
+def test_gpu_slots_made_under_inference_mode_serve_later_calls(pool, backend):
+    """A slot outlives the call that made it: one made by an evaluation under
+    ``torch.inference_mode`` must take the counts of the training calls after it (an
+    inference tensor refuses in-place updates outside that mode), and bad targets still
+    raise on either side of it."""
+    device = _gpu()
+    x = torch.randn(8, 64, device=device, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, device=device, dtype=torch.bfloat16)
+    good = torch.randint(0, 32, (8,), device=device)
+    bad = good.clone()
+    bad[3] = 40
+    with torch.inference_mode():
+        flce.fused_linear_cross_entropy(x, w, good, backend=backend)
+        flce.check_errors()
+    slots = [slot for free in validation._free_slots.values() for slot in free]
+    assert slots and not any(slot.host.is_inference() for slot in slots)
+    trained = x.clone().requires_grad_()
+    flce.fused_linear_cross_entropy(trained, w, good, backend=backend).backward()
+    assert flce.fused_linear_cross_entropy(trained, w, bad, backend=backend).isnan().item()
+    with pytest.raises(ValueError, match="found 1 out of range"):
+        flce.check_errors()
+    with torch.inference_mode():
+        assert flce.fused_linear_cross_entropy(x, w, bad, backend=backend).isnan().item()
+        with pytest.raises(ValueError, match="found 1 out of range"):
+            flce.check_errors()
+
+
 def test_deferred_statistics_follow_the_first_gemm_and_are_still_checked(cuda, monkeypatch):
     """With asynchronous validation a call launches its first logits GEMM before the batch
     statistics (the GPU starts while the host works), and a bad target still poisons the

@@ -62,7 +62,11 @@ _free_slots: dict[tuple, deque[_Slot]] = {}
 
 def _new_slot(key: tuple) -> _Slot:
     _, shape, dtype = key
-    return _Slot(key, torch.empty(shape, dtype=dtype, pin_memory=True), torch.cuda.Event())
+    # A slot outlives the call that made it: made under torch.inference_mode its buffer
+    # would be an inference tensor, which refuses the copies of later calls outside it.
+    with torch.inference_mode(False):
+        host = torch.empty(shape, dtype=dtype, pin_memory=True)
+    return _Slot(key, host, torch.cuda.Event())
 
 
 def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
