@@ -45,11 +45,12 @@ IGNORE = -100
 # Launch shapes shipped or tried by benchmarks/fused_forward_check.py.
 CONFIGS = [
     dict(),  # the field defaults: 128 x 256, 4 stages, no cluster
-    dict(cluster_m=2),  # DEFAULT_CONFIG: W tile multicast to the two CTAs of a cluster
+    dict(cluster_m=2),  # W tile multicast to the two CTAs of a cluster
     dict(tile_n=128),  # 1002 tiles at V=128256: more statistics, smaller epilogue
     dict(tile_n=256, cluster_n=2),  # X multicast; T=125 at V=32000 leaves CTAs past V
     dict(cluster_m=2, persistent=False),  # one cluster per tile instead of a resident grid
     dict(tile_m=64, cluster_m=4, pingpong=True),  # two MMA warpgroups on alternate tiles
+    dict(tile_m=64, cluster_m=2, pingpong=True),  # DEFAULT_CONFIG
 ]
 
 
@@ -177,8 +178,10 @@ def test_combine_kernel_compiles_for_sm90a(with_logit_sum, monkeypatch):
 
 @needs_dsl
 def test_default_config_is_the_measured_best():
-    # Persistent 2x1 clusters: the fastest heated launch shape from V = 32000 to 128256.
-    assert ff.DEFAULT_CONFIG == ff.FusedForwardConfig(cluster_m=2) and ff.DEFAULT_CONFIG.persistent
+    # Ping-pong warpgroups on 64-row tiles in persistent 2x1 clusters: the fastest heated
+    # launch shape from V = 32000 to 262144.
+    assert ff.DEFAULT_CONFIG == ff.FusedForwardConfig(tile_m=64, cluster_m=2, pingpong=True)
+    assert ff.DEFAULT_CONFIG.persistent
 
 
 @needs_dsl
@@ -187,9 +190,9 @@ def test_rows_per_launch_budget():
     # N=8192, V=128256: 501 tiles x 12 bytes a row; the default budget holds all rows.
     rows = ff.rows_per_launch(8192, 128256, False, cfg, ff.DEFAULT_WORKSPACE_BYTES)
     assert rows == 8192 and rows * 501 * 12 <= ff.DEFAULT_WORKSPACE_BYTES < 64 * 2**20
-    # 16 MiB -> 2560 rows (10 blocks of a 2 x 128-row cluster).
+    # 16 MiB -> 2688 rows (21 blocks of a 2 x 64-row cluster).
     rows = ff.rows_per_launch(8192, 128256, False, cfg, 16 * 2**20)
-    assert rows == 2560 and rows % (cfg.tile_m * cfg.cluster_m) == 0
+    assert rows == 2688 and rows % (cfg.tile_m * cfg.cluster_m) == 0
     assert ff.rows_per_launch(100, 128256, True, cfg, 1) == 100
 
 

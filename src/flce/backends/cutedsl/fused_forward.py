@@ -43,19 +43,18 @@ many rows as fit in ``workspace_bytes``, in whole cluster row blocks (48 MiB by 
 N = 8192 at V = 128256 in one launch), which bounds the peak extra memory by that budget
 plus the O(N) outputs.
 
-Default launch shape (``DEFAULT_CONFIG``): 128 x 256 tiles, clusters of two CTAs along M
-that share each W tile through TMA multicast, so W is read from L2 once per pair of row
-blocks; persistent. Measured on an H200 (bf16, H = 4096, N = 8192; CUDA events, each call
-after 100 ms of GEMMs, interleaved with ``torch.mm`` of the same logits, median of 8 or
-6): 3.516 ms at V = 32000 (1.052x ``torch.mm``), 6.814 at 65536 (1.037x), 13.01 at 128256
-(1.034x); one cluster per tile took 3.583, 7.009 and 13.43 ms. (Timed cold, back to back,
-one cluster per tile had looked faster at V = 32000, 2.89 against 3.06 ms, and was the
-default below 65536 columns until the heated runs.) Before the kernel was
-warp-specialised it took 1.068x at V = 128256.
-``FusedForwardConfig(tile_m=64, pingpong=True)`` gives the two MMA warpgroups alternate
-64-row tiles, so one's epilogue runs under the other's main loop; measured slower (1.068x
-of ``torch.mm`` at V = 128256 with W multicast to 4 CTAs, against 1.021x for the default
-in the same run), although its bytes moved per flop are the same (not profiled further).
+Default launch shape (``DEFAULT_CONFIG``): two MMA warpgroups on alternate 64 x 256 tiles
+(ping-pong: one runs its epilogue, an exp per logit, while the other multiplies), clusters
+of two CTAs along M that share each W tile through TMA multicast, so W is read from L2
+once per pair of row blocks; persistent. Measured on an H200 (bf16, H = 4096, N = 8192;
+CUDA events, each call after 100 ms of GEMMs, interleaved with ``torch.mm`` of the same
+logits, median of 12 rounds, 2026-12-02): 0.976x ``torch.mm`` at V = 32000, 1.010x at
+128256, 1.025x at 151936 and 0.998x at 262144, against 1.038x, 1.043x, 1.046x and 1.033x
+for the cooperative 128 x 256 tiles (both warpgroups on one tile, the epilogue stalling
+the tensor cores) that were the default before; with W multicast to 4 CTAs ping-pong took
+1.057x at V = 32000 (``benchmarks/results/fused-forward-gemm-h200/``). Earlier, cold or
+before the kernel's later changes, ping-pong had measured slower (1.068x at V = 128256
+with W multicast to 4 CTAs, against 1.021x for the cooperative tiles, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -163,11 +162,12 @@ class FusedForwardConfig:
             raise ValueError(f"pingpong gives each warpgroup a whole tile: tile_m must be 64, got {self.tile_m}")
 
 
-# The fastest shape measured at every vocabulary (module docstring): each W tile is
-# multicast to the two CTAs of an M cluster, which halves the reads of W, the larger
-# operand of a 128 x 256 tile; persistent CTAs load a tile's operands under the last one's
-# epilogue.
-DEFAULT_CONFIG = FusedForwardConfig(cluster_m=2)
+# The fastest shape measured at every vocabulary (module docstring): two MMA warpgroups on
+# alternate 64 x 256 tiles, so one's epilogue (an exp per logit) runs under the other's
+# main loop instead of stalling the tensor cores; each W tile multicast to the two CTAs of
+# an M cluster, which halves the reads of W, the larger operand of the tile; persistent CTAs
+# load a tile's operands under the last one's epilogue.
+DEFAULT_CONFIG = FusedForwardConfig(tile_m=64, cluster_m=2, pingpong=True)
 
 
 def _stage_bytes(config: FusedForwardConfig, esize: int) -> int:
@@ -908,8 +908,8 @@ def fused_forward_statistics(
     - ``predicted`` (N,) int64: argmax of z' (first index wins ties),
     - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
 
-    ``config`` defaults to ``DEFAULT_CONFIG`` (128 x 256 tiles, ``cluster_m = 2``,
-    persistent: the fastest measured, see the module docstring). Runs on the current CUDA
+    ``config`` defaults to ``DEFAULT_CONFIG`` (ping-pong warpgroups on 64 x 256 tiles,
+    ``cluster_m = 2``, persistent: the fastest measured, see the module docstring). Runs on the current CUDA
     stream, with no host synchronisation.
 
     The host work before the GEMM's launch delays it (a synchronized call waits for it):
