@@ -159,7 +159,7 @@ BACKEND = BackendSpec(
     description="CuTe DSL chunk CE kernel (sm_90+): one pass of online softmax, gradient in place",
     loss_only=LossOnlyStatistics(
         applicable=fused_forward_applicable,
-        statistics=lazy_function("flce.backends.cutedsl.fused_forward", "launch_fused_forward_statistics"),
+        statistics=lazy_function("flce.backends.cutedsl.fused_forward", "prechecked_fused_forward_statistics"),
         workspace_bytes=fused_forward_workspace_bytes,
     ),
 )

@@ -892,13 +892,14 @@ def fused_forward_launch(
 def fused_forward_statistics(
     input: torch.Tensor,  # (N, H) bf16/fp16, contiguous
     weight: torch.Tensor,  # (V, H) same dtype, contiguous
-    target: torch.Tensor,  # (N,) int64/int32; values outside [0, V) (ignore_index) have no target logit
+    target: torch.Tensor,  # (N,) int64/int32; values outside [0, V) (ignore_index) have target logit 0
     bias: torch.Tensor | None = None,  # (V,) any float dtype
     softcap: float | None = None,
     with_logit_sum: bool = False,
     *,
     config: FusedForwardConfig | None = None,
     workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    check: bool = True,
 ) -> dict:
     """Per-row statistics of the logits ``z' = softcap(input @ weight^T + bias)`` without
     materialising them. Returns a dict of tensors on the input's device:
@@ -909,36 +910,20 @@ def fused_forward_statistics(
     - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
 
     ``config`` defaults to ``DEFAULT_CONFIG`` (ping-pong warpgroups on 64 x 256 tiles,
-    ``cluster_m = 2``, persistent: the fastest measured, see the module docstring). Runs on the current CUDA
-    stream, with no host synchronisation.
+    ``cluster_m = 2``, persistent: the fastest measured, see the module docstring). Runs on
+    the current CUDA stream, with no host synchronisation. ``check=False`` skips the
+    argument checks, for callers whose operands already passed them (the backend's
+    ``loss_only`` slot, ``prechecked_fused_forward_statistics``: the driver's operands
+    passed the API boundary's checks and ``fused_forward_applicable``).
 
     The host work before the GEMM's launch delays it (a synchronized call waits for it):
     the launch's decisions are cached per signature (``fused_forward_launch``), the
     per-tile statistics take one allocation, the target logits no zero fill (the kernel
-    writes every row), and the outputs that only the combining kernel writes are
-    allocated once the GEMM is queued.
+    writes every row), the arguments one check per call, and the outputs that only the
+    combining kernel writes are allocated once the GEMM is queued.
     """
-    _validate(input, weight, target, bias, softcap)
-    return launch_fused_forward_statistics(
-        input, weight, target, bias, softcap, with_logit_sum, config=config, workspace_bytes=workspace_bytes
-    )
-
-
-def launch_fused_forward_statistics(
-    input: torch.Tensor,  # (N, H) bf16/fp16, contiguous, 16-byte aligned
-    weight: torch.Tensor,  # (V, H) same dtype, contiguous, 16-byte aligned
-    target: torch.Tensor,  # (N,) int64/int32
-    bias: torch.Tensor | None = None,  # (V,) any float dtype
-    softcap: float | None = None,
-    with_logit_sum: bool = False,
-    *,
-    config: FusedForwardConfig | None = None,
-    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
-) -> dict:
-    """``fused_forward_statistics`` for operands that already satisfy its checks: the
-    backend's ``loss_only`` slot, which the driver calls with operands checked at the API
-    boundary and by ``fused_forward_applicable`` (``flce.driver.fused``). The checks are
-    host time before the GEMM's launch, once per call is enough."""
+    if check:
+        _validate(input, weight, target, bias, softcap)
     num_rows, hidden = input.shape
     vocab = weight.shape[0]
     config = DEFAULT_CONFIG if config is None else config
@@ -1009,6 +994,11 @@ def launch_fused_forward_statistics(
                 stream,
             )
     return out
+
+
+# The backend's ``loss_only`` slot: the driver (``flce.driver.fused``) hands over operands
+# that the API boundary and ``fused_forward_applicable`` checked.
+prechecked_fused_forward_statistics = partial(fused_forward_statistics, check=False)
 
 
 def _combined_outputs(target_logit: torch.Tensor, with_logit_sum: bool) -> dict:
