@@ -12,7 +12,7 @@ import torch
 import flce
 from flce.compat import liger
 from flce.options import LossOptions
-from flce.reference import fused_linear_cross_entropy_reference
+from flce.reference import cross_entropy_reference, fused_linear_cross_entropy_reference
 from flce.testing import EPS
 from tests.entry_points import (
     BACKENDS,
@@ -687,3 +687,70 @@ def test_class_weights_that_require_grad_are_refused_as_in_pytorch():
         flce.cross_entropy(x @ w.T, t, weight=cw)
     with torch.no_grad():  # nothing is differentiated: nothing to refuse
         flce.fused_linear_cross_entropy(x, w, t, ce_weight=cw)
+
+
+# ------------------------------------------------------- an ambient default device
+
+AMBIENT_OPTIONS = dict(lse_square_scale=1e-4, label_smoothing=0.1, return_z_loss=True)
+
+
+@pytest.mark.usefixtures("process_group_of_one")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_an_ambient_default_device_moves_nothing(backend, entry):
+    check_ambient_default_device(backend, ENTRIES[entry])
+
+
+def check_ambient_default_device(backend: str, entry: Entry, ambient: str = "meta") -> None:
+    """A call under ``torch.set_default_device`` or a ``torch.device`` context (how models
+    are often built) keeps every tensor it makes on its inputs' device: the ambient device
+    is never where flce's statistics, buffers or host slots go. The meta device as the
+    ambient one makes any tensor that follows it fail loudly (it holds no data)."""
+    options = {k: v for k, v in AMBIENT_OPTIONS.items() if k in entry.accepts}
+    if entry.kind == "fused":
+        problem = Problem(fused_leaves(ce_weight=True), plain_fused, options, ("x", "w", "b"))
+    else:
+        problem = Problem(logits_leaves(ce_weight=True), plain_logits, options, ("z",))
+    with torch.device(ambient):
+        outputs, grads = run_entry(entry, problem, backend)
+        flce.check_errors()
+    assert_matches_reference(entry, problem, outputs, grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head", ["logprobs", "distillation"])
+def test_an_ambient_default_device_moves_nothing_in_the_other_heads(backend, head):
+    """The logprobs and distillation heads give the same outputs and gradients under an
+    ambient default device (meta: a tensor that followed it would hold no data)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 16, generator=gen).to(DEVICE)
+    w = torch.randn(40, 16, generator=gen).to(DEVICE)
+    t = torch.randint(0, 40, (12,), generator=gen).to(DEVICE)
+    t[2] = -100
+
+    def run():
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if head == "logprobs":
+            out = flce.fused_linear_logprobs(xs, ws, t, return_entropy=True, backend=backend)
+            loss = out.logprobs.sum() + out.entropy.sum()
+        else:
+            loss = flce.fused_linear_distillation(xs, ws, x.flip(0), w.flip(0), target=t, backend=backend)
+        loss.backward()
+        return loss.detach(), xs.grad, ws.grad
+
+    expected = run()
+    with torch.device("meta"):
+        got = run()
+        flce.check_errors()
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.device == theirs.device
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_the_reference_under_an_ambient_default_device():
+    """The float64 judge itself: the same result under a default device of meta."""
+    leaves = logits_leaves()
+    expected = cross_entropy_reference(leaves["z"], leaves["t"], label_smoothing=0.1)
+    with torch.device("meta"):
+        got = cross_entropy_reference(leaves["z"], leaves["t"], label_smoothing=0.1)
+    assert torch.equal(got.loss, expected.loss)

@@ -38,3 +38,14 @@ def test_harness_catches_small_errors(monkeypatch, kind, dtype, shape):
         # 0.1% is below bf16/fp16 logit rounding: the loss judge cannot see it there.
         return
     assert not outcome.passed, outcome.errors
+
+
+def test_the_harness_runs_under_an_ambient_default_device():
+    """Its inputs come from a CPU generator: drawn on the CPU whatever default device the
+    caller set (meta here: a tensor that followed it would hold no data), and the run passes."""
+    case = Case(n_rows=16, hidden=8, vocab=40, feature="all", bias=True)
+    expected = run_case(case, "torch", torch.device("cpu"))
+    with torch.device("meta"):
+        got = run_case(case, "torch", torch.device("cpu"))
+    assert got.passed and expected.passed, got.failures
+    assert got.errors == expected.errors

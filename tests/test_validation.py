@@ -215,6 +215,21 @@ def test_gpu_slots_made_under_inference_mode_serve_later_calls(pool, backend):
             flce.check_errors()
 
 
+@pytest.mark.gpu
+def test_gpu_slots_stay_pinned_host_memory_under_an_ambient_cuda_device(pool):
+    """Under ``torch.set_default_device("cuda")`` or a ``torch.device`` context a slot is
+    still pinned host memory (a CUDA tensor cannot be pinned: the calls would raise)."""
+    device = _gpu()
+    with torch.device(device):
+        validation.defer(_counts(0).to(device), _describe)
+        flce.check_errors()
+        validation.defer(_counts(1).to(device), _describe)
+        with pytest.raises(ValueError, match="1 bad"):
+            flce.check_errors()
+    (free,) = validation._free_slots.values()
+    assert free[0].host.device.type == "cpu" and free[0].host.is_pinned()
+
+
 def test_deferred_statistics_follow_the_first_gemm_and_are_still_checked(cuda, monkeypatch):
     """With asynchronous validation a call launches its first logits GEMM before the batch
     statistics (the GPU starts while the host works), and a bad target still poisons the

@@ -48,8 +48,11 @@ def cross_entropy_reference(
     y = torch.where(valid, target, torch.zeros_like(target)).long()
     log_p = torch.log_softmax(z, dim=-1)  # log p_i = z'_i - lse
     lse = torch.logsumexp(z, dim=-1)
-    w = torch.ones(vocab, dtype=math_dtype) if ce_weight is None else ce_weight.to(math_dtype).cpu()
-    w = w.to(z.device)
+    w = (
+        torch.ones(vocab, dtype=math_dtype, device=z.device)
+        if ce_weight is None
+        else ce_weight.to(z.device, math_dtype)
+    )
     w_y = w[y]
     nll = -log_p.gather(1, y[:, None]).squeeze(1)
     smooth = -(log_p * w[None, :]).sum(dim=-1)  # sum_i w_i (lse - z'_i)

@@ -98,18 +98,21 @@ class Tensors:
 def make_tensors(case: Case, device: torch.device) -> Tensors:
     """Inputs whose softmax is peaked (logits of O(5)), never zeros; about
     ``ignored_fraction`` of the rows ignored; upstream gradient != 1."""
+    # Drawn on the CPU (the generator's device, whatever default device the caller set),
+    # then moved: the same values on every device.
     gen = torch.Generator().manual_seed(case.seed)
-    x = torch.randn(case.n_rows, case.hidden, generator=gen)
-    w = torch.randn(case.vocab, case.hidden, generator=gen) * (5.0 / max(case.hidden, 1) ** 0.5)
-    target = torch.randint(0, case.vocab, (case.n_rows,), generator=gen)
-    ignored = torch.rand(case.n_rows, generator=gen) < case.ignored_fraction
+    cpu = dict(generator=gen, device="cpu")
+    x = torch.randn(case.n_rows, case.hidden, **cpu)
+    w = torch.randn(case.vocab, case.hidden, **cpu) * (5.0 / max(case.hidden, 1) ** 0.5)
+    target = torch.randint(0, case.vocab, (case.n_rows,), **cpu)
+    ignored = torch.rand(case.n_rows, **cpu) < case.ignored_fraction
     target[ignored] = case.ignore_index
-    bias = torch.randn(case.vocab, generator=gen) if case.bias else None
-    ce_weight = torch.rand(case.vocab, generator=gen) + 0.5 if case.feature_options.get("ce_weight") else None
+    bias = torch.randn(case.vocab, **cpu) if case.bias else None
+    ce_weight = torch.rand(case.vocab, **cpu) + 0.5 if case.feature_options.get("ce_weight") else None
     if case.reduction == "none":
-        upstream = torch.randn(case.n_rows, generator=gen)
+        upstream = torch.randn(case.n_rows, **cpu)
     else:
-        upstream = torch.tensor(1.5)
+        upstream = torch.tensor(1.5, device="cpu")
 
     def put(t, dtype):
         return None if t is None else t.to(device=device, dtype=dtype)

@@ -42,3 +42,17 @@ def test_architecture_matches_stock_or_is_refused(model_type, recorded):
         )
     if category == hf_tiny.UNBUILDABLE:
         pytest.skip(f"tiny {model_type} cannot be built and trained here: {detail}")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "bart"])  # gemma2: a fitted softcap; bart: the inline probe
+def test_patched_model_under_an_ambient_default_device(model_type):
+    """Patching and training under ``torch.set_default_device`` or a ``torch.device``
+    context (meta here: a tensor that followed it would hold no data) matches stock."""
+    from flce.integrations import transformers as flce_hf
+
+    stock = hf_tiny.build(hf_tiny.tiny_config(model_type))
+    batch = hf_tiny.inputs(stock)
+    patched = hf_tiny.clone(stock)
+    with torch.device("meta"):
+        flce_hf.apply_flce(patched)
+        hf_tiny.compare_with_stock(stock, patched, batch)

@@ -181,7 +181,7 @@ def _host_statistics(
     values = [n_valid, ce_denominator, weight_sum, poison, inv_valid]
     values += [inv_denominator * poison, inv_valid * poison, weight_sum, poison, poison, weight_sum]
     values += [float(bad_targets), float(bad_weights)]  # exact here, beyond 2**24 too
-    return torch.tensor(values, dtype=torch.float32), values
+    return torch.tensor(values, dtype=torch.float32, device=target.device), values
 
 
 @lru_cache(maxsize=64)  # a few (vocab, ignore_index) pairs per process: one closure each

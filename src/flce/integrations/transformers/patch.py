@@ -178,7 +178,8 @@ class _HeadOutputHook:
         positions = it.hidden.shape[:-1]
         if it.mode == "probe_logits":  # known logits, for a forward that computes its cross-entropy itself
             generator = torch.Generator().manual_seed(0)
-            logits = 3.0 * torch.randn((*positions, output.shape[-1]), generator=generator)
+            # On the generator's device, whatever default device the caller set.
+            logits = 3.0 * torch.randn((*positions, output.shape[-1]), generator=generator, device="cpu")
             it.placeholder = logits.to(output.device).requires_grad_()
             return it.placeholder
         points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float32, device=output.device)

@@ -144,7 +144,7 @@ def _fit_transform(name: str, received: torch.Tensor, config) -> tuple[bool, flo
     if not bool((rows == rows[:1]).all()):
         raise UnsupportedModelError(name, "its post-processing of the logits differs between positions")
     observed = rows[0].cpu()
-    points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float64)
+    points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float64, device="cpu")
     rtol = 8 * torch.finfo(received.dtype).eps
     if torch.allclose(observed, points, rtol=rtol, atol=0):
         return False, None
