@@ -64,6 +64,7 @@ def _new_slot(key: tuple) -> _Slot:
     _, shape, dtype = key
     # A slot outlives the call that made it: made under torch.inference_mode its buffer
     # would be an inference tensor, which refuses the copies of later calls outside it.
+    # Host memory whatever default device the caller set (a CUDA tensor cannot be pinned).
     with torch.inference_mode(False):
         host = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
     return _Slot(key, host, torch.cuda.Event())
