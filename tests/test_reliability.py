@@ -754,3 +754,36 @@ def test_the_reference_under_an_ambient_default_device():
     with torch.device("meta"):
         got = cross_entropy_reference(leaves["z"], leaves["t"], label_smoothing=0.1)
     assert torch.equal(got.loss, expected.loss)
+
+
+@pytest.fixture
+def restore_default_dtype():
+    saved = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(saved)
+
+
+@pytest.mark.usefixtures("process_group_of_one", "restore_default_dtype")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("default_dtype", [torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_a_default_dtype_changes_no_bit(backend, default_dtype, entry):
+    """``torch.set_default_dtype`` (a script that builds its model in bf16 or float64)
+    must not change the dtype of any buffer flce makes: the same outputs and gradients,
+    bit for bit, as under the float32 default."""
+    entry = ENTRIES[entry]
+    options = {k: v for k, v in AMBIENT_OPTIONS.items() if k in entry.accepts}
+    if entry.kind == "fused":
+        problem = Problem(fused_leaves(ce_weight=True), plain_fused, options, ("x", "w", "b"))
+    else:
+        problem = Problem(logits_leaves(ce_weight=True), plain_logits, options, ("z",))
+    expected_outputs, expected_grads = run_entry(entry, problem, backend)
+    torch.set_default_dtype(default_dtype)
+    outputs, grads = run_entry(entry, problem, backend)
+    for ours, theirs in zip(outputs, expected_outputs, strict=True):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert grad.dtype == expected_grads[name].dtype and torch.equal(grad, expected_grads[name]), name
