@@ -20,7 +20,7 @@ gradient goes to a separate buffer so the caller's logits are never modified.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -142,16 +142,30 @@ def run_token_chunks(
     extra_bytes_per_logit: int,  # the kernel's fp32 workspace per logit
     constant_heads: Sequence[LinearHead] = (),  # same N and V; no gradient (a teacher)
     kept_logits: torch.Tensor | None = None,  # (N, V) compute dtype: ``head``'s logits, kept
+    after_first_gemm: Callable[[], None] | None = None,
 ) -> Gradients:
     """The loop of every loss head: per chunk, the logits GEMM of ``head`` (and of each
     constant head) into reused buffers, ``kernel``, then dX and the dW/db accumulation of
     the requested gradients from the dL/dlogits it wrote in place. ``kept_logits``: the
     logits of every row that an earlier one-chunk run of this loop produced (the same
-    GEMM), used as one chunk in place of the logits GEMM, and overwritten."""
+    GEMM), used as one chunk in place of the logits GEMM, and overwritten.
+
+    The host work before the first GEMM's launch delays the GPU, so what can wait does:
+    ``after_first_gemm`` (the head allocating its row outputs) and the gradients' buffers
+    run once the first chunk's GEMMs are queued, before its ``kernel`` (at once when there
+    are no rows)."""
     input, weight, bias, compute_dtype = head.input, head.weight, head.bias, head.compute_dtype
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
     device = input.device
+    if n_rows == 0:  # no rows, no GEMM: the gradients are zero (dX has no rows)
+        if after_first_gemm is not None:
+            after_first_gemm()
+        return Gradients(
+            torch.empty_like(input) if request.input else None,
+            torch.zeros(vocab, hidden, dtype=weight.dtype, device=device) if request.weight else None,
+            torch.zeros(vocab, dtype=bias.dtype, device=device) if request.bias else None,
+        )
 
     w = in_compute_dtype(weight, compute_dtype)
     b = in_compute_dtype(bias, compute_dtype)
@@ -178,15 +192,6 @@ def run_token_chunks(
         n_rows, chunk, weight.dtype, compute_dtype, accumulator_dtype
     )
 
-    def gradient_buffers() -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """dX, and dW's and db's accumulators, uninitialised: the first chunk's GEMMs
-        overwrite them."""
-        dx = torch.empty_like(input) if request.input else None
-        dw_dtype = weight.dtype if dw_direct else accumulator_dtype
-        dw_acc = torch.empty(vocab, hidden, dtype=dw_dtype, device=device) if request.weight else None
-        db_acc = torch.empty(vocab, dtype=torch.float32, device=device) if request.bias else None
-        return dx, dw_acc, db_acc
-
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
     # chunk of aligned rows otherwise: its GEMM allocates the logits (the same memory, one op
     # fewer than a buffer).
@@ -208,9 +213,14 @@ def run_token_chunks(
             logits_product(buffer[: end - start], in_compute_dtype(c.input[start:end], c.compute_dtype), c_w_t, c_b)
             for buffer, (c, c_w_t, c_b) in zip(constant_buffers, constants, strict=True)
         )
-        if start == 0:
-            # Allocated once the first GEMMs are launched: the GPU starts on them meanwhile.
-            dx, dw_acc, db_acc = gradient_buffers()
+        if start == 0:  # the first GEMMs are queued: what waited for them (docstring)
+            if after_first_gemm is not None:
+                after_first_gemm()
+            # Uninitialised: the first chunk's GEMMs overwrite them.
+            dx = torch.empty_like(input) if request.input else None
+            dw_dtype = weight.dtype if dw_direct else accumulator_dtype
+            dw_acc = torch.empty(vocab, hidden, dtype=dw_dtype, device=device) if request.weight else None
+            db_acc = torch.empty(vocab, dtype=torch.float32, device=device) if request.bias else None
         kernel(logits, start, end, compute_grad, constant_logits)
         constant_logits = None
         if not compute_grad:
@@ -235,11 +245,6 @@ def run_token_chunks(
     # cast below, so the chunks and the cast's output never coexist.
     logits = grad_logits = x = None
     del buffer, constant_buffers
-    if n_rows == 0:  # no chunk ran: the gradients are zero (dX has no rows)
-        dx, dw_acc, db_acc = gradient_buffers()
-        for accumulator in (dw_acc, db_acc):
-            if accumulator is not None:
-                accumulator.zero_()
     dw = None
     if dw_acc is not None:
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)
@@ -263,12 +268,13 @@ def run_chunks(
 ) -> tuple[RowOutputs, Gradients]:
     """The cross-entropy through ``run_token_chunks`` with the backend's chunk CE kernel;
     returns per-row outputs and the requested gradients."""
-    rows = None  # allocated at the first chunk, once its logits GEMM is launched
+    rows = None
+
+    def allocate() -> None:  # once the first logits GEMM is queued (run_token_chunks)
+        nonlocal rows
+        rows = allocate_rows(input.shape[0], options, input.device)
 
     def cross_entropy_kernel(logits, start, end, compute_grad, _constant_logits) -> None:
-        nonlocal rows
-        if rows is None:
-            rows = allocate_rows(input.shape[0], options, input.device)
         backend.cross_entropy_chunk(
             logits,
             row_range(target, start, end),
@@ -286,9 +292,8 @@ def run_chunks(
         chunk_size=options.chunk_size,
         accum_dtype=options.accum_dtype,
         extra_bytes_per_logit=backend.extra_bytes_per_logit,
+        after_first_gemm=allocate,
     )
-    if rows is None:  # no rows, no chunk
-        rows = allocate_rows(input.shape[0], options, input.device)
     return rows, grads
 
 

@@ -106,8 +106,12 @@ class DistillationPlan:
         (the per-row upstream gradient times the reduction's scale) or, without it, the
         reduction's scale folded into each row."""
         o, options, kernels = operands, self.options, self.backend.distillation
-        losses = torch.empty(o.n_rows, dtype=torch.float32, device=o.input.device)
+        losses = None
         row_grad_scale = self.row_scale.expand(o.n_rows) if upstream is None else upstream
+
+        def allocate() -> None:  # once the first logits GEMMs are queued (run_token_chunks)
+            nonlocal losses
+            losses = torch.empty(o.n_rows, dtype=torch.float32, device=o.input.device)
 
         def kernel(logits, start, end, compute_grad, constant_logits) -> None:
             (teacher_logits,) = constant_logits
@@ -131,6 +135,7 @@ class DistillationPlan:
             accum_dtype=None,
             extra_bytes_per_logit=kernels.extra_bytes_per_logit,
             constant_heads=(LinearHead(o.teacher_input, o.teacher_weight, o.teacher_bias, self.teacher_dtype),),
+            after_first_gemm=allocate,
         )
         return losses, grads
 

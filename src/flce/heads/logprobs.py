@@ -241,7 +241,11 @@ class LogprobsPlan:
             chunk_size=self.scheme.rows, accum_dtype=None, extra_bytes_per_logit=kernels.extra_bytes_per_logit
         )
         if upstream is None:
-            rows = LogprobsRows.allocate(o.n_rows, o.input.device, options)
+            rows = None
+
+            def allocate() -> None:  # once the first logits GEMM is queued (run_token_chunks)
+                nonlocal rows
+                rows = LogprobsRows.allocate(o.n_rows, o.input.device, options)
 
             def forward_kernel(logits, start, end, compute_grad, constant_logits) -> None:
                 if self.scheme.keeps_logits:  # one chunk: ``logits`` is the whole (N, V) buffer
@@ -257,7 +261,7 @@ class LogprobsPlan:
                     predicted_out=row_range(rows.predicted, start, end),
                 )
 
-            run_token_chunks(head, forward_kernel, NO_GRADIENTS, **sizing)
+            run_token_chunks(head, forward_kernel, NO_GRADIENTS, **sizing, after_first_gemm=allocate)
             return rows, Gradients(None, None, None)
 
         u = upstream
