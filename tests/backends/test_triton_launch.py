@@ -5,6 +5,7 @@ bit what ``JITFunction.run`` gives, through alignment and size changes."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 import itertools
@@ -223,6 +224,22 @@ def test_what_the_direct_path_leaves_to_triton(direct_launches, monkeypatch):
     for _ in range(2):  # a profiler's launch hooks
         launcher._launch_cuda((4,), (torch.zeros(8),), {"BLOCK": 64, "FLAG": True}, 4, 0)
     assert [entry[0] for entry in kernel.launches] == ["triton"] * 4
+
+
+@pytest.mark.parametrize("index", [None, 0, 1])
+def test_a_launch_guards_the_device_only_off_the_current_one(direct_launches, monkeypatch, index):
+    """The launch's device becomes the current one for the launch (Triton launches on the
+    current device), and only when it is another (a guard is host time on every launch);
+    the stream is the launch device's."""
+    guarded = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda i: guarded.append(i) or contextlib.nullcontext())
+    kernel = _FakeKernel("x", "n")
+    launcher = Launcher(kernel)
+    for _ in range(2):  # through Triton, then directly
+        launcher((4,), (torch.zeros(8), 3), {}, 4, torch.device("cuda", index))
+    assert guarded == ([] if index in (None, 0) else [1, 1])
+    assert kernel.launches[-1][0] == "direct" and kernel.launches[-1][1][3] == 1000 + (index or 0)
 
 
 def _chunk_call(logits, target):

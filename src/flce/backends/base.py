@@ -44,6 +44,7 @@ per-class vectors, with the helpers below); logits need unit stride along V only
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -351,6 +352,15 @@ class BackendSpec:
     batch_statistics: Callable[..., torch.Tensor] | None = None
     logprobs: LogprobsKernels | None = None
     distillation: DistillationKernels | None = None
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """The guard of a kernel launch on the CUDA ``device`` (Triton and the CuTe DSL launch
+    on the current device): none when it is the current one already, as in most calls (a
+    guard sets and restores the device: host time on every launch)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device.index)
 
 
 def lazy_function(module: str, name: str) -> Callable:

@@ -39,6 +39,7 @@ from flce.backends.base import (
     ChunkScalars,
     check_logits_layout,
     check_row_outputs,
+    device_guard,
     gradient_destination,
     kernel_class_weights,
     kernel_row_vector,
@@ -65,7 +66,6 @@ from flce.backends.cutedsl.common import (
     cuda_stream,
     gmem_ptr,
     null_ptr,
-    on_device,
     pow2_ceil,
     row_threads,
     softcap_tanh,
@@ -485,7 +485,7 @@ def cross_entropy_chunk(
         compute_grad=bool(compute_grad),
     )
     fn = compile_kernel(key, config)
-    with on_device(logits.device):
+    with device_guard(logits.device):
         _launch(
             fn,
             key,

@@ -10,7 +10,6 @@ described in ``ce``'s module docstring.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
@@ -612,15 +611,6 @@ def current_stream_handle(device: torch.device) -> int:
     if _current_raw_stream is not None:
         return _current_raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
-
-
-def on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """The device guard of a launch on ``device`` (the DSL launches on the current
-    device): none when it is the current one already, as in most calls (a guard sets and
-    restores the device: host time on every launch)."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device.index)
 
 
 if TVM_FFI_CALLS:

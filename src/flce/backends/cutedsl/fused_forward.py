@@ -72,7 +72,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.base import softcap_tanh_is_approximate
+from flce.backends.base import device_guard, softcap_tanh_is_approximate
 from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES, fused_forward_rows_per_launch
 from flce.backends.cutedsl.common import (
     LOG2_E,
@@ -86,7 +86,6 @@ from flce.backends.cutedsl.common import (
     gmem_address,
     gmem_ptr,
     null_ptr,
-    on_device,
     softcap_tanh,
 )
 
@@ -958,7 +957,7 @@ def fused_forward_statistics(
     c = float(softcap) if softcap is not None else 1.0
     chunk = launch.rows_per_launch
     out = None
-    with on_device(dev):
+    with device_guard(dev):
         stream = cuda_stream(dev)
         for r0 in range(0, num_rows, chunk):
             rows = min(chunk, num_rows - r0)

@@ -30,7 +30,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.base import gradient_destination, unit_stride_along_vocabulary
+from flce.backends.base import device_guard, gradient_destination, unit_stride_along_vocabulary
 from flce.backends.cutedsl.common import (
     TORCH_TO_CUTE,
     KernelConfig,
@@ -45,7 +45,6 @@ from flce.backends.cutedsl.common import (
     cuda_stream,
     gmem_ptr,
     null_ptr,
-    on_device,
     pow2_ceil,
     row_threads,
     softcap_tanh,
@@ -420,7 +419,7 @@ def partial_statistics(
             cuda.CUstream(0),
         ),
     )
-    with on_device(device):
+    with device_guard(device):
         fn(
             gmem_ptr(logits, dtype, align),
             gmem_ptr(target, target_t, target.element_size()),
@@ -502,7 +501,7 @@ def partial_gradient(
         ),
     )
     weight_sum = weight_sum.to(device=logits.device, dtype=torch.float32).reshape(1)
-    with on_device(logits.device):
+    with device_guard(logits.device):
         fn(
             gmem_ptr(logits, dtype, align),
             gmem_ptr(target, target_t, target.element_size()),

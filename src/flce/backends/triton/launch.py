@@ -62,6 +62,8 @@ from typing import Any
 import torch
 import triton
 
+from flce.backends.base import device_guard
+
 _I32_MIN, _I32_END = -(2**31), 2**31
 _FLOAT = (float,)
 
@@ -166,12 +168,8 @@ class Launcher:
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any], num_warps: int, device):
         """``kernel[grid](*args, **constexprs, num_warps=num_warps)`` on the CUDA ``device``:
         ``args`` are the leading parameters in order, ``constexprs`` the rest by name."""
-        current = torch.cuda.current_device()
-        index = current if device.index is None else device.index
-        if index != current:
-            with torch.cuda.device(index):  # Triton launches on the current device
-                self._launch_cuda(grid, args, constexprs, num_warps, index)
-        else:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        with device_guard(device):  # Triton launches on the current device
             self._launch_cuda(grid, args, constexprs, num_warps, index)
 
     def _launch_cuda(self, grid, args, constexprs, num_warps: int, index: int) -> None:
