@@ -694,6 +694,14 @@ def test_class_weights_that_require_grad_are_refused_as_in_pytorch():
 AMBIENT_OPTIONS = dict(lse_square_scale=1e-4, label_smoothing=0.1, return_z_loss=True)
 
 
+def _ambient_problem(entry: Entry) -> Problem:
+    """A problem with class weights and the features ``entry`` takes of ``AMBIENT_OPTIONS``."""
+    options = {k: v for k, v in AMBIENT_OPTIONS.items() if k in entry.accepts}
+    if entry.kind == "fused":
+        return Problem(fused_leaves(ce_weight=True), plain_fused, options, ("x", "w", "b"))
+    return Problem(logits_leaves(ce_weight=True), plain_logits, options, ("z",))
+
+
 @pytest.mark.usefixtures("process_group_of_one")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
@@ -706,11 +714,7 @@ def check_ambient_default_device(backend: str, entry: Entry, ambient: str = "met
     are often built) keeps every tensor it makes on its inputs' device: the ambient device
     is never where flce's statistics, buffers or host slots go. The meta device as the
     ambient one makes any tensor that follows it fail loudly (it holds no data)."""
-    options = {k: v for k, v in AMBIENT_OPTIONS.items() if k in entry.accepts}
-    if entry.kind == "fused":
-        problem = Problem(fused_leaves(ce_weight=True), plain_fused, options, ("x", "w", "b"))
-    else:
-        problem = Problem(logits_leaves(ce_weight=True), plain_logits, options, ("z",))
+    problem = _ambient_problem(entry)
     with torch.device(ambient):
         outputs, grads = run_entry(entry, problem, backend)
         flce.check_errors()
@@ -772,11 +776,7 @@ def test_a_default_dtype_changes_no_bit(backend, default_dtype, entry):
     must not change the dtype of any buffer flce makes: the same outputs and gradients,
     bit for bit, as under the float32 default."""
     entry = ENTRIES[entry]
-    options = {k: v for k, v in AMBIENT_OPTIONS.items() if k in entry.accepts}
-    if entry.kind == "fused":
-        problem = Problem(fused_leaves(ce_weight=True), plain_fused, options, ("x", "w", "b"))
-    else:
-        problem = Problem(logits_leaves(ce_weight=True), plain_logits, options, ("z",))
+    problem = _ambient_problem(entry)
     expected_outputs, expected_grads = run_entry(entry, problem, backend)
     torch.set_default_dtype(default_dtype)
     outputs, grads = run_entry(entry, problem, backend)

@@ -878,10 +878,11 @@ def fused_forward_launch(
     config.validate()
     if key.vocab > INT32_MAX // 2:
         raise ValueError(f"weight has {key.vocab} rows; the kernel indexes columns with int32")
+    num_tiles = cdiv(key.vocab, config.tile_n)
     return FusedForwardLaunch(
         fused=compile_fused_forward(key, config),
-        combine=compile_combine(cdiv(key.vocab, config.tile_n), key.with_logit_sum),
-        num_tiles=cdiv(key.vocab, config.tile_n),
+        combine=compile_combine(num_tiles, key.with_logit_sum),
+        num_tiles=num_tiles,
         rows_per_launch=rows_per_launch(num_rows, key.vocab, key.with_logit_sum, config, workspace_bytes),
         max_clusters=clusters_to_launch(config, torch.device("cuda", device_index)),
         key=key,
