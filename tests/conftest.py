@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+from flce import plan  # noqa: E402
 from flce.driver import validation  # noqa: E402
 
 # Property tests judge the code, not the machine's load: a GPU machine compiling kernels in
@@ -30,3 +31,9 @@ def _no_pending_validation_errors():
     yield
     validation.discard_pending()
 
+
+@pytest.fixture(autouse=True)
+def _routes_decided_afresh():
+    """Each test decides its own calls' routes (``flce.plan.Plan.route`` keeps them per
+    layout): tests patch what decides them (the scheme chooser, the default budget)."""
+    plan._ROUTES.clear()

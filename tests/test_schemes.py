@@ -590,6 +590,36 @@ def test_the_budget_applies_to_the_fused_loss_only():
         flce.CrossEntropyLoss(memory_budget=10**6)(logits, t)
 
 
+def test_a_kept_route_is_decided_again_when_what_decides_it_changes(monkeypatch):
+    """``Plan.route`` keeps its answer per call layout (host time before the first GEMM):
+    a budget variable set or cleared between calls of one layout, another row count or
+    another request of gradients each run their own scheme, and the kept answer returns
+    once the variable is back."""
+    from flce import plan
+
+    monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB", raising=False)
+    ran = _spy_schemes(monkeypatch)
+    x, w, t = _problem()
+    flce.fused_linear_cross_entropy(x, w, t).backward()
+    budget = token_scheme(call_of(x, w, "torch"), 1).memory.workspace - 1  # below token chunks
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", str(budget / MIB))
+    flce.fused_linear_cross_entropy(x, w, t).backward()
+    monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB")
+    flce.fused_linear_cross_entropy(x, w, t).backward()
+    monkeypatch.setenv("FLCE_CHUNK_BUDGET_MIB", str(16 * 150 * 2 / MIB))  # token chunks of fewer rows
+    flce.fused_linear_cross_entropy(x, w, t).backward()
+    monkeypatch.delenv("FLCE_CHUNK_BUDGET_MIB")
+    with torch.no_grad():  # no gradients: another request, whose workspace is smaller
+        flce.fused_linear_cross_entropy(x, w, t)
+    flce.fused_linear_cross_entropy(x[:7], w, t[:7]).backward()
+    assert ran[0] == ("run_chunks", 40, None) and ran[2] == ran[0]
+    assert ran[1][0] == "run_vocab_blocks"
+    assert ran[3][0] == "run_chunks" and ran[3][1] < 40
+    assert ran[4][0] == "run_chunks" and ran[5] == ("run_chunks", 7, None)
+    assert len(plan._ROUTES) == 5  # (the variable's return found its kept route)
+
+
 def test_the_option_and_the_variable_run_the_same_scheme(monkeypatch):
     ran = _spy_schemes(monkeypatch)
     x, w, t = _problem()

@@ -45,7 +45,7 @@ from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row_statistics_refusal
 from flce.driver.scaling import scale_gradients_, scaled_gradients
-from flce.driver.schemes import Scheme, options_for_scheme, scheme_of_call
+from flce.driver.schemes import Scheme, budget_environment, options_for_scheme, scheme_of_call
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.validation import pending_checks, raise_pending
 from flce.driver.vocab_blocks import run_vocab_blocks
@@ -203,7 +203,8 @@ class Plan(CrossEntropyPlan):
             return run_logits_chunks(
                 o.logits, o.target, o.ce_weight, self.options, self.backend, self.scalars, request, row_grad_scale
             )
-        if not request.any and self._fused_statistics_apply(o, loss_only=True):
+        route = self.route(o, request)
+        if route.loss_only:
             rows = run_fused_statistics(
                 self.backend.loss_only,
                 o.input,
@@ -216,10 +217,7 @@ class Plan(CrossEntropyPlan):
                 self.product_scalars,
             )
             return rows, Gradients(None, None, None)
-        # (Only a backend with the slot pays for the question: host time on every call.)
-        whole_rows = None if self.backend.loss_only is None else self._whole_row_statistics(o)
-        scheme = self.scheme(o, request, whole_rows)
-        options = options_for_scheme(self.options, scheme.rows, scheme.block)
+        scheme = route.scheme
         if scheme.block is not None:
             return run_vocab_blocks(
                 o.input,
@@ -227,13 +225,13 @@ class Plan(CrossEntropyPlan):
                 o.target,
                 o.bias,
                 o.ce_weight,
-                options,
+                route.options,
                 self.split_kernels,
                 self.compute_dtype,
                 self.product_scalars,
                 request,
                 row_grad_scale,
-                fused_statistics=whole_rows,
+                fused_statistics=route.whole_rows,
                 weight_grad_tail_start=scheme.weight_grad_tail_start,
             )
         return run_chunks(
@@ -242,7 +240,7 @@ class Plan(CrossEntropyPlan):
             o.target,
             o.bias,
             o.ce_weight,
-            options,
+            route.options,
             self.backend,
             self.compute_dtype,
             self.product_scalars,
@@ -250,10 +248,57 @@ class Plan(CrossEntropyPlan):
             row_grad_scale,
         )
 
-    def scheme(self, o: LinearOperands, request: GradRequest, whole_rows: LossOnlyStatistics | None = None) -> Scheme:
-        """Token chunks or vocabulary blocks, sized by the memory budget (``flce.driver.schemes``);
-        ``whole_rows``: the fused statistics the vocabulary blocks' first pass would take."""
-        return scheme_of_call(
+    def route(self, o: LinearOperands, request: GradRequest) -> Route:
+        """How ``run`` runs these operands (``Route``). A training loop asks with the same
+        layout call after call, and deciding costs host time before the first GEMM (the
+        cost model, the fused GEMM's applicability): the answer is kept per what decides
+        it, the budget variables' values included (``flce.driver.schemes``)."""
+        weight = o.weight
+        # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
+        weight_tma_ready = weight.is_contiguous() and (
+            weight.dtype != self.compute_dtype or weight.data_ptr() % 16 == 0
+        )
+        key = (
+            self.options,
+            self.backend,
+            self.compute_dtype,
+            o.input.device,
+            o.input.shape,
+            o.input.dtype,
+            weight.shape,
+            weight.dtype,
+            None if o.bias is None else o.bias.dtype,
+            o.ce_weight is not None,
+            weight_tma_ready,
+            request,
+            budget_environment(),
+        )
+        route = _ROUTES.get(key)
+        if route is None:
+            if len(_ROUTES) >= _ROUTES_KEPT:  # a process that keeps changing shapes: start afresh
+                _ROUTES.clear()
+            route = _ROUTES[key] = self._decide_route(o, request, weight_tma_ready)
+        return route
+
+    def _decide_route(self, o: LinearOperands, request: GradRequest, weight_tma_ready: bool) -> Route:
+        def fused_applies(loss_only: bool) -> bool:
+            return fused_statistics_apply(
+                self.backend,
+                self.options,
+                self.compute_dtype,
+                o.input.device,
+                o.input.shape[1],
+                o.weight.shape[0],
+                has_ce_weight=o.ce_weight is not None,
+                weight_tma_ready=weight_tma_ready,
+                loss_only=loss_only,
+            )
+
+        if not request.any and fused_applies(loss_only=True):
+            return Route(loss_only=True)
+        # (Only a backend with the slot pays for the question.)
+        whole_rows = self.backend.loss_only if self.backend.loss_only is not None and fused_applies(False) else None
+        scheme = scheme_of_call(
             o.input,
             o.weight,
             o.bias,
@@ -264,27 +309,27 @@ class Plan(CrossEntropyPlan):
             self.split_kernels,
             whole_row_statistics=whole_rows,
         )
+        return Route(False, scheme, options_for_scheme(self.options, scheme.rows, scheme.block), whole_rows)
 
-    def _fused_statistics_apply(self, o: LinearOperands, loss_only: bool) -> bool:
-        # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
-        weight_tma_ready = o.weight.is_contiguous() and (
-            o.weight.dtype != self.compute_dtype or o.weight.data_ptr() % 16 == 0
-        )
-        return fused_statistics_apply(
-            self.backend,
-            self.options,
-            self.compute_dtype,
-            o.input.device,
-            o.input.shape[1],
-            o.weight.shape[0],
-            has_ce_weight=o.ce_weight is not None,
-            weight_tma_ready=weight_tma_ready,
-            loss_only=loss_only,
-        )
 
-    def _whole_row_statistics(self, o: LinearOperands) -> LossOnlyStatistics | None:
-        """The backend's fused statistics where the vocabulary blocks' first pass can take them."""
-        return self.backend.loss_only if self._fused_statistics_apply(o, loss_only=False) else None
+@dataclass(frozen=True)
+class Route:
+    """How ``Plan.run`` runs a fused call: on the backend's fused statistics alone
+    (``loss_only``: a call without gradients), else by ``scheme`` (``flce.driver.schemes``)
+    with ``options`` as the drivers read them (its rows per chunk and block filled in), the
+    vocabulary blocks' first pass from ``whole_rows`` (the fused statistics; None: a pass
+    per block)."""
+
+    loss_only: bool
+    scheme: Scheme | None = None
+    options: LossOptions | None = None
+    whole_rows: LossOnlyStatistics | None = None
+
+
+# Plan.route's answers, by what decides them. A training loop has a few layouts; a process
+# that runs many (a sweep) starts afresh past this many, rather than keep them all.
+_ROUTES: dict[tuple, Route] = {}
+_ROUTES_KEPT = 256
 
 
 def fused_statistics_apply(

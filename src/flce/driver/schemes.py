@@ -428,8 +428,12 @@ def scheme_for_call(call: CallShape, options: LossOptions, device: torch.device)
     Every fused call asks, and a training loop asks with the same shapes call after call:
     the answer is cached on what decides it: the device's memory and the budget variables'
     values included (a bad value raises, and is not cached)."""
-    environment = os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
-    return _scheme_for_call(call, options, device_memory_bytes(device), environment)
+    return _scheme_for_call(call, options, device_memory_bytes(device), budget_environment())
+
+
+def budget_environment() -> tuple[str | None, str | None]:
+    """The budget variables' values as set now: a key of every cached scheme decision."""
+    return os.environ.get(MEMORY_BUDGET_ENV_VAR), os.environ.get(CHUNK_BUDGET_ENV_VAR)
 
 
 @functools.lru_cache(maxsize=256)

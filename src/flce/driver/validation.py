@@ -22,6 +22,7 @@ import os
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -31,10 +32,15 @@ _MODES = ("async", "sync")
 
 def validates_synchronously(device: torch.device) -> bool:
     """Whether the checks of a call on ``device`` read their counts on the host at once."""
-    mode = (os.environ.get(VALIDATE_ENV_VAR) or "async").strip().lower()
+    return _mode(os.environ.get(VALIDATE_ENV_VAR)) == "sync" or device.type != "cuda"
+
+
+@cache  # every call asks (an error is not kept: a bad value raises again)
+def _mode(value: str | None) -> str:
+    mode = (value or "async").strip().lower()
     if mode not in _MODES:
         raise ValueError(f"{VALIDATE_ENV_VAR} must be one of {_MODES}, got {mode!r}")
-    return device.type != "cuda" or mode == "sync"
+    return mode
 
 
 @dataclass(frozen=True)
