@@ -48,11 +48,20 @@ def test_architecture_matches_stock_or_is_refused(model_type, recorded):
 def test_patched_model_under_an_ambient_default_device(model_type):
     """Patching and training under ``torch.set_default_device`` or a ``torch.device``
     context (meta here: a tensor that followed it would hold no data) matches stock."""
+    import transformers
+
     from flce.integrations import transformers as flce_hf
 
     stock = hf_tiny.build(hf_tiny.tiny_config(model_type))
     batch = hf_tiny.inputs(stock)
     patched = hf_tiny.clone(stock)
     with torch.device("meta"):
+        try:  # nothing to compare against where the model's own forward follows the context
+            stock(**batch).loss.backward()
+        except Exception as error:  # transformers 5.17's bart makes a tensor without a device
+            pytest.skip(
+                f"{model_type}'s own forward fails under a meta default device ({transformers.__version__}): {error!r}"
+            )
+        stock.zero_grad(set_to_none=True)
         flce_hf.apply_flce(patched)
         hf_tiny.compare_with_stock(stock, patched, batch)
