@@ -254,9 +254,11 @@ class Plan(CrossEntropyPlan):
         cost model, the fused GEMM's applicability): the answer is kept per what decides
         it, the budget variables' values included (``flce.driver.schemes``)."""
         weight = o.weight
-        # A dtype cast keeps the strides (preserve_format) but allocates afresh (aligned).
-        weight_tma_ready = weight.is_contiguous() and (
-            weight.dtype != self.compute_dtype or weight.data_ptr() % 16 == 0
+        # Only the fused statistics GEMM reads the weight through TMA: only a backend with
+        # that slot asks for its address. A dtype cast keeps the strides (preserve_format)
+        # but allocates afresh (aligned).
+        weight_tma_ready = self.backend.loss_only is not None and (
+            weight.is_contiguous() and (weight.dtype != self.compute_dtype or weight.data_ptr() % 16 == 0)
         )
         key = (
             self.options,
