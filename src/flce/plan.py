@@ -298,8 +298,8 @@ class Plan(CrossEntropyPlan):
 
         if not request.any and fused_applies(loss_only=True):
             return Route(loss_only=True)
-        # (Only a backend with the slot pays for the question.)
-        whole_rows = self.backend.loss_only if self.backend.loss_only is not None and fused_applies(False) else None
+        # The vocabulary blocks' first pass from the fused statistics, where they apply.
+        whole_rows = self.backend.loss_only if fused_applies(loss_only=False) else None
         scheme = scheme_of_call(
             o.input,
             o.weight,
