@@ -620,6 +620,69 @@ def test_a_kept_route_is_decided_again_when_what_decides_it_changes(monkeypatch)
     assert len(plan._ROUTES) == 5  # (the variable's return found its kept route)
 
 
+_ROUTE_CALL = st.fixed_dictionaries(
+    {
+        "rows": st.sampled_from([1, 7, 40]),
+        "vocab": st.sampled_from([33, 150]),
+        "dtype": st.sampled_from([torch.float32, torch.bfloat16]),
+        "bias": st.booleans(),
+        "ce_weight": st.booleans(),
+        "grads": st.sampled_from([(True, True), (True, False), (False, True), (False, False)]),
+        "chunk_size": st.sampled_from([None, 3]),
+        "vocab_chunk_size": st.sampled_from([None, 16]),
+        "memory_budget": st.sampled_from([None, 1, 6000, 10**6]),
+        "budget_mib": st.sampled_from([None, "0.01", "1"]),
+        "label_smoothing": st.sampled_from([0.0, 0.1]),
+    }
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(_ROUTE_CALL, min_size=2, max_size=8))
+def test_kept_routes_are_the_fresh_decisions(calls):
+    """Whatever calls came before, ``Plan.route`` answers as deciding afresh would: the
+    same scheme and options, or the same refusal (a budget below the least workspace)."""
+    import os
+
+    from flce.plan import LinearOperands, make_plan
+
+    saved = os.environ.get("FLCE_MEMORY_BUDGET_MIB")
+    try:
+        for call in calls:
+            if call["budget_mib"] is None:
+                os.environ.pop("FLCE_MEMORY_BUDGET_MIB", None)
+            else:
+                os.environ["FLCE_MEMORY_BUDGET_MIB"] = call["budget_mib"]
+            n, v, h, dtype = call["rows"], call["vocab"], 8, call["dtype"]
+            options = LossOptions(
+                chunk_size=call["chunk_size"],
+                vocab_chunk_size=call["vocab_chunk_size"],
+                memory_budget=call["memory_budget"],
+                label_smoothing=call["label_smoothing"],
+            )
+            operands = LinearOperands(
+                input=torch.zeros(n, h, dtype=dtype),
+                weight=torch.zeros(v, h, dtype=dtype),
+                bias=torch.zeros(v, dtype=dtype) if call["bias"] else None,
+                target=torch.zeros(n, dtype=torch.long),
+                ce_weight=torch.ones(v) if call["ce_weight"] else None,
+            )
+            plan = make_plan(options, CPU, operands.target, operands.ce_weight, v, dtype)
+            request = GradRequest(*call["grads"], bias=call["bias"] and call["grads"][1])
+            try:
+                fresh = plan._decide_route(operands, request, False)  # the torch backend: no fused slot
+            except MemoryBudgetError as refusal:
+                with pytest.raises(MemoryBudgetError, match=re.escape(str(refusal))):
+                    plan.route(operands, request)
+                continue
+            assert plan.route(operands, request) == fresh, call
+    finally:
+        if saved is None:
+            os.environ.pop("FLCE_MEMORY_BUDGET_MIB", None)
+        else:
+            os.environ["FLCE_MEMORY_BUDGET_MIB"] = saved
+
+
 def test_the_option_and_the_variable_run_the_same_scheme(monkeypatch):
     ran = _spy_schemes(monkeypatch)
     x, w, t = _problem()
