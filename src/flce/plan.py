@@ -13,6 +13,9 @@ scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the oper
   ``loss_only`` slot applies, the vocabulary blocks take their first pass (the whole
   rows' statistics) from its one fused GEMM instead of a GEMM and a pass per block.
 
+For the fused loss the choice (a ``Route``) is made once per layout and kept
+(``Plan.route``): a training loop asks the same question every step, before its first GEMM.
+
 ``forward`` and ``backward`` are the host functions around ``run``, shared by the
 autograd Function below (``LossFunction``), the no-grad path of the public functions,
 the ``torch.library`` ops (``flce.ops``), the vocab-parallel loss (whose
