@@ -417,9 +417,35 @@ def validate_head_target(target: torch.Tensor, input: torch.Tensor, input_name: 
 # for every call (``flce.driver.statistics``). Under ``torch.compile`` the checks always
 # run: the tracer sees them once, and a global cache would only cost guards.
 
+
+class KeptAnswers:
+    """Answers kept per key, for decisions a training loop asks again with the same key call
+    after call, whose computation needs the call's tensors (so not an ``lru_cache`` on
+    them): ``get(key, compute)`` runs ``compute()`` the first time ``key`` is seen only.
+    An answer is never None; a ``compute()`` that raises keeps nothing. A process that keeps
+    changing keys (a sweep) starts afresh past ``limit`` of them, rather than keep them all."""
+
+    def __init__(self, limit: int = 256) -> None:
+        self._answers: dict = {}
+        self._limit = limit
+
+    def get(self, key, compute):
+        answer = self._answers.get(key)
+        if answer is None:
+            if len(self._answers) >= self._limit:
+                self._answers.clear()
+            answer = self._answers[key] = compute()
+        return answer
+
+    def clear(self) -> None:
+        self._answers.clear()
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # others (DTensor, ...) are checked every call
-_MAX_REMEMBERED = 256
-_checked_calls: dict[tuple, object] = {}
+_checked_layouts = KeptAnswers()
 
 
 def _layout_key(tensors: tuple) -> tuple | None:
@@ -453,16 +479,7 @@ _NO_KEY = object()
 
 def _checked(key: tuple | None, check):
     """``check()``'s result, run only the first time ``key`` is seen (None: every time)."""
-    if key is not None:
-        result = _checked_calls.get(key)
-        if result is not None:
-            return result
-    result = check()
-    if key is not None:
-        if len(_checked_calls) >= _MAX_REMEMBERED:
-            _checked_calls.clear()
-        _checked_calls[key] = result
-    return result
+    return check() if key is None else _checked_layouts.get(key, check)
 
 
 def validate_fused_inputs(

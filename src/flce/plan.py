@@ -52,7 +52,7 @@ from flce.driver.schemes import Scheme, budget_environment, options_for_scheme, 
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.validation import pending_checks, raise_pending
 from flce.driver.vocab_blocks import run_vocab_blocks
-from flce.options import LossOptions, refuse_create_graph
+from flce.options import KeptAnswers, LossOptions, refuse_create_graph
 from flce.rows.cross_entropy import ChunkScalars, Reduced, RowOutputs, reduce_rows
 
 # ------------------------------------------------------------------ operands
@@ -278,12 +278,7 @@ class Plan(CrossEntropyPlan):
             request,
             budget_environment(),
         )
-        route = _ROUTES.get(key)
-        if route is None:
-            if len(_ROUTES) >= _ROUTES_KEPT:  # a process that keeps changing shapes: start afresh
-                _ROUTES.clear()
-            route = _ROUTES[key] = self._decide_route(o, request, weight_tma_ready)
-        return route
+        return _ROUTES.get(key, lambda: self._decide_route(o, request, weight_tma_ready))
 
     def _decide_route(self, o: LinearOperands, request: GradRequest, weight_tma_ready: bool) -> Route:
         def fused_applies(loss_only: bool) -> bool:
@@ -331,10 +326,7 @@ class Route:
     whole_rows: LossOnlyStatistics | None = None
 
 
-# Plan.route's answers, by what decides them. A training loop has a few layouts; a process
-# that runs many (a sweep) starts afresh past this many, rather than keep them all.
-_ROUTES: dict[tuple, Route] = {}
-_ROUTES_KEPT = 256
+_ROUTES = KeptAnswers()  # Plan.route's answers, by what decides them
 
 
 def fused_statistics_apply(
