@@ -136,14 +136,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         del inputs, workloads
         torch.cuda.empty_cache()
-    payload = report.run_record(
-        " ".join(["python3", "benchmarks/block_width_sweep.py", *sys.argv[1:]]),
-        report.environment(device),
+    report.write_script_run(
+        args.out,
+        "block-width-sweep.json",
+        device,
         {"backend": args.backend, "rounds": args.rounds, "heat_ms": 100.0, "dtype": "bf16", "mode": "full"},
         rows,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(args.out / "block-width-sweep.json", payload)
     return 0
 
 

@@ -128,14 +128,13 @@ def main(argv: list[str] | None = None) -> int:
                 f" {r.peak_extra_bytes / GIB:6.3f} GiB{versus}"
             )
         print(f"{shape.label()} budget {budget / MIB:.1f} MiB: {point.scheme.describe(shape.n)}", flush=True)
-    payload = report.run_record(
-        " ".join(["python3", "benchmarks/budget_vs_liger.py", *sys.argv[1:]]),
-        report.environment(device),
+    report.write_script_run(
+        args.out,
+        "budget_vs_liger.json",
+        device,
         {**config.record(), "memory_factor": args.memory_factor, "backend": args.backend, "budgets": budgets},
         rows,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(args.out / "budget_vs_liger.json", payload)
     return 0
 
 

@@ -126,6 +126,14 @@ def run_record(command: str, environment: dict, config: dict, results: list[dict
     }
 
 
+def write_script_run(out_dir: Path, file_name: str, device: torch.device, config: dict, results: list[dict]) -> Path:
+    """A script of ``benchmarks/``'s run record (``run_record``, the command as typed:
+    ``python3 benchmarks/<script> <arguments>``), written to ``out_dir/file_name``."""
+    command = " ".join(["python3", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_json(out_dir / file_name, run_record(command, environment(device), config, results))
+
+
 # ----------------------------------------------------------------------------- rows
 
 
