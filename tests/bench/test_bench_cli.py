@@ -13,6 +13,7 @@ import pytest
 
 from flce.bench.cli import bench_parser, run_bench
 from flce.bench.runner import HOST_CUDA_ONLY
+from tests.bench.scripts import load_benchmark_script
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny but not trivial: V and H are not powers of two, so no path relies on
@@ -166,10 +167,7 @@ def test_unknown_method_is_an_argument_error(capsys: pytest.CaptureFixture) -> N
 
 
 def _readme_script():
-    spec = importlib.util.spec_from_file_location("make_readme_perf", REPO / "benchmarks" / "make_readme_perf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("make_readme_perf")
 
 
 @pytest.mark.usefixtures("no_liger")

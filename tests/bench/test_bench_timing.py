@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from flce.bench.timing import Workload, back_to_back_ms, interleaved_times
+from tests.bench.scripts import load_benchmark_script
 
 
 def test_interleaved_times_rotates_the_order_and_drops_the_warm_up_round() -> None:
@@ -46,13 +47,7 @@ def test_back_to_back_runs_every_step_of_each_call_in_turn() -> None:
 def test_profile_timeline_splits_a_call_into_outside_the_span_and_idle_inside_it() -> None:
     """``benchmarks/profile_breakdown.py``'s ``timeline``: kernels at 10-20 and 15-30 us
     (overlapping) and 50-60 us, in a call of 0.1 ms: a span of 50 us, 30 us busy."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_breakdown.py"
-    spec = importlib.util.spec_from_file_location("profile_breakdown", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark_script("profile_breakdown")
     result = module.timeline([(50.0, 60.0), (10.0, 20.0), (15.0, 30.0)], 0.1)
     assert result["kernel_span_ms"] == 0.05
     assert abs(result["outside_span_ms"] - 0.05) < 1e-12

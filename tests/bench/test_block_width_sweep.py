@@ -3,19 +3,14 @@ floor and writes a run record whose command names the script as typed (CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_benchmark_script
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("block_width_sweep", ROOT / "benchmarks" / "block_width_sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("block_width_sweep")
 
 
 def test_default_widths_span_the_budget_pick_down_to_two_thirds_and_sixteen_equal_blocks():

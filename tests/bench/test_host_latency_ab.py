@@ -11,15 +11,13 @@ from pathlib import Path
 import torch
 
 import flce
+from tests.bench.scripts import load_benchmark_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("host_latency_ab", ROOT / "benchmarks" / "host_latency_ab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("host_latency_ab")
 
 
 def test_renamed_source_renames_imports_module_names_and_the_op_namespace():
