@@ -20,14 +20,14 @@ it is exactly 0 at the max and exact (Sterbenz) for the logits near it, the ones
 carry the probability. Folding log2(e) into one FMA, ``z' * log2(e) - m * log2(e)``,
 saves an instruction but leaves the rounding of ``m * log2(e)`` (about ``|m| * 2^-24``)
 in every exponent: ``p_y`` of a confident row then misses 1 by many ulps, and the
-gradient ``p_y - 1`` with it. The kernel is bound by memory traffic, not by that
-instruction. The gradient uses the grouped form of ``flce.backends.base``; without label
-smoothing or softcap only the target's column needs it, and every other column is its
-``exp2`` times one multiplier per row, ``(coef_y + coef_z) / d``. That matters inside a
-fused call: right after a GEMM the GPU sits at its power limit with its SM clock lowered,
-and there the kernel is bound by its instructions rather than by memory traffic (one
-multiply per logit instead of three: 1.69-1.70 against 1.82-1.87 ms at N = 8192,
-V = 128256 in bf16, benchmarks/results/ce-kernel-h200).
+gradient ``p_y - 1`` with it, which one instruction per logit does not pay for. The
+gradient uses the grouped form of ``flce.backends.base``; without label smoothing or
+softcap only the target's column needs it, and every other column is its ``exp2`` times
+one multiplier per row, ``(coef_y + coef_z) / d``. That matters inside a fused call: right
+after a GEMM the GPU sits at its power limit with its SM clock lowered, and there the
+kernel is bound by its instructions rather than by memory traffic (one multiply per logit
+instead of three: 1.69-1.70 against 1.82-1.87 ms at N = 8192, V = 128256 in bf16,
+benchmarks/results/ce-kernel-h200).
 """
 
 from __future__ import annotations

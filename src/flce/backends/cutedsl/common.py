@@ -489,15 +489,16 @@ class RowStream:
         y_off = y - vidx * VEC
         if const_expr(not key.has_smoothing and not key.has_softcap):
             # Without smoothing or softcap every column but the target's is
-            # p_i (coef_y + coef_z): one multiplier for the vector instead of three
-            # operations per logit. After a GEMM (the GPU at its power limit, its SM clock
+            # p_i (coef_y + coef_z): one multiplier per row instead of three operations
+            # per logit. After a GEMM (the GPU at its power limit, its SM clock
             # lowered) this pass is bound by instructions, not by memory traffic.
             e = cute.make_rmem_tensor((VEC,), Float32)
             multiplier = inv_d * (coef_y + coef_z)
             for j in cutlass.range_constexpr(VEC):
                 e[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True)
                 g[j] = e[j] * multiplier
-            # The target's column in the grouped form (below): p_y - 1 formed first.
+            # The target's column keeps the grouped form: p_y - 1 formed before it is
+            # scaled, so that it cancels exactly on a confident row (p_y ~ 1).
             if y_off >= 0:
                 if y_off < VEC:
                     for j in cutlass.range_constexpr(VEC):
