@@ -45,7 +45,7 @@ def get_backend(name: str) -> BackendSpec:
 
 def availability(name: str, device: torch.device) -> tuple[bool, str]:
     """``(usable, reason)`` of backend ``name`` on ``device``."""
-    return get_backend(name).availability(device)
+    return _availability(get_backend(name), device)
 
 
 def backend_name(value, source: str = "backend") -> str | None:
@@ -101,9 +101,10 @@ def resolve_backend(backend: str | None, device: torch.device, needs: str | None
 
 
 def _availability(spec: BackendSpec, device: torch.device) -> tuple[bool, str]:
-    """``spec.availability(device)``, cached for CUDA devices (as ``device_helper``): it does
-    not change while the process runs, and asking (``torch.cuda.is_available()`` among
-    others) took tens of microseconds of host time per call on an H200 host."""
+    """``spec.availability(device)``, the one place every choice of a backend asks it:
+    cached for CUDA devices, where it does not change while the process runs and asking
+    (``torch.cuda.is_available()`` among others) took tens of microseconds of host time per
+    call on an H200 host; on the CPU it follows ``TRITON_INTERPRET``, so it is asked anew."""
     if device.type == "cuda":
         return _cuda_availability(spec, device.index)
     return spec.availability(device)
@@ -124,7 +125,7 @@ def _auto_backend(device_type: str, device_index: int | None, needs: str | None 
     usable = [
         spec
         for spec in map(get_backend, BACKEND_NAMES)
-        if (needs is None or getattr(spec, needs) is not None) and spec.availability(device)[0]
+        if (needs is None or getattr(spec, needs) is not None) and _availability(spec, device)[0]
     ]
     return max(usable, key=lambda spec: spec.auto_priority)
 
@@ -149,8 +150,8 @@ def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKern
 def device_helper(slot: str, device: torch.device):
     """The first registered backend's optional ``slot`` (``scale_unless_one``,
     ``batch_statistics``) usable on ``device``, or None: these helpers serve every
-    backend's calls on the device. Cached for CUDA devices, whose availability does not
-    change while the process runs (on the CPU it follows ``TRITON_INTERPRET``)."""
+    backend's calls on the device. The helper found is cached for CUDA devices, as the
+    availability it follows (``_availability``)."""
     if device.type == "cuda":
         return _cuda_device_helper(slot, device.index)
     return _device_helper(slot, device)
@@ -165,6 +166,6 @@ def _device_helper(slot: str, device: torch.device):
     for name in BACKEND_NAMES:
         spec = get_backend(name)
         helper = getattr(spec, slot)
-        if helper is not None and spec.availability(device)[0]:
+        if helper is not None and _availability(spec, device)[0]:
             return helper
     return None

@@ -31,7 +31,7 @@ from flce.bench.methods import FLOOR, LossFn, Method, floor_workload, select_met
 from flce.bench.peers.optional import first_reason, needs_cuda, optional_import
 from flce.bench.runner import BenchConfig, Result
 from flce.bench.timing import Workload
-from flce.dispatch import BACKEND_NAMES, get_backend
+from flce.dispatch import BACKEND_NAMES, availability, get_backend
 from flce.reference import distillation_from_logits_reference
 
 HEAD_LOSSES = ("logprobs", "distill")
@@ -100,7 +100,7 @@ def _flce_check(head: str, backend: str):
         spec = get_backend(backend)
         if getattr(spec, HEAD_SLOT[head]) is None:
             return f"backend {backend!r} has no {HEAD_SLOT[head]} kernels"
-        ok, reason = spec.availability(case.device)
+        ok, reason = availability(backend, case.device)
         return None if ok else f"backend {backend!r} unavailable: {reason}"
 
     return check
