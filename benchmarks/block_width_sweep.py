@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import flce  # noqa: E402
 from flce.bench import report  # noqa: E402
 from flce.bench.cases import BenchCase, BenchLossSettings, Shape, make_inputs  # noqa: E402
-from flce.bench.methods import floor_workload  # noqa: E402
+from flce.bench.methods import as_loss, floor_workload, loss_workload  # noqa: E402
 from flce.bench.peers.flce_backends import flce_call_shape, flce_loss_kwargs  # noqa: E402
 from flce.bench.timing import Heater, Workload, interleaved_times  # noqa: E402
 from flce.driver.schemes import predicted_seconds  # noqa: E402
@@ -48,14 +48,11 @@ def default_widths(vocab: int) -> list[int]:
 
 
 def flce_workload(case: BenchCase, inputs, backend: str, width: int) -> Workload:
+    """flce's fwd+bwd with ``vocab_chunk_size=width``, as ``flce bench`` times a method."""
     kwargs = {**flce_loss_kwargs(case.loss, backend), "vocab_chunk_size": width}
-    params = [inputs.x, inputs.w]
-
-    def run(_):
-        loss = flce.fused_linear_cross_entropy(inputs.x, inputs.w, inputs.target, **kwargs)
-        return torch.autograd.grad(loss, params)
-
-    return Workload(setup=lambda: None, run=run)
+    return loss_workload(
+        lambda: as_loss(flce.fused_linear_cross_entropy(inputs.x, inputs.w, inputs.target, **kwargs)), inputs, "full"
+    )
 
 
 def block_gemms_workload(x: torch.Tensor, w: torch.Tensor, width: int) -> Workload:
