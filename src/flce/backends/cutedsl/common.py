@@ -487,46 +487,31 @@ class RowStream:
                 x[j] = softcapped(t[j], softcap)
         g = cute.make_rmem_tensor((VEC,), Float32)
         y_off = y - vidx * VEC
-        if const_expr(not key.has_smoothing and not key.has_softcap):
-            # Without smoothing or softcap every column but the target's is
-            # p_i (coef_y + coef_z): one multiplier per row instead of three operations
-            # per logit. After a GEMM (the GPU at its power limit, its SM clock
-            # lowered) this pass is bound by instructions, not by memory traffic.
-            e = cute.make_rmem_tensor((VEC,), Float32)
-            multiplier = inv_d * (coef_y + coef_z)
-            for j in cutlass.range_constexpr(VEC):
-                e[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True)
-                g[j] = e[j] * multiplier
-            # The target's column keeps the grouped form: p_y - 1 formed before it is
-            # scaled, so that it cancels exactly on a confident row (p_y ~ 1).
-            if y_off >= 0:
-                if y_off < VEC:
-                    for j in cutlass.range_constexpr(VEC):
-                        if y_off == j:
-                            g[j] = cute.math.fma(coef_z, e[j] * inv_d, coef_y * (e[j] * inv_d - Float32(1.0)))
-        else:
-            p = cute.make_rmem_tensor((VEC,), Float32)
-            for j in cutlass.range_constexpr(VEC):
-                p[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True) * inv_d
-            # Each group of the grouped form is formed before it is scaled, so that it
-            # cancels exactly where the true value is ~0 (p_y ~ 1 on a confident row, V = 1).
-            for j in cutlass.range_constexpr(VEC):
-                g[j] = p[j]
-            if y_off >= 0:
-                if y_off < VEC:
-                    for j in cutlass.range_constexpr(VEC):
-                        if y_off == j:
-                            g[j] = p[j] - Float32(1.0)
-            for j in cutlass.range_constexpr(VEC):
-                g[j] = cute.math.fma(coef_z, p[j], coef_y * g[j])
+        # Every column but the target's has coef_y p_i + coef_z p_i = e_i (coef_y + coef_z) / d
+        # with e_i = exp(z'_i - m): one multiplier per row instead of three operations per
+        # logit. After a GEMM (the GPU at its power limit, its SM clock lowered) this pass
+        # is bound by instructions, not by memory traffic.
+        e = cute.make_rmem_tensor((VEC,), Float32)
+        multiplier = inv_d * (coef_y + coef_z)
+        for j in cutlass.range_constexpr(VEC):
+            e[j] = cute.math.exp2((x[j] - m) * LOG2_E, fastmath=True)
+            g[j] = e[j] * multiplier
+        # The target's column keeps the grouped form: p_y - 1 formed before it is scaled,
+        # so that it cancels exactly on a confident row (p_y ~ 1, V = 1).
+        if y_off >= 0:
+            if y_off < VEC:
+                for j in cutlass.range_constexpr(VEC):
+                    if y_off == j:
+                        g[j] = cute.math.fma(coef_z, e[j] * inv_d, coef_y * (e[j] * inv_d - Float32(1.0)))
         if const_expr(key.has_smoothing):
+            # coef_eps (W p_i - w_i), its inner difference formed before it is scaled.
             if const_expr(key.has_weight):
                 w = self._load_weights(mWeight, vidx)
                 for j in cutlass.range_constexpr(VEC):
-                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], -w[j]), g[j])
+                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, e[j] * inv_d, -w[j]), g[j])
             else:
                 for j in cutlass.range_constexpr(VEC):
-                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, p[j], Float32(-1.0)), g[j])
+                    g[j] = cute.math.fma(coef_eps, cute.math.fma(weight_sum, e[j] * inv_d, Float32(-1.0)), g[j])
         if const_expr(key.has_softcap):
             for j in cutlass.range_constexpr(VEC):
                 g[j] = g[j] * (Float32(1.0) - t[j] * t[j])
