@@ -26,6 +26,9 @@ last blocks' logits GEMM and gradient pass again (``flce.driver.sizing``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import cache
+
 import torch
 
 from flce.backends.base import LossOnlyStatistics, SplitRowKernels
@@ -69,6 +72,50 @@ def _block_sums(ce_weight: torch.Tensor | None, vocab: int, block: int, device: 
     padded = torch.zeros(-(-vocab // block) * block, dtype=torch.float32, device=device)
     padded[:vocab] = ce_weight
     return padded.view(-1, block).sum(dim=1)
+
+
+@dataclass(frozen=True)
+class _BlockTargets:
+    """Each block's targets, for both passes, from one block index per row: the target's
+    column in the block where the block holds it, the block's width where another block
+    does, -1 on ignored rows (the split-row kernels read any column outside the block as
+    absent). Two ops per block and pass: every op costs host time, and with small blocks
+    the host, not the GPU, set the pace."""
+
+    valid: torch.Tensor  # (N,) bool: target != ignore_index
+    safe_target: torch.Tensor  # (N,) int64, in [0, V) (``gather_safe_target``)
+    owned_by: torch.Tensor  # (B, N) bool: the block holding each row's target
+    owned_rows: tuple[torch.Tensor, ...]  # owned_by's B rows
+    absent: dict[int, torch.Tensor]  # block width -> (N,) int64: the width, -1 on ignored rows
+
+    @classmethod
+    def of(cls, target: torch.Tensor, ignore_index: int, vocab: int, block: int) -> _BlockTargets:
+        valid = target != ignore_index
+        safe_target = gather_safe_target(target, valid, vocab)
+        n_blocks = -(-vocab // block)
+        block_of = torch.where(valid, torch.div(safe_target, block, rounding_mode="floor"), -1)  # (N,)
+        owned_by = block_of[None, :] == torch.arange(n_blocks, device=target.device)[:, None]  # (B, N)
+        widths = {block, vocab - (n_blocks - 1) * block}
+        absent = {width: torch.where(valid, width, -1) for width in widths}
+        return cls(valid, safe_target, owned_by, owned_by.unbind(0), absent)
+
+    def of_block(self, index: int, v0: int, v1: int) -> torch.Tensor:  # (N,) int64
+        return torch.where(self.owned_rows[index], self.safe_target - v0, self.absent[v1 - v0])
+
+
+def _per_block_statistics(
+    n_blocks: int, n_rows: int, smoothing: bool, with_argmax: bool, device: torch.device
+) -> BlockStatistics:
+    """Pass 1's statistics of every block, ``(B, N)`` each, to be written block by block
+    (the shifted target stays 0 in the blocks that do not hold it)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return BlockStatistics(
+        row_max=torch.empty(n_blocks, n_rows, **f32),
+        row_sum=torch.empty(n_blocks, n_rows, **f32),
+        target_shifted=torch.zeros(n_blocks, n_rows, **f32),
+        smooth_shifted=torch.empty(n_blocks, n_rows, **f32) if smoothing else None,
+        argmax=torch.empty(n_blocks, n_rows, dtype=torch.int64, device=device) if with_argmax else None,
+    )
 
 
 def _block_views(per_block: BlockStatistics, n_blocks: int) -> list[BlockStatistics]:
@@ -147,15 +194,27 @@ def run_vocab_blocks(
     n_rows, hidden = input.shape
     vocab = weight.shape[0]
     device = input.device
-    rows = allocate_rows(n_rows, options, device)
     block = max(1, min(options.vocab_chunk_size, vocab))
     chunk = options.chunk_size or default_chunk_size(n_rows, block, compute_dtype, kernels.extra_bytes_per_logit)
     chunk = max(1, min(chunk, max(n_rows, 1)))
     w = in_compute_dtype(weight, compute_dtype)
     b = in_compute_dtype(bias, compute_dtype)
     smoothing = scalars.label_smoothing > 0
-    valid = target != scalars.ignore_index
-    safe_target = gather_safe_target(target, valid, vocab)
+    # The first GEMM goes first: every op queued before it is host time the GPU waits
+    # through, and the targets' bookkeeping and the row outputs are a dozen small ops
+    # (traced on an H200: 1.1-1.6 ms of idle GPU before the fused GEMM at N = 8192,
+    # V = 32000 and 128256). They follow the fused statistics GEMM here, and the first
+    # block's logits GEMM in the pass of one GEMM per block (``targets``, on first use).
+    statistics = None
+    if fused_statistics is not None:
+        statistics = fused_whole_row_statistics(
+            fused_statistics, input, w, target, b, scalars.softcap, smoothing, compute_dtype
+        )
+
+    @cache
+    def targets() -> _BlockTargets:
+        return _BlockTargets.of(target, scalars.ignore_index, vocab, block)
+
     # The block logits as one full (C, V_b) tile with aligned rows (``logits_buffer``): every
     # logits tile but the last row chunk's and the last block's, which are views of its first
     # rows and columns (no view op per tile otherwise). With the fused first pass it waits
@@ -188,49 +247,38 @@ def run_vocab_blocks(
             r1 = min(r0 + chunk, n_rows)
             yield r0, r1, in_compute_dtype(row_range(input, r0, r1), compute_dtype)
 
-    # Each block's targets, for both passes, from one block index per row: the target's
-    # column in the block where the block holds it, the block's width where another block
-    # does, -1 on ignored rows (the split-row kernels read any column outside the block as
-    # absent). Two ops per block and pass: every op costs host time, and with small blocks
-    # the host, not the GPU, set the pace.
-    block_starts = list(range(0, vocab, block))
-    n_blocks = len(block_starts)
-    block_of = torch.where(valid, torch.div(safe_target, block, rounding_mode="floor"), -1)  # (N,)
-    owned_by = block_of[None, :] == torch.arange(n_blocks, device=device)[:, None]  # (B, N) bool
-    owned_rows = owned_by.unbind(0)
-    absent = {width: torch.where(valid, width, -1) for width in {block, vocab - block_starts[-1]}}  # (N,) each
-
-    def block_target(index: int, v0: int, v1: int) -> torch.Tensor:  # (N,) int64
-        return torch.where(owned_rows[index], safe_target - v0, absent[v1 - v0])
-
     f32 = dict(dtype=torch.float32, device=device)
-    if fused_statistics is not None:
-        # Pass 1: the whole rows' statistics from one fused GEMM, each row's reference
-        # point its lse (row max = lse, sum of exp = 1). The block buffer waits for pass 2.
-        statistics = fused_whole_row_statistics(
-            fused_statistics, input, w, target, b, scalars.softcap, smoothing, compute_dtype
+    n_blocks = len(w_parts)
+    if statistics is not None:
+        # Pass 1: the whole rows' statistics from one fused GEMM (queued above), each row's
+        # reference point its lse (row max = lse, sum of exp = 1). The block buffer waits
+        # for pass 2.
+        rows = allocate_rows(n_rows, options, device)
+        token_scale = rows_from_whole_row_statistics(
+            rows, statistics, target, targets().valid, ce_weight, scalars, vocab
         )
-        token_scale = rows_from_whole_row_statistics(rows, statistics, target, valid, ce_weight, scalars, vocab)
         lse = row_max = statistics["lse"]
         inv_sum = torch.ones_like(lse)
     else:
         # Pass 1: each block's row statistics, kept per block ((B, N): a few floats per row
         # and block), then combined over the blocks the way the vocab-parallel loss combines
-        # them over ranks (``combine_blocks``).
-        per_block = BlockStatistics(
-            row_max=torch.empty(n_blocks, n_rows, **f32),
-            row_sum=torch.empty(n_blocks, n_rows, **f32),
-            target_shifted=torch.zeros(n_blocks, n_rows, **f32),
-            smooth_shifted=torch.empty(n_blocks, n_rows, **f32) if smoothing else None,
-            argmax=torch.empty(n_blocks, n_rows, dtype=torch.int64, device=device) if rows.needs_argmax else None,
-        )
-        block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
-        into_blocks = _block_views(per_block, n_blocks)
+        # them over ranks (``combine_blocks``). Their buffers, like the targets, are made
+        # once the first GEMM is queued (on first use).
+        @cache
+        def outputs() -> tuple[RowOutputs, BlockStatistics, list[BlockStatistics]]:
+            rows = allocate_rows(n_rows, options, device)
+            per_block = _per_block_statistics(n_blocks, n_rows, smoothing, rows.needs_argmax, device)
+            return rows, per_block, _block_views(per_block, n_blocks)
+
         for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
-            target_of_block = block_target(index, v0, v1)
+            target_of_block = None
             for r0, r1, x in chunks():
+                logits = logits_of(r0, r1, x, w_t_block, b_block)
+                rows, per_block, into_blocks = outputs()
+                if target_of_block is None:  # once per block, after its first GEMM
+                    target_of_block = targets().of_block(index, v0, v1)
                 stats = kernels.statistics(
-                    logits_of(r0, r1, x, w_t_block, b_block),
+                    logits,
                     row_range(target_of_block, r0, r1),
                     ce_block,
                     scalars.softcap,
@@ -239,13 +287,15 @@ def run_vocab_blocks(
                     approximate_tanh=scalars.approximate_tanh,
                 )
                 _store_rows(into_blocks[index], r0, r1, stats, column_offset=v0)
-        whole = combine_blocks(per_block, owned_by, block_weight_sums)
+        rows, per_block, _ = outputs()
+        block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
+        whole = combine_blocks(per_block, targets().owned_by, block_weight_sums)
 
         row_max, log_s = whole.row_max, torch.log(whole.row_sum)
         token_scale = rows_from_statistics(
             rows,
             target,
-            valid,
+            targets().valid,
             row_max,
             log_s,
             whole.target_shifted,
@@ -262,6 +312,7 @@ def run_vocab_blocks(
 
     # Pass 2: the gradient, block by block; each block of dW is final when its loop ends
     # (with the workspace inside dW, the last blocks' dW waits for their second pass).
+    valid, safe_target = targets().valid, targets().safe_target
     scale = row_scale(valid, token_scale, row_grad_scale)
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
     eps = scalars.smoothing_eps(vocab)
@@ -307,7 +358,7 @@ def run_vocab_blocks(
 
     for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
         in_tail = v0 >= tail_start
-        grad_target_of_block = block_target(index, v0, v1)
+        grad_target_of_block = targets().of_block(index, v0, v1)
         if dw_direct:
             dw_block = None if in_tail else dw_parts[index]  # (V_b, H) contiguous rows of dW
         elif request.weight:
@@ -340,7 +391,7 @@ def run_vocab_blocks(
         for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
             if v0 < tail_start:
                 continue
-            grad_target_of_block = block_target(index, v0, v1)
+            grad_target_of_block = targets().of_block(index, v0, v1)
             for r0, r1, x in chunks():
                 grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
                 with full_precision_reductions():
