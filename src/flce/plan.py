@@ -11,7 +11,9 @@ scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the oper
   (``flce.driver.vocab_blocks``): ``chunk_size``/``vocab_chunk_size`` when given, else
   the fastest that fits the memory budget (``flce.driver.schemes``). Where the same
   ``loss_only`` slot applies, the vocabulary blocks take their first pass (the whole
-  rows' statistics) from its one fused GEMM instead of a GEMM and a pass per block.
+  rows' statistics) from its one fused GEMM instead of a GEMM and a pass per block, and
+  their second (each block's gradient) from the backend's ``block_gradient`` GEMM where
+  it has one, instead of a logits GEMM and a gradient pass per block.
 
 For the fused loss the choice (a ``Route``) is made once per layout and kept
 (``Plan.route``): a training loop asks the same question every step, before its first GEMM.
@@ -43,7 +45,13 @@ from typing import Protocol
 
 import torch
 
-from flce.backends.base import BackendSpec, LossOnlyStatistics, SplitRowKernels, softcap_tanh_is_approximate
+from flce.backends.base import (
+    BackendSpec,
+    BlockGradientGemm,
+    LossOnlyStatistics,
+    SplitRowKernels,
+    softcap_tanh_is_approximate,
+)
 from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row_statistics_refusal
@@ -235,6 +243,7 @@ class Plan(CrossEntropyPlan):
                 request,
                 row_grad_scale,
                 fused_statistics=route.whole_rows,
+                fused_gradient=route.block_gradient,
                 weight_grad_tail_start=scheme.weight_grad_tail_start,
             )
         return run_chunks(
@@ -309,7 +318,11 @@ class Plan(CrossEntropyPlan):
             self.split_kernels,
             whole_row_statistics=whole_rows,
         )
-        return Route(False, scheme, options_for_scheme(self.options, scheme.rows, scheme.block), whole_rows)
+        # The second pass from the block-gradient GEMM where the first is fused (same operands).
+        block_gradient = self.backend.block_gradient if whole_rows is not None else None
+        return Route(
+            False, scheme, options_for_scheme(self.options, scheme.rows, scheme.block), whole_rows, block_gradient
+        )
 
 
 @dataclass(frozen=True)
@@ -318,12 +331,14 @@ class Route:
     (``loss_only``: a call without gradients), else by ``scheme`` (``flce.driver.schemes``)
     with ``options`` as the drivers read them (its rows per chunk and block filled in), the
     vocabulary blocks' first pass from ``whole_rows`` (the fused statistics; None: a pass
-    per block)."""
+    per block) and their second from ``block_gradient`` (None: a logits GEMM and a
+    gradient pass per block)."""
 
     loss_only: bool
     scheme: Scheme | None = None
     options: LossOptions | None = None
     whole_rows: LossOnlyStatistics | None = None
+    block_gradient: BlockGradientGemm | None = None
 
 
 _ROUTES = KeptAnswers()  # Plan.route's answers, by what decides them

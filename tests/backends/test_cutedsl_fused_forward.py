@@ -134,7 +134,7 @@ if HAS_DSL:
         )
         part = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((bm, bn)))
         frag = cute.make_rmem_tensor(part.shape, cutlass.Float32)
-        _check_acc_view(tiled_mma.tv_layout_C_tiled, ff._acc_mn_view(frag).layout, bm, bn)
+        _check_acc_view(tiled_mma.tv_layout_C_tiled, ff.acc_mn_view(frag).layout, bm, bn)
 
 
 @needs_dsl

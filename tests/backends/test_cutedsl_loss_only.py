@@ -40,7 +40,7 @@ from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
 from flce.dispatch import get_backend, split_rows_of
 from flce.driver import fused, vocab_blocks
 from flce.driver.chunks import GradRequest, allocate_rows
-from flce.driver.schemes import describe_call, scheme_for_call
+from flce.driver.schemes import describe_call, predicted_seconds, scheme_for_call
 from flce.driver.statistics import batch_statistics, chunk_scalars
 from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
@@ -238,10 +238,29 @@ def _kernel_stand_in(input, weight, target, bias=None, softcap=None, with_logit_
     return out
 
 
+def _block_gradient_stand_in(
+    x, w_block, b_block, out, grad_target, row_max, inv_sum, w_y, lse, row_scale, scalars, eps
+):
+    """The ``block_gradient`` slot computed densely (the block's fp32 logits, the torch
+    split-row gradient on them, stored in the compute dtype), with the operand demands of
+    the real kernel asserted: the driver's preparation is checked."""
+    assert x.dtype in (BF16, FP16) and w_block.dtype == x.dtype and out.dtype == x.dtype
+    assert w_block.is_contiguous() and w_block.data_ptr() % 16 == 0 and x.shape[1] % 64 == 0
+    assert out.shape == (x.shape[0], w_block.shape[0]) and out.stride(-1) == 1
+    assert b_block is None or b_block.dtype == x.dtype
+    z = x.float() @ w_block.float().t()
+    if b_block is not None:
+        z = z + b_block.float()
+    split_rows_of(get_backend("torch")).gradient(
+        z, grad_target, None, row_max, inv_sum, w_y, lse, row_scale, scalars, eps
+    )
+    out.copy_(z)
+
+
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
     """Makes the CPU look like a Hopper GPU with the cutedsl backend: the chunked driver
-    runs the torch chunk kernel, the fused path the dense stand-in. -> list of calls."""
+    runs the torch chunk kernel, the fused paths the dense stand-ins. -> list of calls."""
     spec = dataclasses.replace(
         get_backend("torch"),
         name="cutedsl",
@@ -250,6 +269,7 @@ def fused_on_cpu(monkeypatch):
             statistics=_kernel_stand_in,
             workspace_bytes=cutedsl.fused_forward_workspace_bytes,
         ),
+        block_gradient=_block_gradient_stand_in,
     )
     monkeypatch.setattr(flce_plan, "resolve_backend", lambda backend, device: spec)
     monkeypatch.setattr(cutedsl, "_capability", lambda device_type, index: HOPPER)
@@ -433,7 +453,7 @@ def test_cpu_all_rows_ignored_and_no_rows(fused_on_cpu):
 
 # ---------------------------------------------- the vocabulary blocks' first pass (CPU)
 class _CountingKernels:
-    """Split-row kernels that count the calls of their statistics pass."""
+    """Split-row kernels that count the calls of their statistics and gradient passes."""
 
     def __init__(self, kernels, counts: dict) -> None:
         self._kernels, self._counts = kernels, counts
@@ -445,12 +465,18 @@ class _CountingKernels:
         self._counts["block_statistics"] += 1
         return self._kernels.statistics(*args, **kwargs)
 
+    def gradient(self, *args, **kwargs):
+        self._counts["gradient_pass"] += 1
+        return self._kernels.gradient(*args, **kwargs)
+
 
 @pytest.fixture
 def first_passes(monkeypatch) -> dict:
-    """Counts how the vocabulary blocks' first passes ran: ``fused`` (one call of the fused
-    statistics) and ``block_statistics`` (the split-row statistics pass of each block)."""
-    counts = {"fused": 0, "block_statistics": 0}
+    """Counts how the vocabulary blocks' passes ran: ``fused`` (one call of the fused
+    statistics), ``block_statistics`` (the split-row statistics pass of each block), and
+    in the second pass ``block_gradient`` (the block-gradient GEMM) and ``gradient_pass``
+    (the split-row gradient pass over a block's logits)."""
+    counts = {"fused": 0, "block_statistics": 0, "block_gradient": 0, "gradient_pass": 0}
     real_fused, real_blocks = vocab_blocks.fused_whole_row_statistics, flce_plan.run_vocab_blocks
 
     def fused_counted(*args, **kwargs):
@@ -460,6 +486,14 @@ def first_passes(monkeypatch) -> dict:
     def blocks_counted(*args, **kwargs):
         args = list(args)
         args[6] = _CountingKernels(args[6], counts)  # run_vocab_blocks' split-row kernels
+        gemm = kwargs.get("fused_gradient")
+        if gemm is not None:
+
+            def gradient_counted(*a, **k):
+                counts["block_gradient"] += 1
+                return gemm(*a, **k)
+
+            kwargs["fused_gradient"] = gradient_counted
         return real_blocks(*args, **kwargs)
 
     monkeypatch.setattr(vocab_blocks, "fused_whole_row_statistics", fused_counted)
@@ -492,7 +526,30 @@ def test_cpu_vocab_blocks_take_their_first_pass_from_it(fused_on_cpu, first_pass
     outcome = run_case(case, "cutedsl", CPU)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
     assert first_passes["fused"] >= 1 and first_passes["block_statistics"] == 0
+    # The second pass from the block-gradient GEMM: no logits GEMM and gradient pass.
+    assert first_passes["block_gradient"] >= 1 and first_passes["gradient_pass"] == 0
     assert len(fused_on_cpu) == 0  # gradients: never the loss-only route
+
+
+def test_cpu_vocab_blocks_without_the_block_gradient_gemm(fused_on_cpu, first_passes, monkeypatch):
+    """A backend with the fused statistics but no block-gradient GEMM runs its second pass
+    as a logits GEMM and a gradient pass per block, to the same float64 judgement."""
+    spec = dataclasses.replace(flce_plan.resolve_backend("cutedsl", CPU), block_gradient=None)
+    monkeypatch.setattr(flce_plan, "resolve_backend", lambda backend, device: spec)
+    case = Case(
+        n_rows=93,
+        hidden=64,
+        vocab=1031,
+        dtype=BF16,
+        feature="all_unweighted",
+        options=FUSED_FEATURES["all_unweighted"],
+        bias=True,
+        chunk_size=40,
+        vocab_chunk_size=300,
+    )
+    outcome = run_case(case, "cutedsl", CPU)
+    assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
+    assert first_passes["fused"] >= 1 and first_passes["block_gradient"] == 0 and first_passes["gradient_pass"] > 0
 
 
 def test_cpu_vocab_blocks_first_pass_in_one_chunk_and_without_gradients(fused_on_cpu, first_passes):
@@ -509,12 +566,13 @@ def test_cpu_vocab_blocks_first_pass_in_one_chunk_and_without_gradients(fused_on
     torch.testing.assert_close(out.loss.double(), ref.loss, rtol=2e-2, atol=1e-3)
     for got, want in zip(leaves, ref_leaves, strict=True):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=5e-2, atol=5e-3)
-    assert first_passes == {"fused": 1, "block_statistics": 0}
+    assert first_passes == {"fused": 1, "block_statistics": 0, "block_gradient": 4, "gradient_pass": 0}
     # Without gradients vocab_chunk_size still selects the blocks (the loss-only route
     # refuses it), whose one pass is then the fused statistics.
     with torch.no_grad():
         loss_only = flce.fused_linear_cross_entropy(x, w, y, **options)
-    assert first_passes == {"fused": 2, "block_statistics": 0} and len(fused_on_cpu) == 0
+    assert first_passes == {"fused": 2, "block_statistics": 0, "block_gradient": 4, "gradient_pass": 0}
+    assert len(fused_on_cpu) == 0
     torch.testing.assert_close(loss_only.loss, out.loss.detach())
 
 
@@ -603,11 +661,16 @@ def test_cpu_the_chooser_counts_the_fused_first_pass(fused_on_cpu, first_passes,
     )
     assert call.whole_row_statistics_bytes == cutedsl.fused_forward_workspace_bytes(64, 2048, False, False)
     chosen = scheme_for_call(call, options, CPU)
-    assert chosen.block is not None and chosen.fused_first_pass
-    assert "statistics from one fused GEMM" in chosen.describe(64)
+    assert call.fused_block_gradient
+    assert chosen.block is not None and chosen.fused_first_pass and chosen.fused_gradients
+    assert "statistics from one fused GEMM, each block's gradient from its GEMM" in chosen.describe(64)
+    # Without the block-gradient GEMM the same blocks cost a pass over their logits more.
+    unfused = dataclasses.replace(call, fused_block_gradient=False)
+    assert predicted_seconds(unfused, chosen.rows, chosen.block) > predicted_seconds(call, chosen.rows, chosen.block)
     leaves = [t.clone().requires_grad_() for t in (x, w)]
     flce.fused_linear_cross_entropy(*leaves, y, backend="cutedsl", memory_budget=64 * 1024).backward()
     assert first_passes["fused"] == 1 and first_passes["block_statistics"] == 0
+    assert first_passes["block_gradient"] > 0 and first_passes["gradient_pass"] == 0
 
 
 # ---------------------------------------------------------------------- GPU
@@ -720,6 +783,7 @@ def test_gpu_vocab_blocks_take_their_first_pass_from_it(first_passes, feature, c
     outcome = run_case(case, "cutedsl", CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
     assert first_passes["fused"] >= 1 and first_passes["block_statistics"] == 0
+    assert first_passes["block_gradient"] >= 1 and first_passes["gradient_pass"] == 0
 
 
 @needs_hopper

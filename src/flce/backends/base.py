@@ -16,7 +16,9 @@ Slots of a ``BackendSpec``:
 - ``split_rows`` (``SplitRowKernels``): rows split into column blocks (vocabulary blocks,
   vocab-parallel shards): block statistics, then the gradient given the whole row's;
 - ``loss_only`` (``LossOnlyStatistics``, optional): whole-row statistics straight from
-  the GEMM, for calls without gradients;
+  the GEMM, for calls without gradients and the vocabulary blocks' first pass;
+- ``block_gradient`` (``BlockGradientGemm``, optional): the vocabulary blocks' second
+  pass, each block's gradient straight from its GEMM, where ``loss_only`` applies;
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
   forward computed, skipped on the device when the scale is 1;
 - ``batch_statistics`` (optional): a call's batch statistics in one launch
@@ -259,13 +261,7 @@ class InPlaceSplitRowKernels:
     def gradient(
         self, logits, grad_target, ce_local, row_max, inv_sum, w_y, lse, row_scale, scalars: ChunkScalars, eps: float
     ) -> None:
-        # The grouped gradient's per-row coefficients (flce.rows.cross_entropy), folded here
-        # so the kernel does one FMA chain per element.
-        ce_scale = scalars.ce_grad_scale
-        onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
-        smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
-        s = scalars.lse_square_scale
-        z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
+        onehot_coef, smooth_coef, z_coef = gradient_coefficients(w_y, lse, row_scale, scalars, eps)
         self._kernels().partial_gradient(
             logits,
             grad_target.contiguous(),
@@ -279,6 +275,56 @@ class InPlaceSplitRowKernels:
             scalars.softcap,
             scalars.approximate_tanh,
         )
+
+
+def gradient_coefficients(
+    w_y: torch.Tensor,  # (C,) fp32 class weight of the target
+    lse: torch.Tensor,  # (C,) fp32
+    row_scale: torch.Tensor,  # (C,) fp32 flce.rows.cross_entropy.row_scale
+    scalars: ChunkScalars,
+    eps: float,  # label_smoothing / V
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The grouped gradient's per-row coefficients (``flce.rows.cross_entropy``), folded
+    once so that a kernel does one FMA chain per element: ``coef_y`` (the one-hot term),
+    ``coef_eps`` (label smoothing; None without) and ``coef_z`` (the z-loss; None without)."""
+    ce_scale = scalars.ce_grad_scale
+    onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
+    smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
+    s = scalars.lse_square_scale
+    z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
+    return onehot_coef, smooth_coef, z_coef
+
+
+class BlockGradientGemm(Protocol):
+    """Optional slot (``BackendSpec.block_gradient``): the vocabulary blocks' second pass
+    in one GEMM whose epilogue writes each block's gradient (the logits never reach
+    memory), for the calls whose first pass is the ``loss_only`` slot's fused statistics:
+    it takes the operands that slot's ``applicable`` accepted for the whole weight.
+
+    Arguments as ``SplitRowKernels.gradient``'s, with the block's logits replaced by the
+    operands of their GEMM and where the gradient goes:
+      x        (C, H) compute dtype (bf16/fp16)
+      w_block  (V_b, H) compute dtype: the block's rows of the weight
+      b_block  (V_b,) compute dtype, or None
+      out      (C, V_b) compute dtype, unit stride along V_b: written with dL/dz of
+               ``softcap(x @ w_block^T + b_block)``
+    """
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w_block: torch.Tensor,
+        b_block: torch.Tensor | None,
+        out: torch.Tensor,
+        grad_target: torch.Tensor,
+        row_max: torch.Tensor,
+        inv_sum: torch.Tensor,
+        w_y: torch.Tensor,
+        lse: torch.Tensor,
+        row_scale: torch.Tensor,
+        scalars: ChunkScalars,
+        eps: float,
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -337,7 +383,8 @@ class BackendSpec:
     ``split_rows`` builds the backend's ``SplitRowKernels`` (every registered backend has
     them; a spec without them cannot run the vocabulary-block or vocab-parallel schemes).
     ``logprobs`` and ``distillation`` hold the other loss heads' kernels, None where the
-    backend has none (``HEAD_SLOTS``).
+    backend has none (``HEAD_SLOTS``). ``block_gradient`` serves only calls whose
+    vocabulary blocks take their first pass from ``loss_only`` (the same operand demands).
     """
 
     name: str
@@ -348,6 +395,7 @@ class BackendSpec:
     description: str
     split_rows: Callable[[], SplitRowKernels] | None = None
     loss_only: LossOnlyStatistics | None = None
+    block_gradient: BlockGradientGemm | None = None
     scale_unless_one: Callable[[Sequence[torch.Tensor], torch.Tensor], None] | None = None
     batch_statistics: Callable[..., torch.Tensor] | None = None
     logprobs: LogprobsKernels | None = None

@@ -33,7 +33,10 @@ with, for ``k`` row chunks and ``B`` vocabulary blocks (dX and dW requested):
   the compute dtype); vocabulary blocks read them in the statistics pass and read and
   write them in the gradient pass (3NV), or, where the backend's fused statistics GEMM
   takes the first pass (``CallShape.whole_row_statistics_bytes``), only in the gradient
-  pass (2NV), that GEMM's FLOPs counted ``FUSED_STATISTICS_GEMM_SLOWDOWN`` times;
+  pass (2NV), that GEMM's FLOPs counted ``FUSED_STATISTICS_GEMM_SLOWDOWN`` times; where
+  the backend's block-gradient GEMM also takes the second pass
+  (``CallShape.fused_block_gradient``), in no pass at all, the second pass's logits GEMM
+  counted as slow as the first;
 - accumulator traffic: with one chunk, none (dW written by one GEMM); with ``k`` chunks
   the fp32 dW accumulator is written, read and written again ``k - 1`` times and cast at
   the end: ``8k*V*H`` bytes more than writing a bf16 dW once; vocabulary blocks add the
@@ -42,7 +45,7 @@ with, for ``k`` row chunks and ``B`` vocabulary blocks (dX and dW requested):
   fused first pass);
 - with the workspace inside dW, the last blocks' ``V_t`` columns (``weight_grad_tail_start``)
   again: a logits GEMM (``2N*V_t*H``), a gradient pass (``2N*V_t`` bytes per byte of the
-  compute dtype) and one step per block.
+  compute dtype; none with the block-gradient GEMM) and one step per block.
 
 The constants are H200 bf16 measurements (``benchmarks/results/``):
 
@@ -123,6 +126,7 @@ class Scheme:
     memory: Memory
     seconds: float
     fused_first_pass: bool = False  # vocabulary blocks: the statistics from one fused GEMM
+    fused_gradients: bool = False  # vocabulary blocks: each block's gradient from its GEMM
     # Vocabulary blocks with their workspace inside dW: the first column of the last
     # blocks, whose rows of dW hold the fp32 dX accumulator and the block buffer and which
     # run their gradient pass again (flce.driver.vocab_blocks); None: not that variant.
@@ -142,6 +146,8 @@ class Scheme:
             text = f"vocabulary blocks of {self.block} columns, {self.rows} rows per chunk"
             if self.fused_first_pass:
                 text += ", statistics from one fused GEMM"
+            if self.fused_gradients:
+                text += ", each block's gradient from its GEMM"
             if self.workspace_in_weight_grad:
                 text += f", workspace inside dW (columns from {self.weight_grad_tail_start} computed again)"
             return text
@@ -169,9 +175,10 @@ def _weight_accumulator_traffic(call: CallShape, n_chunks: int, copied_out: bool
 def _block_logits_passes(call: CallShape) -> int:
     """Passes over a block's logits, in units of one read or write of them: the statistics
     pass reads them (not with the fused first pass, whose GEMM's epilogue holds it), the
-    gradient pass reads and writes them."""
+    gradient pass reads and writes them (not with the fused block gradient, whose GEMM's
+    epilogue writes the gradient instead of the logits)."""
     statistics = 0 if call.whole_row_statistics_bytes is not None else 1
-    return statistics + (2 if call.any_gradient else 0)
+    return statistics + (2 if call.any_gradient and not call.fused_block_gradient else 0)
 
 
 def predicted_seconds(
@@ -198,6 +205,8 @@ def predicted_seconds(
         else:  # the first pass is one fused GEMM: one step
             gemm_flops += 2 * n * v * h * (FUSED_STATISTICS_GEMM_SLOWDOWN - 1)
             steps = 1 + n_blocks * n_chunks * (passes - 1)
+            if call.fused_block_gradient and passes == 2:  # the second pass's GEMMs are fused ones too
+                gemm_flops += 2 * n * v * h * (FUSED_STATISTICS_GEMM_SLOWDOWN - 1)
         accumulator = _weight_accumulator_traffic(call, n_chunks, True) if call.any_gradient else 0
         if call.grad_input:  # dX in fp32: zeroed, read and written per block, cast at the end
             dx_elements = n * h
@@ -207,7 +216,8 @@ def predicted_seconds(
         if workspace_in_weight_grad:  # the last blocks' gradient pass again
             tail = v - weight_grad_tail_start(call, rows, block)
             gemm_flops += 2 * n * tail * h
-            logits_bytes += 2 * n * tail * call.compute_dtype.itemsize
+            if not call.fused_block_gradient:
+                logits_bytes += 2 * n * tail * call.compute_dtype.itemsize
             steps += math.ceil(tail / block)
     return (
         gemm_flops / GEMM_FLOPS_PER_SECOND
@@ -230,6 +240,7 @@ def block_scheme(call: CallShape, rows: int, block: int, workspace_in_weight_gra
         vocab_block_memory(call, rows, block, workspace_in_weight_grad),
         predicted_seconds(call, rows, block, workspace_in_weight_grad),
         fused_first_pass=call.whole_row_statistics_bytes is not None,
+        fused_gradients=call.fused_block_gradient and call.any_gradient,
         weight_grad_tail_start=weight_grad_tail_start(call, rows, block) if workspace_in_weight_grad else None,
     )
 
@@ -379,6 +390,7 @@ def describe_call(
         else whole_row_statistics.workspace_bytes(
             input.shape[0], weight.shape[0], options.label_smoothing > 0, bias is not None
         ),
+        fused_block_gradient=whole_row_statistics is not None and backend.block_gradient is not None,
         upcast_operands=not fp32_output_gemm_supported(input.device),
     )
 

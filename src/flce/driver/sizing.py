@@ -202,6 +202,9 @@ class CallShape:
     # ``loss_only`` slot applies: ``flce.driver.fused``), which allocates this many bytes;
     # None: a logits GEMM and a statistics pass per block.
     whole_row_statistics_bytes: int | None = None
+    # The vocabulary blocks' second pass from the backend's ``block_gradient`` GEMM (with the
+    # fused first pass): each block's gradient written by its GEMM, no pass over its logits.
+    fused_block_gradient: bool = False
     # fp32 accumulation copies bf16/fp16 GEMM operands to fp32 where no GEMM writes fp32
     # from them (the CPU: flce.driver.gemm.accumulate_product)
     upcast_operands: bool = False

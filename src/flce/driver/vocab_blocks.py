@@ -31,7 +31,7 @@ from functools import cache
 
 import torch
 
-from flce.backends.base import LossOnlyStatistics, SplitRowKernels
+from flce.backends.base import BlockGradientGemm, LossOnlyStatistics, SplitRowKernels
 from flce.driver.chunks import (
     Gradients,
     GradRequest,
@@ -186,6 +186,7 @@ def run_vocab_blocks(
     row_grad_scale: torch.Tensor | None = None,  # (N,) fp32
     *,
     fused_statistics: LossOnlyStatistics | None = None,  # pass 1 from it (applicable: flce.plan)
+    fused_gradient: BlockGradientGemm | None = None,  # pass 2 from it (with fused_statistics only)
     weight_grad_tail_start: int | None = None,  # the workspace inside dW (flce.driver.schemes.Scheme)
 ) -> tuple[RowOutputs, Gradients]:
     """The driver over token chunks x vocabulary blocks of ``options.vocab_chunk_size``
@@ -234,13 +235,14 @@ def run_vocab_blocks(
         for index, v0 in enumerate(range(0, vocab, block)):
             yield v0, min(v0 + block, vocab), ce_parts[index], w_parts[index], w_t_parts[index], b_parts[index]
 
-    def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
+    def tile_of(tile_rows: int, tile_cols: int) -> torch.Tensor:  # (C, V_b)
         # The last row chunk's and the last block's tiles keep the full tile's aligned row
         # stride: a ragged last block of an odd vocabulary would otherwise be a GEMM
         # operand with an unaligned leading dimension.
-        rows_, cols = r1 - r0, w_t_block.shape[1]
-        logits = full_tile if (rows_, cols) == (chunk, block) else full_tile[:rows_, :cols]  # (C, V_b)
-        return logits_product(logits, x, w_t_block, b_block)
+        return full_tile if (tile_rows, tile_cols) == (chunk, block) else full_tile[:tile_rows, :tile_cols]
+
+    def logits_of(r0: int, r1: int, x: torch.Tensor, w_t_block: torch.Tensor, b_block: torch.Tensor | None):
+        return logits_product(tile_of(r1 - r0, w_t_block.shape[1]), x, w_t_block, b_block)
 
     def chunks():
         for r0 in range(0, n_rows, chunk):
@@ -339,21 +341,17 @@ def run_vocab_blocks(
             full_tile = logits_buffer(chunk, block, compute_dtype, device)
         dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None
 
-    def block_gradient(target_of_block: torch.Tensor, r0: int, r1: int, x, ce_block, w_t_block, b_block):
-        """The block's logits of rows ``[r0, r1)``, overwritten with their gradient."""
+    def block_gradient(target_of_block: torch.Tensor, r0: int, r1: int, x, ce_block, w_block, w_t_block, b_block):
+        """The gradient of the block's logits of rows ``[r0, r1)``: from the fused GEMM,
+        or the logits overwritten with it."""
+        target_rows = row_range(target_of_block, r0, r1)
+        whole_rows = [row_range(t, r0, r1) for t in (row_max, inv_sum, w_y, lse, scale)]
+        if fused_gradient is not None:
+            grad = tile_of(r1 - r0, w_block.shape[0])
+            fused_gradient(x, w_block, b_block, grad, target_rows, *whole_rows, scalars, eps)
+            return grad
         grad = logits_of(r0, r1, x, w_t_block, b_block)
-        kernels.gradient(
-            grad,
-            row_range(target_of_block, r0, r1),
-            ce_block,
-            row_range(row_max, r0, r1),
-            row_range(inv_sum, r0, r1),
-            row_range(w_y, r0, r1),
-            row_range(lse, r0, r1),
-            row_range(scale, r0, r1),
-            scalars,
-            eps,
-        )
+        kernels.gradient(grad, target_rows, ce_block, *whole_rows, scalars, eps)
         return grad
 
     for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
@@ -366,7 +364,7 @@ def run_vocab_blocks(
         else:
             dw_block = None
         for r0, r1, x in chunks():
-            grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
+            grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_block, w_t_block, b_block)
             if dx_acc is not None:
                 accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False, vocabulary="reduction")
             if dw_direct and dw_block is not None:
@@ -388,12 +386,12 @@ def run_vocab_blocks(
     if tail_start < vocab:
         # The last blocks' rows of dW are free again: their gradient once more, then dW.
         full_tile = logits_buffer(chunk, block, compute_dtype, device) if n_rows else None
-        for index, (v0, v1, ce_block, _, w_t_block, b_block) in enumerate(blocks()):
+        for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
             if v0 < tail_start:
                 continue
             grad_target_of_block = targets().of_block(index, v0, v1)
             for r0, r1, x in chunks():
-                grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_t_block, b_block)
+                grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_block, w_t_block, b_block)
                 with full_precision_reductions():
                     accumulate_product(dw_parts[index], grad.t(), x, True, vocabulary="rows")
         full_tile = grad = None

@@ -184,7 +184,7 @@ def _num_stages(config: FusedForwardConfig, esize: int) -> int:
     return min(8, fit)
 
 
-def _acc_mn_view(t: cute.Tensor) -> cute.Tensor:
+def acc_mn_view(t: cute.Tensor) -> cute.Tensor:
     """View a WGMMA accumulator partition, ``((2, 2, BN/8), MMA_M, MMA_N)`` (column pair,
     row half, column block), as ``((2, MMA_M), (2, BN/8, MMA_N))``: mode 0 walks the rows a
     thread holds, mode 1 the columns it holds of each of them. Works as well for the
@@ -248,20 +248,39 @@ class FusedForwardKernel:
         stream: cuda.CUstream,
     ):
         key = self.key
-        H = key.hidden
-        V = key.vocab
+        T = self.num_tiles_n
+        rows = cute.make_layout((num_rows,))
+        stats = cute.make_layout((T, num_rows), stride=(num_rows, 1))
+        epilogue_tensors = (
+            cute.make_tensor(p_target, rows),  # (N,)
+            cute.make_tensor(p_bias, cute.make_layout((key.vocab,))),  # (V,)
+            cute.make_tensor(p_max, stats),  # (T, N)
+            cute.make_tensor(p_sumexp, stats),  # (T, N)
+            cute.make_tensor(p_argmax, stats),  # (T, N)
+            cute.make_tensor(p_sum, stats),  # (T, N)
+            cute.make_tensor(p_target_logit, rows),  # (N,)
+        )
+        self._launch(p_x, p_w, epilogue_tensors, num_rows, softcap, inv_softcap, max_clusters, stream)
+
+    @cute.jit
+    def _launch(
+        self,
+        p_x: cute.Pointer,  # (N, H) row-major, 16-byte aligned
+        p_w: cute.Pointer,  # (V, H) row-major, 16-byte aligned
+        epilogue_tensors: tuple,  # what ``_epilogue`` reads and writes, as global tensors
+        num_rows: Int32,
+        softcap: Float32,
+        inv_softcap: Float32,
+        max_clusters: Int32,
+        stream: cuda.CUstream,
+    ):
+        """The GEMM's TMA views, shared-memory layout and persistent grid; the tile loop
+        hands each tile's accumulator to ``_epilogue`` with ``epilogue_tensors``."""
+        H = self.key.hidden
+        V = self.key.vocab
         T = self.num_tiles_n
         mX = cute.make_tensor(p_x, cute.make_layout((num_rows, H), stride=(H, 1)))  # (N, H)
         mW = cute.make_tensor(p_w, cute.make_layout((V, H), stride=(H, 1)))  # (V, H)
-        rows = cute.make_layout((num_rows,))
-        mTarget = cute.make_tensor(p_target, rows)  # (N,)
-        mTgtLogit = cute.make_tensor(p_target_logit, rows)  # (N,)
-        mBias = cute.make_tensor(p_bias, cute.make_layout((V,)))  # (V,)
-        stats = cute.make_layout((T, num_rows), stride=(num_rows, 1))
-        mMax = cute.make_tensor(p_max, stats)  # (T, N)
-        mSumExp = cute.make_tensor(p_sumexp, stats)  # (T, N)
-        mArg = cute.make_tensor(p_argmax, stats)  # (T, N)
-        mSum = cute.make_tensor(p_sum, stats)  # (T, N)
 
         a_layout = utils.LayoutEnum.from_tensor(mX)
         b_layout = utils.LayoutEnum.from_tensor(mW)
@@ -303,13 +322,7 @@ class FusedForwardKernel:
             tma_tensor_a,
             tma_atom_b,
             tma_tensor_b,
-            mTarget,
-            mBias,
-            mMax,
-            mSumExp,
-            mArg,
-            mSum,
-            mTgtLogit,
+            epilogue_tensors,
             tiled_mma,
             cta_layout_mnk,
             a_smem_layout_staged,
@@ -344,13 +357,7 @@ class FusedForwardKernel:
         mA: cute.Tensor,  # (N, H) TMA view of X
         tma_atom_b: cute.CopyAtom,
         mB: cute.Tensor,  # (V, H) TMA view of W
-        mTarget: cute.Tensor,  # (N,) int64/int32
-        mBias: cute.Tensor,  # (V,) fp32
-        mMax: cute.Tensor,  # (T, N) fp32
-        mSumExp: cute.Tensor,  # (T, N) fp32
-        mArg: cute.Tensor,  # (T, N) int32
-        mSum: cute.Tensor,  # (T, N) fp32
-        mTgtLogit: cute.Tensor,  # (N,) fp32
+        epilogue_tensors: tuple,  # ``_epilogue``'s global tensors
         tiled_mma: cute.TiledMma,
         cta_layout_mnk: cute.Layout,
         a_smem_layout_staged: cute.ComposedLayout,
@@ -535,22 +542,7 @@ class FusedForwardKernel:
 
                 # ---------------- epilogue: per-row statistics of this tile, from registers,
                 # while the loader fills the ring with the next tile's k-tiles.
-                self._epilogue(
-                    acc,
-                    tCcC,
-                    pid_m,
-                    pid_n,
-                    mTarget,
-                    mBias,
-                    mMax,
-                    mSumExp,
-                    mArg,
-                    mSum,
-                    mTgtLogit,
-                    num_rows,
-                    softcap,
-                    inv_softcap,
-                )
+                self._epilogue(acc, tCcC, pid_m, pid_n, epilogue_tensors, num_rows, softcap, inv_softcap)
                 if const_expr(self.config.pingpong):
                     for _ in cutlass.range(k_tile_cnt, unroll=1):  # the other warpgroup's next tile
                         read_state.advance()
@@ -586,17 +578,12 @@ class FusedForwardKernel:
         tCcC: cute.Tensor,  # same shape: (m, n) tile coordinates of each value
         pid_m: Int32,
         pid_n: Int32,
-        mTarget: cute.Tensor,  # (N,)
-        mBias: cute.Tensor,  # (V,) fp32
-        mMax: cute.Tensor,  # (T, N)
-        mSumExp: cute.Tensor,  # (T, N)
-        mArg: cute.Tensor,  # (T, N)
-        mSum: cute.Tensor,  # (T, N)
-        mTgtLogit: cute.Tensor,  # (N,)
+        epilogue_tensors: tuple,  # target (N,), bias (V,) fp32, max, sumexp, argmax, sum (T, N), target logit (N,)
         num_rows: Int32,
         softcap: Float32,
         inv_softcap: Float32,
     ):
+        mTarget, mBias, mMax, mSumExp, mArg, mSum, mTgtLogit = epilogue_tensors
         key = self.key
         V = key.vocab
         BN = self.bn
@@ -606,8 +593,8 @@ class FusedForwardKernel:
         # A cluster wider than the last tiles (T not a multiple of cluster_n) adds CTAs
         # past the vocabulary: they run the mainloop with their peers but write nothing.
         tile_ok = pid_n < self.num_tiles_n
-        accs = _acc_mn_view(acc)  # (rows of this thread, columns of this thread)
-        crds = _acc_mn_view(tCcC)
+        accs = acc_mn_view(acc)  # (rows of this thread, columns of this thread)
+        crds = acc_mn_view(tCcC)
         R = cute.size(accs, mode=[0])
         C = cute.size(accs, mode=[1])
         m0 = pid_m * self.bm

@@ -1,0 +1,184 @@
+"""The block-gradient Hopper kernel (the fused forward's GEMM with an epilogue that writes
+dL/dz) against float64.
+
+CPU part (needs nvidia-cutlass-dsl, no GPU): every feature key compiles for sm_90a.
+
+GPU part (sm_90): the gradient of a block, given the whole rows' statistics, must satisfy
+``err(ours) <= 3 * err(torch) + eps`` against the float64 formulas, where ``err(torch)``
+is the error of what the blocks ran without this kernel: the block's logits from a
+cuBLAS GEMM in the input dtype, then the split-row gradient over them. Every value of
+the block must be written (the output starts as NaN) and nothing past its columns or
+rows (a finite sentinel there stays), and ignored rows must be exactly 0 even where
+their logits are not finite.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+
+import pytest
+import torch
+
+from flce.backends.base import gradient_coefficients
+from flce.dispatch import get_backend, split_rows_of
+from flce.rows.cross_entropy import ChunkScalars
+
+HAS_DSL = importlib.util.find_spec("cutlass") is not None
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+if HAS_DSL and not torch.cuda.is_available():
+    # Without a device the DSL compiles for the architecture named here.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+needs_sm90 = pytest.mark.skipif(not (HAS_DSL and HAS_SM90), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 GPU")
+
+if HAS_DSL:
+    from flce.backends.cutedsl import fused_gradient as fg
+
+K = 3.0
+EPS = 1e-5
+SENTINEL = 12345.0  # finite, far from any gradient: a write past the block shows
+FLAGS = ("has_bias", "has_softcap", "has_smoothing", "has_z_grad")
+
+
+# ---------------------------------------------------------------------- CPU
+@needs_dsl
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("flags", [(), FLAGS, ("has_softcap",), ("has_smoothing", "has_z_grad")], ids=str)
+def test_every_feature_key_compiles(dtype, flags):
+    # V_b = 8016: a block of V = 128256 in 16 (not a multiple of the 256-column tile).
+    key = fg.FusedGradientKey(dtype, 8016, 4096, True, *(flag in flags for flag in FLAGS))
+    assert fg.compile_fused_gradient(key) is not None
+
+
+# ---------------------------------------------------------------------- GPU
+def _reference(z, y, row_max, inv_sum, coef_y, coef_eps, coef_z, weight_sum, softcap):
+    """The module docstring's formulas in float64 (``z``: the block's float64 logits)."""
+    t = torch.tanh(z / softcap) if softcap is not None else None
+    zp = softcap * t if softcap is not None else z
+    p = torch.exp(zp - row_max[:, None]) * inv_sum[:, None]
+    g = p * (coef_y + coef_z)[:, None]
+    owned = (y >= 0) & (y < z.shape[1])
+    rows = owned.nonzero().squeeze(1)
+    p_y = p[rows, y[rows]]
+    g[rows, y[rows]] = coef_z[rows] * p_y + coef_y[rows] * (p_y - 1.0)
+    if coef_eps is not None:
+        g += coef_eps[:, None] * (weight_sum * p - 1.0)
+    if softcap is not None:
+        g *= 1.0 - t * t
+    g[y < 0] = 0.0
+    return g
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
+
+
+CASES = [
+    # (rows, V_b, H): a ragged last row tile (200, 45), V_b not a multiple of the 256-column
+    # tile (1031, 8016) or narrower than one (300), the smallest H the kernel takes (64).
+    (200, 8016, 256),
+    (45, 300, 64),
+    (333, 1031, 128),
+]
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("flags", [(), FLAGS, ("has_softcap",), ("has_smoothing", "has_z_grad")], ids=str)
+@pytest.mark.parametrize("shape", CASES, ids=str)
+def test_gpu_block_gradient_matches_float64(dtype, flags, shape):
+    n, v_b, h = shape
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(n + v_b)
+    x = torch.randn(n, h, device=dev, generator=gen).to(dtype)
+    w = (torch.randn(v_b + 8, h, device=dev, generator=gen) * 0.3).to(dtype)[8:]  # a block: rows of W
+    b = (torch.randn(v_b, device=dev, generator=gen)).to(dtype) if "has_bias" in flags else None
+    softcap = 4.0 if "has_softcap" in flags else None
+    y = torch.randint(-1, v_b + 1, (n,), device=dev, generator=gen)  # -1 ignored, V_b another block's
+    x[y < 0] = float("inf")  # an ignored row's logits are not finite: its gradient is still 0
+    scalars = ChunkScalars.from_numbers(
+        ignore_index=-100,
+        label_smoothing=0.1 if "has_smoothing" in flags else 0.0,
+        lse_square_scale=1e-3 if "has_z_grad" in flags else 0.0,
+        softcap=softcap,
+        use_token_scaling=False,
+        ce_grad_scale=1.0 / n,
+        z_grad_scale=1.0 / n,
+        weight_sum=float(4 * v_b),  # the whole vocabulary's (V): the block is one of four
+        device=dev,
+    )
+    eps = scalars.label_smoothing / (4 * v_b)
+    # The whole rows' statistics as the fused first pass gives them: lse as the reference point.
+    z64 = x.double() @ w.double().t() + (b.double() if b is not None else 0.0)
+    zp64 = softcap * torch.tanh(z64 / softcap) if softcap is not None else z64
+    lse64 = torch.logsumexp(zp64, dim=1) + 1.0  # a row's other blocks hold mass too
+    lse = torch.where(y >= 0, lse64, 0.0).float()
+    inv_sum = torch.ones(n, device=dev)
+    w_y = torch.rand(n, device=dev, generator=gen) + 0.5
+    row_scale = torch.where(y >= 0, torch.rand(n, device=dev, generator=gen) + 0.5, 0.0)
+
+    stride = v_b + 61  # a padded row stride: the padding must stay untouched
+    buffer = torch.full((n + 3, stride), SENTINEL, device=dev, dtype=dtype)
+    out = buffer[:n, :v_b]
+    out.fill_(float("nan"))
+    fg.block_gradient(x, w, b, out, y, lse, inv_sum, w_y, lse, row_scale, scalars, eps)
+
+    coefs = [None if c is None else c.double() for c in gradient_coefficients(w_y, lse, row_scale, scalars, eps)]
+    want = _reference(
+        torch.where((y >= 0)[:, None], z64, 0.0),
+        y,
+        lse.double(),
+        inv_sum.double(),
+        coefs[0],
+        coefs[1],
+        coefs[2] if coefs[2] is not None else torch.zeros(n, device=dev, dtype=torch.float64),
+        scalars.weight_sum.double(),
+        softcap,
+    )
+    assert bool(torch.isfinite(out).all()), "a value of the block was not written"
+    assert bool((out[y < 0] == 0).all()), "ignored rows must be exactly 0"
+    assert bool((buffer[:n, v_b:] == SENTINEL).all()) and bool((buffer[n:] == SENTINEL).all()), "written past the block"
+
+    # What the blocks ran without the kernel: cuBLAS logits in the input dtype, then the
+    # split-row gradient over them.
+    logits = torch.addmm(b, x, w.t()) if b is not None else x @ w.t()
+    logits[y < 0] = 0.0  # the cuBLAS path's ignored rows, finite here: they are selected away
+    split_rows_of(get_backend("torch")).gradient(logits, y, None, lse, inv_sum, w_y, lse, row_scale, scalars, eps)
+    valid = y >= 0
+    ours, theirs = _relative_error(out[valid], want[valid]), _relative_error(logits[valid], want[valid])
+    assert ours <= K * theirs + EPS, (ours, theirs)
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_gpu_block_gradient_rows_of_every_launch_shape():
+    """Row counts around the cluster's 128-row tiles and the persistent grid's wave."""
+    dev = torch.device("cuda")
+    for n, v_b in itertools.product((1, 63, 64, 129, 4096 + 17), (256, 257)):
+        x = torch.randn(n, 64, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(v_b, 64, device=dev, dtype=torch.bfloat16)
+        y = torch.randint(0, v_b, (n,), device=dev)
+        scalars = ChunkScalars.from_numbers(
+            ignore_index=-100,
+            label_smoothing=0.0,
+            lse_square_scale=0.0,
+            softcap=None,
+            use_token_scaling=False,
+            ce_grad_scale=1.0,
+            z_grad_scale=1.0,
+            weight_sum=float(v_b),
+            device=dev,
+        )
+        z = x.float() @ w.float().t()
+        lse = torch.logsumexp(z, dim=1)
+        out = torch.full((n, v_b), float("nan"), device=dev, dtype=torch.bfloat16)
+        ones = torch.ones(n, device=dev)
+        fg.block_gradient(x, w, None, out, y, lse, ones, ones, lse, ones, scalars, 0.0)
+        want = torch.softmax(z, dim=1)
+        want[torch.arange(n, device=dev), y] -= 1.0
+        assert bool(torch.isfinite(out).all()), (n, v_b)
+        torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-3, msg=f"N={n} V_b={v_b}")
