@@ -289,6 +289,10 @@ def run_vocab_blocks(
                     approximate_tanh=scalars.approximate_tanh,
                 )
                 _store_rows(into_blocks[index], r0, r1, stats, column_offset=v0)
+        # No reference to pass 1's buffer outlives it: with the workspace inside dW, pass 2
+        # frees it before using dW's tail (a view kept here held 134 MiB more at the
+        # reference shape).
+        logits = None
         rows, per_block, _ = outputs()
         block_weight_sums = _block_sums(ce_weight, vocab, block, device)  # (B,)
         whole = combine_blocks(per_block, targets().owned_by, block_weight_sums)
