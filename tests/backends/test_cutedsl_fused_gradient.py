@@ -121,7 +121,7 @@ def test_gpu_block_gradient_matches_float64(dtype, flags, shape):
     w_y = torch.rand(n, device=dev, generator=gen) + 0.5
     row_scale = torch.where(y >= 0, torch.rand(n, device=dev, generator=gen) + 0.5, 0.0)
 
-    stride = v_b + 61  # a padded row stride: the padding must stay untouched
+    stride = v_b + 62 + v_b % 2  # a padded row stride, even (the kernel's demand): the padding must stay untouched
     buffer = torch.full((n + 3, stride), SENTINEL, device=dev, dtype=dtype)
     out = buffer[:n, :v_b]
     out.fill_(float("nan"))
@@ -175,10 +175,35 @@ def test_gpu_block_gradient_rows_of_every_launch_shape():
         )
         z = x.float() @ w.float().t()
         lse = torch.logsumexp(z, dim=1)
-        out = torch.full((n, v_b), float("nan"), device=dev, dtype=torch.bfloat16)
+        out = torch.full((n, v_b + v_b % 2), float("nan"), device=dev, dtype=torch.bfloat16)[:, :v_b]
         ones = torch.ones(n, device=dev)
         fg.block_gradient(x, w, None, out, y, lse, ones, ones, lse, ones, scalars, 0.0)
         want = torch.softmax(z, dim=1)
         want[torch.arange(n, device=dev), y] -= 1.0
         assert bool(torch.isfinite(out).all()), (n, v_b)
         torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-3, msg=f"N={n} V_b={v_b}")
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_gpu_block_gradient_refuses_an_odd_row_stride():
+    dev = torch.device("cuda")
+    x = torch.randn(4, 64, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(33, 64, device=dev, dtype=torch.bfloat16)
+    out = torch.empty(4, 33, device=dev, dtype=torch.bfloat16)  # row stride 33
+    ones = torch.ones(4, device=dev)
+    scalars = ChunkScalars.from_numbers(
+        ignore_index=-100,
+        label_smoothing=0.0,
+        lse_square_scale=0.0,
+        softcap=None,
+        use_token_scaling=False,
+        ce_grad_scale=1.0,
+        z_grad_scale=1.0,
+        weight_sum=33.0,
+        device=dev,
+    )
+    with pytest.raises(ValueError, match="even row stride"):
+        fg.block_gradient(
+            x, w, None, out, torch.zeros(4, dtype=torch.long, device=dev), ones, ones, ones, ones, ones, scalars, 0.0
+        )

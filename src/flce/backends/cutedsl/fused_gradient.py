@@ -29,9 +29,12 @@ target's column in the block, ``V_b`` (no column) where another block holds it. 
 smoothing with class weights (``W p_i - w_i``) is not taken: the fused first pass refuses
 it, and this kernel serves only the calls whose first pass it was.
 
-Stores go straight from the accumulator's registers (each thread holds pairs of adjacent
-columns of two rows), one value at a time; rows ``>= N`` and columns ``>= V_b`` are never
-written.
+Stores go straight from the accumulator's registers: each thread holds pairs of adjacent
+columns of two rows, each pair one 32-bit store (the output's rows start 4-byte aligned:
+an even row stride, as the driver's block buffer has). Rows ``>= N`` and columns ``>= V_b``
+are never written. Stored one value at a time, the kernel took as long as cuBLAS's logits
+GEMM and the gradient pass together (13.03 against 11.98 + 1.07 ms at N = 8192,
+V = 128256 in 16 blocks on an H200).
 """
 
 from __future__ import annotations
@@ -101,8 +104,8 @@ class FusedGradientKernel(FusedForwardKernel):
         p_smooth_coef: cute.Pointer,  # (N,) fp32: coef_eps; read only if has_smoothing
         p_z_coef: cute.Pointer,  # (N,) fp32: coef_z; read only if has_z_grad
         p_weight_sum: cute.Pointer,  # (1,) fp32: W; read only if has_smoothing
-        p_out: cute.Pointer,  # (N, V_b) same dtype as x, row stride out_stride
-        out_stride: Int64,  # elements between rows of out
+        p_out: cute.Pointer,  # (N, V_b) same dtype as x, row stride out_stride, 4-byte aligned
+        out_stride: Int64,  # elements between rows of out, even
         num_rows: Int32,  # N
         softcap: Float32,  # c (unused without softcap)
         inv_softcap: Float32,  # 1 / c
@@ -120,6 +123,8 @@ class FusedGradientKernel(FusedForwardKernel):
             cute.make_tensor(p_z_coef, rows),  # (N,)
             cute.make_tensor(p_weight_sum, cute.make_layout((1,))),  # (1,)
             cute.make_tensor(p_out, cute.make_layout((num_rows, self.key.vocab), stride=(out_stride, 1))),  # (N, V_b)
+            p_out,  # the same, for the paired stores
+            out_stride,
         )
         self._launch(p_x, p_w, epilogue_tensors, num_rows, softcap, inv_softcap, max_clusters, stream)
 
@@ -135,7 +140,7 @@ class FusedGradientKernel(FusedForwardKernel):
         softcap: Float32,
         inv_softcap: Float32,
     ):
-        mTarget, mBias, mRowMax, mInvSum, mOnehot, mSmooth, mZ, mWeightSum, mOut = epilogue_tensors
+        mTarget, mBias, mRowMax, mInvSum, mOnehot, mSmooth, mZ, mWeightSum, mOut, p_out, out_stride = epilogue_tensors
         key = self.key
         V = key.vocab
         accs = acc_mn_view(acc)  # (rows of this thread, columns of this thread)
@@ -183,6 +188,10 @@ class FusedGradientKernel(FusedForwardKernel):
                 y = Int32(y_raw)
             # Every column but the target's: e (coef_y + coef_z) / d, one multiplier per row.
             multiplier = inv_d * (coef_y + coef_z)
+            # The row's offset in the output, even (the row stride is): each pair of adjacent
+            # columns a thread holds is one 32-bit store.
+            row_offset = cute.assume(Int64(row) * out_stride, divby=2)
+            pair = cute.make_rmem_tensor((2,), self.dtype)
             for c in cutlass.range_constexpr(C):
                 col = n0 + crds[0, c][1]
                 z = accs[r, c]
@@ -201,8 +210,15 @@ class FusedGradientKernel(FusedForwardKernel):
                     g = g * (Float32(1.0) - t * t)
                 # Selected, not scaled by a zero coefficient: an ignored row's logits may be NaN.
                 g = Float32(cutlass.select_(ignored, Float32(0.0), g))
-                if row_ok and col < V:
-                    mOut[row, col] = g.to(self.dtype)
+                pair[c % 2] = g.to(self.dtype)
+                if const_expr(c % 2 == 1):  # columns col - 1 and col: (even, odd)
+                    if row_ok:
+                        if col < V:
+                            offset = cute.assume(row_offset + Int64(col - 1), divby=2)
+                            cute.autovec_copy(pair, cute.make_tensor(p_out + offset, cute.make_layout((2,))))
+                        elif const_expr(V % 2 == 1):
+                            if col == V:  # the last column of an odd V_b: its pair's first half
+                                mOut[row, col - 1] = pair[0]
 
 
 def compile_fused_gradient(key: FusedGradientKey, config: FusedForwardConfig = DEFAULT_CONFIG):
@@ -225,8 +241,8 @@ def _build(key: FusedGradientKey, config: FusedForwardConfig):
         null_ptr(Float32, 4),
         null_ptr(Float32, 4),
         null_ptr(Float32, 4),
-        null_ptr(dtype, 2),
-        Int64(1),
+        null_ptr(dtype, 4),
+        Int64(2),
         Int32(1),
         Float32(1.0),
         Float32(1.0),
@@ -265,6 +281,11 @@ def fused_block_gradient(
     num_rows, hidden = input.shape
     if num_rows == 0:
         return
+    if out.stride(-1) != 1 or (num_rows > 1 and out.stride(0) % 2) or out.data_ptr() % 4:
+        raise ValueError(
+            "fused_block_gradient: out must have unit stride along the block, an even row stride and a "
+            f"4-byte aligned start (the driver's block buffer has), got strides {tuple(out.stride())}"
+        )
     config = DEFAULT_CONFIG if config is None else config
     if not input.is_contiguous() or input.data_ptr() % 16:
         input = input.clone(memory_format=torch.contiguous_format)  # TMA needs it; small next to the block
@@ -295,7 +316,7 @@ def fused_block_gradient(
             gmem_ptr(None if smooth_coef is None else smooth_coef.contiguous(), Float32, 4),
             gmem_ptr(None if z_coef is None else z_coef.contiguous(), Float32, 4),
             gmem_ptr(weight_sum.reshape(1), Float32, 4),
-            gmem_ptr(out, dtype, 2),
+            gmem_ptr(out, dtype, 4),
             arg_i64(out.stride(0)),
             arg_i32(num_rows),
             arg_f32(c),
