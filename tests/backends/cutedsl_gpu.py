@@ -1,7 +1,12 @@
 """What the cutedsl kernel tests on the GPU share: skipping the module where the backend
-cannot run, and the tolerance of ``err(cutedsl) <= K * err(torch, same dtype) + eps``."""
+cannot run, and the tolerance of ``err(cutedsl) <= K * err(torch, same dtype) + eps``; for
+the Hopper GEMM kernels' tests (fused forward, block gradient), their marks, and the
+architecture they compile for without a GPU (a CPU part of those tests compiles them)."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -25,3 +30,13 @@ def skip_module_without_cutedsl(what: str) -> None:
     ok, why = availability(DEVICE)
     if not ok:
         pytest.skip(f"cutedsl backend unavailable: {why}", allow_module_level=True)
+
+
+HAS_DSL = importlib.util.find_spec("cutlass") is not None
+HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+if HAS_DSL and not torch.cuda.is_available():
+    # Without a device the DSL compiles for the architecture named here.
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
+needs_sm90 = pytest.mark.skipif(not (HAS_DSL and HAS_SM90), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 GPU")

@@ -14,22 +14,13 @@ may legitimately flip.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-HAS_DSL = importlib.util.find_spec("cutlass") is not None
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-if HAS_DSL and not torch.cuda.is_available():
-    # Without a device the DSL compiles for the architecture named here.
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
-needs_sm90 = pytest.mark.skipif(not (HAS_DSL and HAS_SM90), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 GPU")
+from tests.backends.cutedsl_gpu import HAS_DSL, needs_dsl, needs_sm90
 
 if HAS_DSL:
     import cutlass

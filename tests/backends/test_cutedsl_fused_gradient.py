@@ -14,9 +14,7 @@ their logits are not finite.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import os
 
 import pytest
 import torch
@@ -24,15 +22,7 @@ import torch
 from flce.backends.base import gradient_coefficients
 from flce.dispatch import get_backend, split_rows_of
 from flce.rows.cross_entropy import ChunkScalars
-
-HAS_DSL = importlib.util.find_spec("cutlass") is not None
-HAS_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-if HAS_DSL and not torch.cuda.is_available():
-    # Without a device the DSL compiles for the architecture named here.
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-
-needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
-needs_sm90 = pytest.mark.skipif(not (HAS_DSL and HAS_SM90), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 GPU")
+from tests.backends.cutedsl_gpu import HAS_DSL, needs_dsl, needs_sm90
 
 if HAS_DSL:
     from flce.backends.cutedsl import fused_gradient as fg
@@ -70,6 +60,21 @@ def _reference(z, y, row_max, inv_sum, coef_y, coef_eps, coef_z, weight_sum, sof
         g *= 1.0 - t * t
     g[y < 0] = 0.0
     return g
+
+
+def _plain_scalars(vocab: int, device: torch.device) -> ChunkScalars:
+    """No feature, reduction "sum": the gradient is softmax minus one-hot."""
+    return ChunkScalars.from_numbers(
+        ignore_index=-100,
+        label_smoothing=0.0,
+        lse_square_scale=0.0,
+        softcap=None,
+        use_token_scaling=False,
+        ce_grad_scale=1.0,
+        z_grad_scale=1.0,
+        weight_sum=float(vocab),
+        device=device,
+    )
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -162,17 +167,7 @@ def test_gpu_block_gradient_rows_of_every_launch_shape():
         x = torch.randn(n, 64, device=dev, dtype=torch.bfloat16)
         w = torch.randn(v_b, 64, device=dev, dtype=torch.bfloat16)
         y = torch.randint(0, v_b, (n,), device=dev)
-        scalars = ChunkScalars.from_numbers(
-            ignore_index=-100,
-            label_smoothing=0.0,
-            lse_square_scale=0.0,
-            softcap=None,
-            use_token_scaling=False,
-            ce_grad_scale=1.0,
-            z_grad_scale=1.0,
-            weight_sum=float(v_b),
-            device=dev,
-        )
+        scalars = _plain_scalars(v_b, dev)
         z = x.float() @ w.float().t()
         lse = torch.logsumexp(z, dim=1)
         out = torch.full((n, v_b + v_b % 2), float("nan"), device=dev, dtype=torch.bfloat16)[:, :v_b]
@@ -192,17 +187,7 @@ def test_gpu_block_gradient_refuses_an_odd_row_stride():
     w = torch.randn(33, 64, device=dev, dtype=torch.bfloat16)
     out = torch.empty(4, 33, device=dev, dtype=torch.bfloat16)  # row stride 33
     ones = torch.ones(4, device=dev)
-    scalars = ChunkScalars.from_numbers(
-        ignore_index=-100,
-        label_smoothing=0.0,
-        lse_square_scale=0.0,
-        softcap=None,
-        use_token_scaling=False,
-        ce_grad_scale=1.0,
-        z_grad_scale=1.0,
-        weight_sum=33.0,
-        device=dev,
-    )
+    scalars = _plain_scalars(33, dev)
     with pytest.raises(ValueError, match="even row stride"):
         fg.block_gradient(
             x, w, None, out, torch.zeros(4, dtype=torch.long, device=dev), ones, ones, ones, ones, ones, scalars, 0.0

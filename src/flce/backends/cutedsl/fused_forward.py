@@ -603,13 +603,7 @@ class FusedForwardKernel:
         neg_inf = Float32(-Float32.inf)
 
         if const_expr(key.has_bias):
-            for c in cutlass.range_constexpr(C):
-                col = n0 + crds[0, c][1]
-                b = Float32(0.0)
-                if col < V:
-                    b = Float32(mBias[col])
-                for r in cutlass.range_constexpr(R):
-                    accs[r, c] = accs[r, c] + b
+            self._add_bias(accs, crds, n0, mBias)
         if const_expr(partial_last):
             if is_last:
                 self._mask_columns(accs, crds, n0, neg_inf)
@@ -686,6 +680,18 @@ class FusedForwardKernel:
                     mArg[pid_n, row] = best
                     if const_expr(key.with_logit_sum):
                         mSum[pid_n, row] = zsum
+
+    @cute.jit
+    def _add_bias(self, accs: cute.Tensor, crds: cute.Tensor, n0: Int32, mBias: cute.Tensor):
+        """Adds the bias (``mBias``: (V,), any float dtype) to every value of the tile's
+        valid columns, each column's bias read once per thread."""
+        for c in cutlass.range_constexpr(cute.size(accs, mode=[1])):
+            col = n0 + crds[0, c][1]
+            b = Float32(0.0)
+            if col < self.key.vocab:
+                b = Float32(mBias[col])
+            for r in cutlass.range_constexpr(cute.size(accs, mode=[0])):
+                accs[r, c] = accs[r, c] + b
 
     @cute.jit
     def _mask_columns(self, accs: cute.Tensor, crds: cute.Tensor, n0: Int32, fill: Float32):

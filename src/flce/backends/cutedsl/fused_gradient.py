@@ -155,13 +155,7 @@ class FusedGradientKernel(FusedForwardKernel):
         if const_expr(key.has_smoothing):
             weight_sum = mWeightSum[0]
         if const_expr(key.has_bias):
-            for c in cutlass.range_constexpr(C):
-                col = n0 + crds[0, c][1]
-                b = Float32(0.0)
-                if col < V:
-                    b = Float32(mBias[col])
-                for r in cutlass.range_constexpr(R):
-                    accs[r, c] = accs[r, c] + b
+            self._add_bias(accs, crds, n0, mBias)
 
         for r in cutlass.range_constexpr(R):
             row = m0 + crds[r, 0][0]
