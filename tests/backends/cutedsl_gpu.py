@@ -40,3 +40,26 @@ if HAS_DSL and not torch.cuda.is_available():
 
 needs_dsl = pytest.mark.skipif(not HAS_DSL, reason="nvidia-cutlass-dsl is not installed")
 needs_sm90 = pytest.mark.skipif(not (HAS_DSL and HAS_SM90), reason="needs nvidia-cutlass-dsl and a CUDA sm_90 GPU")
+
+
+def block_gradient_reference(z, y, row_max, inv_sum, coef_y, coef_eps, coef_z, weight_sum, softcap):
+    """A vocabulary block's gradient from the whole rows' statistics and the folded per-row
+    coefficients (``flce.backends.cutedsl.fused_gradient``'s formulas; ``coef_eps`` and
+    ``coef_z`` None without label smoothing / z-loss), in ``z``'s dtype: ``z`` (C, V_b) the
+    block's logits before the softcap, ``y`` the target's column in the block (V_b where
+    absent, < 0 on ignored rows)."""
+    t = torch.tanh(z / softcap) if softcap is not None else None
+    zp = softcap * t if softcap is not None else z
+    p = torch.exp(zp - row_max[:, None]) * inv_sum[:, None]
+    coef_z = torch.zeros_like(coef_y) if coef_z is None else coef_z
+    g = p * (coef_y + coef_z)[:, None]
+    owned = (y >= 0) & (y < z.shape[1])
+    rows = owned.nonzero().squeeze(1)
+    p_y = p[rows, y[rows]]
+    g[rows, y[rows]] = coef_z[rows] * p_y + coef_y[rows] * (p_y - 1.0)
+    if coef_eps is not None:
+        g += coef_eps[:, None] * (weight_sum * p - 1.0)
+    if softcap is not None:
+        g *= 1.0 - t * t
+    g[y < 0] = 0.0
+    return g

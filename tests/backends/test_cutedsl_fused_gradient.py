@@ -19,10 +19,9 @@ import itertools
 import pytest
 import torch
 
-from flce.backends.base import gradient_coefficients
 from flce.dispatch import get_backend, split_rows_of
-from flce.rows.cross_entropy import ChunkScalars
-from tests.backends.cutedsl_gpu import HAS_DSL, needs_dsl, needs_sm90
+from flce.rows.cross_entropy import ChunkScalars, gradient_coefficients
+from tests.backends.cutedsl_gpu import HAS_DSL, block_gradient_reference, needs_dsl, needs_sm90
 
 if HAS_DSL:
     from flce.backends.cutedsl import fused_gradient as fg
@@ -44,24 +43,6 @@ def test_every_feature_key_compiles(dtype, flags):
 
 
 # ---------------------------------------------------------------------- GPU
-def _reference(z, y, row_max, inv_sum, coef_y, coef_eps, coef_z, weight_sum, softcap):
-    """The module docstring's formulas in float64 (``z``: the block's float64 logits)."""
-    t = torch.tanh(z / softcap) if softcap is not None else None
-    zp = softcap * t if softcap is not None else z
-    p = torch.exp(zp - row_max[:, None]) * inv_sum[:, None]
-    g = p * (coef_y + coef_z)[:, None]
-    owned = (y >= 0) & (y < z.shape[1])
-    rows = owned.nonzero().squeeze(1)
-    p_y = p[rows, y[rows]]
-    g[rows, y[rows]] = coef_z[rows] * p_y + coef_y[rows] * (p_y - 1.0)
-    if coef_eps is not None:
-        g += coef_eps[:, None] * (weight_sum * p - 1.0)
-    if softcap is not None:
-        g *= 1.0 - t * t
-    g[y < 0] = 0.0
-    return g
-
-
 def _plain_scalars(vocab: int, device: torch.device) -> ChunkScalars:
     """No feature, reduction "sum": the gradient is softmax minus one-hot."""
     return ChunkScalars.from_numbers(
@@ -130,17 +111,15 @@ def test_gpu_block_gradient_matches_float64(dtype, flags, shape):
     buffer = torch.full((n + 3, stride), SENTINEL, device=dev, dtype=dtype)
     out = buffer[:n, :v_b]
     out.fill_(float("nan"))
-    fg.block_gradient(x, w, b, out, y, lse, inv_sum, w_y, lse, row_scale, scalars, eps)
+    coefs = gradient_coefficients(w_y, lse, row_scale, scalars, eps)
+    fg.fused_block_gradient(x, w, b, out, y, lse, inv_sum, *coefs, scalars.weight_sum, softcap)
 
-    coefs = [None if c is None else c.double() for c in gradient_coefficients(w_y, lse, row_scale, scalars, eps)]
-    want = _reference(
+    want = block_gradient_reference(
         torch.where((y >= 0)[:, None], z64, 0.0),
         y,
         lse.double(),
         inv_sum.double(),
-        coefs[0],
-        coefs[1],
-        coefs[2] if coefs[2] is not None else torch.zeros(n, device=dev, dtype=torch.float64),
+        *(None if c is None else c.double() for c in coefs),
         scalars.weight_sum.double(),
         softcap,
     )
@@ -172,7 +151,7 @@ def test_gpu_block_gradient_rows_of_every_launch_shape():
         lse = torch.logsumexp(z, dim=1)
         out = torch.full((n, v_b + v_b % 2), float("nan"), device=dev, dtype=torch.bfloat16)[:, :v_b]
         ones = torch.ones(n, device=dev)
-        fg.block_gradient(x, w, None, out, y, lse, ones, ones, lse, ones, scalars, 0.0)
+        fg.fused_block_gradient(x, w, None, out, y, lse, ones, ones, None, None, scalars.weight_sum, None)
         want = torch.softmax(z, dim=1)
         want[torch.arange(n, device=dev), y] -= 1.0
         assert bool(torch.isfinite(out).all()), (n, v_b)
@@ -189,6 +168,17 @@ def test_gpu_block_gradient_refuses_an_odd_row_stride():
     ones = torch.ones(4, device=dev)
     scalars = _plain_scalars(33, dev)
     with pytest.raises(ValueError, match="even row stride"):
-        fg.block_gradient(
-            x, w, None, out, torch.zeros(4, dtype=torch.long, device=dev), ones, ones, ones, ones, ones, scalars, 0.0
+        fg.fused_block_gradient(
+            x,
+            w,
+            None,
+            out,
+            torch.zeros(4, dtype=torch.long, device=dev),
+            ones,
+            ones,
+            ones,
+            None,
+            None,
+            scalars.weight_sum,
+            None,
         )

@@ -46,6 +46,7 @@ from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
 from flce.testing import Case, run_case
 from tests.aten_ops import NO_KERNEL_OPS, AtenOps, op_name
+from tests.backends.cutedsl_gpu import block_gradient_reference
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 HOPPER = (9, 0)
@@ -239,22 +240,25 @@ def _kernel_stand_in(input, weight, target, bias=None, softcap=None, with_logit_
 
 
 def _block_gradient_stand_in(
-    x, w_block, b_block, out, grad_target, row_max, inv_sum, w_y, lse, row_scale, scalars, eps
+    x, w_block, b_block, out, grad_target, row_max, inv_sum, onehot_coef, smooth_coef, z_coef, weight_sum, softcap
 ):
-    """The ``block_gradient`` slot computed densely (the block's fp32 logits, the torch
-    split-row gradient on them, stored in the compute dtype), with the operand demands of
-    the real kernel asserted: the driver's preparation is checked."""
+    """The ``block_gradient`` slot computed densely (the block's fp32 logits, the kernel's
+    formulas, stored in the compute dtype), with the operand demands of the real kernel
+    asserted: the driver's preparation is checked."""
     assert x.dtype in (BF16, FP16) and w_block.dtype == x.dtype and out.dtype == x.dtype
     assert w_block.is_contiguous() and w_block.data_ptr() % 16 == 0 and x.shape[1] % 64 == 0
     assert out.shape == (x.shape[0], w_block.shape[0]) and out.stride(-1) == 1
+    assert (out.shape[0] <= 1 or out.stride(0) % 2 == 0) and out.data_ptr() % 4 == 0
     assert b_block is None or b_block.dtype == x.dtype
     z = x.float() @ w_block.float().t()
     if b_block is not None:
         z = z + b_block.float()
-    split_rows_of(get_backend("torch")).gradient(
-        z, grad_target, None, row_max, inv_sum, w_y, lse, row_scale, scalars, eps
+    z[grad_target < 0] = 0.0  # an ignored row's logits are never used
+    out.copy_(
+        block_gradient_reference(
+            z, grad_target, row_max, inv_sum, onehot_coef, smooth_coef, z_coef, weight_sum, softcap
+        )
     )
-    out.copy_(z)
 
 
 @pytest.fixture

@@ -54,7 +54,7 @@ from typing import Protocol
 
 import torch
 
-from flce.rows.cross_entropy import BlockStatistics, ChunkScalars
+from flce.rows.cross_entropy import BlockStatistics, ChunkScalars, gradient_coefficients
 from flce.rows.distillation import DistillationKernel
 from flce.rows.logprobs import LogprobsBackwardKernel, LogprobsForwardKernel
 
@@ -277,37 +277,23 @@ class InPlaceSplitRowKernels:
         )
 
 
-def gradient_coefficients(
-    w_y: torch.Tensor,  # (C,) fp32 class weight of the target
-    lse: torch.Tensor,  # (C,) fp32
-    row_scale: torch.Tensor,  # (C,) fp32 flce.rows.cross_entropy.row_scale
-    scalars: ChunkScalars,
-    eps: float,  # label_smoothing / V
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The grouped gradient's per-row coefficients (``flce.rows.cross_entropy``), folded
-    once so that a kernel does one FMA chain per element: ``coef_y`` (the one-hot term),
-    ``coef_eps`` (label smoothing; None without) and ``coef_z`` (the z-loss; None without)."""
-    ce_scale = scalars.ce_grad_scale
-    onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
-    smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
-    s = scalars.lse_square_scale
-    z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
-    return onehot_coef, smooth_coef, z_coef
-
-
 class BlockGradientGemm(Protocol):
     """Optional slot (``BackendSpec.block_gradient``): the vocabulary blocks' second pass
     in one GEMM whose epilogue writes each block's gradient (the logits never reach
     memory), for the calls whose first pass is the ``loss_only`` slot's fused statistics:
     it takes the operands that slot's ``applicable`` accepted for the whole weight.
 
-    Arguments as ``SplitRowKernels.gradient``'s, with the block's logits replaced by the
-    operands of their GEMM and where the gradient goes:
-      x        (C, H) compute dtype (bf16/fp16)
-      w_block  (V_b, H) compute dtype: the block's rows of the weight
-      b_block  (V_b,) compute dtype, or None
-      out      (C, V_b) compute dtype, unit stride along V_b: written with dL/dz of
-               ``softcap(x @ w_block^T + b_block)``
+    Arguments (C rows of one chunk, V_b the block's columns):
+      x            (C, H) compute dtype (bf16/fp16)
+      w_block      (V_b, H) compute dtype: the block's rows of the weight
+      b_block      (V_b,) compute dtype, or None
+      out          (C, V_b) compute dtype, unit stride along V_b, an even row stride and a
+                   4-byte aligned start: written with dL/dz of ``softcap(x @ w_block^T + b_block)``
+      grad_target  (C,) int: the target's column in the block, V_b where absent, -1 on ignored rows
+      row_max, inv_sum   (C,) fp32: the whole row's reference point and 1 / its sum of exp
+      onehot_coef, smooth_coef, z_coef   (C,) fp32 (the last two None without label smoothing,
+                   z-loss): ``flce.rows.cross_entropy.gradient_coefficients``, folded once per call
+      weight_sum   () fp32 on the device; softcap: float or None
     """
 
     def __call__(
@@ -319,11 +305,11 @@ class BlockGradientGemm(Protocol):
         grad_target: torch.Tensor,
         row_max: torch.Tensor,
         inv_sum: torch.Tensor,
-        w_y: torch.Tensor,
-        lse: torch.Tensor,
-        row_scale: torch.Tensor,
-        scalars: ChunkScalars,
-        eps: float,
+        onehot_coef: torch.Tensor,
+        smooth_coef: torch.Tensor | None,
+        z_coef: torch.Tensor | None,
+        weight_sum: torch.Tensor,
+        softcap: float | None,
     ) -> None: ...
 
 

@@ -58,6 +58,7 @@ from flce.rows.cross_entropy import (
     RowOutputs,
     combine_blocks,
     gather_safe_target,
+    gradient_coefficients,
     row_scale,
     rows_from_statistics,
 )
@@ -322,6 +323,9 @@ def run_vocab_blocks(
     scale = row_scale(valid, token_scale, row_grad_scale)
     w_y = ce_weight[safe_target] if ce_weight is not None else torch.ones_like(lse)
     eps = scalars.smoothing_eps(vocab)
+    # The block-gradient GEMM takes the grouped gradient's per-row coefficients: the same
+    # for every block, so folded once here (the split-row kernels fold them per call).
+    coefficients = gradient_coefficients(w_y, lse, scale, scalars, eps) if fused_gradient is not None else ()
     dw = torch.empty(vocab, hidden, dtype=weight.dtype, device=device) if request.weight else None
     db = torch.zeros(vocab, **f32) if request.bias else None
     acc_dtype = weight_accumulator_dtype(options.accum_dtype, weight.dtype)
@@ -349,13 +353,17 @@ def run_vocab_blocks(
         """The gradient of the block's logits of rows ``[r0, r1)``: from the fused GEMM,
         or the logits overwritten with it."""
         target_rows = row_range(target_of_block, r0, r1)
-        whole_rows = [row_range(t, r0, r1) for t in (row_max, inv_sum, w_y, lse, scale)]
+        statistics = [row_range(t, r0, r1) for t in (row_max, inv_sum)]
         if fused_gradient is not None:
             grad = tile_of(r1 - r0, w_block.shape[0])
-            fused_gradient(x, w_block, b_block, grad, target_rows, *whole_rows, scalars, eps)
+            coefs = [row_range(c, r0, r1) for c in coefficients]
+            fused_gradient(
+                x, w_block, b_block, grad, target_rows, *statistics, *coefs, scalars.weight_sum, scalars.softcap
+            )
             return grad
         grad = logits_of(r0, r1, x, w_t_block, b_block)
-        kernels.gradient(grad, target_rows, ce_block, *whole_rows, scalars, eps)
+        row_factors = [row_range(t, r0, r1) for t in (w_y, lse, scale)]
+        kernels.gradient(grad, target_rows, ce_block, *statistics, *row_factors, scalars, eps)
         return grad
 
     for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):

@@ -177,6 +177,24 @@ def loss_rows(
     return ce, zl, token_scale
 
 
+def gradient_coefficients(
+    w_y: torch.Tensor,  # (C,) fp32 class weight of the target
+    lse: torch.Tensor,  # (C,) fp32
+    row_scale: torch.Tensor,  # (C,) fp32 flce.rows.cross_entropy.row_scale
+    scalars: ChunkScalars,
+    eps: float,  # label_smoothing / V
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The grouped gradient's per-row coefficients (``flce.rows.cross_entropy``), folded
+    once so that a kernel does one FMA chain per element: ``coef_y`` (the one-hot term),
+    ``coef_eps`` (label smoothing; None without) and ``coef_z`` (the z-loss; None without)."""
+    ce_scale = scalars.ce_grad_scale
+    onehot_coef = row_scale * (ce_scale * (1.0 - scalars.label_smoothing)) * w_y
+    smooth_coef = row_scale * (ce_scale * eps) if eps > 0 else None
+    s = scalars.lse_square_scale
+    z_coef = row_scale * (scalars.z_grad_scale * 2.0 * s) * lse if s > 0 else None
+    return onehot_coef, smooth_coef, z_coef
+
+
 def row_scale(
     valid: torch.Tensor,  # (M,) bool
     token_scale: torch.Tensor | None,  # (M,) fp32 p_y with use_token_scaling

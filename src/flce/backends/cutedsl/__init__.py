@@ -162,5 +162,5 @@ BACKEND = BackendSpec(
         statistics=lazy_function("flce.backends.cutedsl.fused_forward", "prechecked_fused_forward_statistics"),
         workspace_bytes=fused_forward_workspace_bytes,
     ),
-    block_gradient=lazy_function("flce.backends.cutedsl.fused_gradient", "block_gradient"),
+    block_gradient=lazy_function("flce.backends.cutedsl.fused_gradient", "fused_block_gradient"),
 )

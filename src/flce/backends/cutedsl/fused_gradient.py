@@ -48,7 +48,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
-from flce.backends.base import device_guard, gradient_coefficients
+from flce.backends.base import device_guard
 from flce.backends.cutedsl.common import (
     LOG2_E,
     arg_f32,
@@ -70,7 +70,6 @@ from flce.backends.cutedsl.fused_forward import (
     acc_mn_view,
     clusters_to_launch,
 )
-from flce.rows.cross_entropy import ChunkScalars
 
 
 @dataclass(frozen=True)
@@ -268,7 +267,9 @@ def fused_block_gradient(
     config: FusedForwardConfig | None = None,
 ) -> None:
     """Writes dL/dz of ``z' = softcap(input @ weight^T + bias)`` into ``out`` (module
-    docstring), for operands the driver prepared (``flce.driver.vocab_blocks``; the fused
+    docstring): the backend's ``block_gradient`` slot (``flce.backends.base.BlockGradientGemm``;
+    the softcap's tanh the hardware's approximation, as in the fused first pass), for operands
+    the driver prepared (``flce.driver.vocab_blocks``; the fused
     forward's applicability held for the whole weight): no argument checks but what the
     kernel cannot do without (a row-major 16-byte aligned ``input``; it is copied
     otherwise, as the fused forward's is)."""
@@ -318,37 +319,3 @@ def fused_block_gradient(
             arg_i32(max_clusters),
             cuda_stream(dev),
         )
-
-
-def block_gradient(
-    x: torch.Tensor,
-    w_block: torch.Tensor,
-    b_block: torch.Tensor | None,
-    out: torch.Tensor,
-    grad_target: torch.Tensor,
-    row_max: torch.Tensor,
-    inv_sum: torch.Tensor,
-    w_y: torch.Tensor,
-    lse: torch.Tensor,
-    row_scale: torch.Tensor,
-    scalars: ChunkScalars,
-    eps: float,
-) -> None:
-    """The backend's ``block_gradient`` slot (``flce.backends.base.BlockGradientGemm``):
-    the split-row gradient's coefficients, then ``fused_block_gradient``. The softcap's
-    tanh is the hardware's approximation, as in the fused first pass (16-bit products)."""
-    onehot_coef, smooth_coef, z_coef = gradient_coefficients(w_y, lse, row_scale, scalars, eps)
-    fused_block_gradient(
-        x,
-        w_block,
-        b_block,
-        out,
-        grad_target,
-        row_max,
-        inv_sum,
-        onehot_coef,
-        smooth_coef,
-        z_coef,
-        scalars.weight_sum,
-        scalars.softcap,
-    )
