@@ -149,7 +149,7 @@ def split_row_kernels(backend: str | None, device: torch.device) -> SplitRowKern
 
 def device_helper(slot: str, device: torch.device):
     """The first registered backend's optional ``slot`` (``scale_unless_one``,
-    ``batch_statistics``) usable on ``device``, or None: these helpers serve every
+    ``scaled_copies``, ``batch_statistics``) usable on ``device``, or None: these helpers serve every
     backend's calls on the device. The helper found is cached for CUDA devices, as the
     availability it follows (``_availability``)."""
     if device.type == "cuda":

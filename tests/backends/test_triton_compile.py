@@ -129,6 +129,7 @@ def _calls():
     def batch_helpers():  # the CUDA-only launches of a call: the batch statistics, the upstream scale
         statistics.batch_statistics_values(t, torch.rand(ODD_V, generator=gen), ODD_V, -100)
         scale.scale_unless_one_([x.detach().clone(), w.detach().clone()], torch.tensor(0.5))
+        scale.scaled_copies([x.detach(), w.detach()], torch.tensor(0.5))  # a CUDA graph's gradients
 
     return {"cross_entropy": cross_entropy, "vocabulary_blocks": vocabulary_blocks, "logprobs": logprobs,
             "distillation": distillation, "batch_helpers": batch_helpers}  # fmt: skip
@@ -157,6 +158,7 @@ EXPECTED_KERNELS = (
     "_distillation_kernel",
     "_batch_statistics_kernel",
     "_scale_unless_one_kernel",
+    "_scaled_copies_kernel",
 )
 
 

@@ -1,5 +1,5 @@
-"""The in-place upstream-gradient rescale (flce.backends.triton.scale), through Triton's
-interpreter on CPU and natively on CUDA: one launch for every gradient of a call."""
+"""The upstream-gradient rescale (flce.backends.triton.scale), in place and into new tensors,
+through Triton's interpreter on CPU and natively on CUDA: one launch for every gradient of a call."""
 
 import itertools
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flce.backends.triton import availability
-from flce.driver.scaling import scale_gradients_
+from flce.driver.scaling import scale_gradients_, scaled_gradients
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not availability(DEVICE)[0], reason=availability(DEVICE)[1] or "triton available")
@@ -131,3 +131,66 @@ def test_a_fused_backward_scales_dx_dw_and_db_in_one_launch(dtype, launches):
     outcome = run_case(Case(dtype=dtype, bias=True), "triton", DEVICE)
     assert outcome.passed, outcome.failures
     assert launches[0] == 1
+
+
+@pytest.fixture
+def copy_launches(monkeypatch):
+    """The number of out-of-place scaling launches made while the test runs."""
+    from flce.backends.triton import scale
+
+    count = [0]
+    kernel = scale._scaled_copies_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            count[0] += 1
+            return kernel[grid]
+
+    monkeypatch.setattr(scale, "_scaled_copies_kernel", Counted())
+    return count
+
+
+@pytest.mark.parametrize("names", _SUBSETS, ids="+".join)
+@pytest.mark.parametrize("scale", [2.5, 1.0, float("nan")])
+def test_scaled_copies_of_every_subset_in_one_launch(names, scale, copy_launches):
+    """New tensors (the sources untouched), the product in fp32 rounded once, a scale of 1
+    included (the copy is the pass), NaN kept."""
+    from flce.backends.triton.scale import scaled_copies
+
+    gen = torch.Generator().manual_seed(len(names))
+    tensors = [torch.randn(*_GRADIENTS[n][0], generator=gen).to(_GRADIENTS[n][1]).to(DEVICE) for n in names]
+    tensors[0].view(-1)[5] = float("nan")
+    before = [t.clone() for t in tensors]
+    copies = scaled_copies(tensors, torch.tensor(scale, device=DEVICE))
+    assert copy_launches[0] == 1
+    for copy, source, original in zip(copies, tensors, before, strict=True):
+        assert torch.equal(_bits(source), _bits(original))
+        assert copy.data_ptr() != source.data_ptr() and copy.shape == source.shape and copy.dtype == source.dtype
+        if scale == 1.0:  # the same values (a NaN's payload may change: it is multiplied)
+            torch.testing.assert_close(copy, original, rtol=0, atol=0, equal_nan=True)
+        elif scale != scale:
+            assert copy.isnan().all()
+        else:
+            _assert_scaled_once(copy, original, scale)
+
+
+def test_scaled_copies_reject_non_contiguous_and_accept_empty(copy_launches):
+    from flce.backends.triton.scale import scaled_copies
+
+    with pytest.raises(ValueError, match="contiguous"):
+        scaled_copies([torch.randn(4, 4, device=DEVICE).t()], torch.tensor(2.0))
+    assert [t.shape for t in scaled_copies([torch.empty(0, 3, device=DEVICE)], torch.tensor(2.0))] == [(0, 3)]
+    assert scaled_copies([], torch.tensor(2.0)) == []
+    assert copy_launches[0] == 0
+
+
+def test_scaled_gradients_in_one_launch_and_a_plain_product_for_the_rest(copy_launches):
+    """The out-of-place scaling of ``flce.driver.scaling``: the contiguous gradients in one
+    launch, a strided one by a plain product, None kept, nothing modified."""
+    a = torch.ones(3, 4, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.ones(6, device=DEVICE)
+    strided = torch.ones(4, 4, device=DEVICE).t()
+    out = scaled_gradients((a, None, strided, b), torch.tensor(0.5, device=DEVICE))
+    assert out[1] is None and copy_launches[0] == 1
+    for scaled, source in zip((out[0], out[2], out[3]), (a, strided, b), strict=True):
+        assert torch.equal(scaled, torch.full_like(source, 0.5)) and torch.equal(source, torch.ones_like(source))

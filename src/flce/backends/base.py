@@ -20,7 +20,8 @@ Slots of a ``BackendSpec``:
 - ``block_gradient`` (``BlockGradientGemm``, optional): the vocabulary blocks' second
   pass, each block's gradient straight from its GEMM, where ``loss_only`` applies;
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
-  forward computed, skipped on the device when the scale is 1;
+  forward computed, skipped on the device when the scale is 1; ``scaled_copies``
+  (optional): the same scaling out of place, into new tensors;
 - ``batch_statistics`` (optional): a call's batch statistics in one launch
   (``flce.driver.statistics``), instead of a score of small PyTorch ops;
 - ``logprobs`` (``LogprobsKernels``, optional): the logprobs head's chunk kernels
@@ -32,7 +33,7 @@ A backend without a head's slot is never picked for that head: auto dispatch tak
 best usable backend that has it, and an explicit request raises naming the missing slot
 (``flce.dispatch.resolve_backend``).
 
-The two device helpers (``scale_unless_one``, ``batch_statistics``) serve every backend's
+The device helpers (``scale_unless_one``, ``scaled_copies``, ``batch_statistics``) serve every backend's
 calls on a device where the backend that registers them can run
 (``flce.dispatch.device_helper``).
 
@@ -383,6 +384,7 @@ class BackendSpec:
     loss_only: LossOnlyStatistics | None = None
     block_gradient: BlockGradientGemm | None = None
     scale_unless_one: Callable[[Sequence[torch.Tensor], torch.Tensor], None] | None = None
+    scaled_copies: Callable[[Sequence[torch.Tensor], torch.Tensor], list[torch.Tensor]] | None = None
     batch_statistics: Callable[..., torch.Tensor] | None = None
     logprobs: LogprobsKernels | None = None
     distillation: DistillationKernels | None = None

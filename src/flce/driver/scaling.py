@@ -8,6 +8,8 @@ import torch
 
 from flce.dispatch import device_helper
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
 
 def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> None:
     """Multiplies each gradient by the 0-dim upstream gradient in place.
@@ -39,5 +41,17 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
 
 def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> list[torch.Tensor | None]:
     """Each gradient times the 0-dim upstream gradient, out of place (for callers that
-    must not modify the gradients they hold, such as a custom op's saved outputs)."""
-    return [None if g is None else g * grad_loss.to(g.dtype) for g in gradients]
+    must not modify the gradients they hold: a custom op's saved outputs, a CUDA graph's).
+    Where a backend registers the ``scaled_copies`` kernel for the device, the contiguous
+    gradients are scaled in one launch (the product in fp32, rounded once, as in place);
+    the others (strided, or traced by ``torch.compile``) get a plain product."""
+    present = [g for g in gradients if g is not None]
+    scaled_copies = device_helper("scaled_copies", present[0].device) if present else None
+    # Plain tensors only: a traced call (torch.compile's fake and functional tensors) has no data.
+    in_one_launch = [type(g) in _PLAIN_TENSORS and scaled_copies is not None and g.is_contiguous() for g in gradients]
+    taken = [g for g, kernel_takes_it in zip(gradients, in_one_launch, strict=True) if kernel_takes_it]
+    copies = iter(scaled_copies(taken, grad_loss) if taken else ())
+    return [
+        next(copies) if kernel_takes_it else None if g is None else g * grad_loss.to(g.dtype)
+        for g, kernel_takes_it in zip(gradients, in_one_launch, strict=True)
+    ]

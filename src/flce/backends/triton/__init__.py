@@ -90,6 +90,7 @@ BACKEND = BackendSpec(
     auto_priority=10,
     description="fused two-pass Triton CE kernel, in place (no fp32 workspace); CUDA GPUs",
     scale_unless_one=lazy_function("flce.backends.triton.scale", "scale_unless_one_"),
+    scaled_copies=lazy_function("flce.backends.triton.scale", "scaled_copies"),
     batch_statistics=lazy_function("flce.backends.triton.statistics", "batch_statistics_values"),
     # In place, like the CE kernel: no fp32 workspace.
     logprobs=lazy_logprobs_kernels("flce.backends.triton.logprobs", extra_bytes_per_logit=0),

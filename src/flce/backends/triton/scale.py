@@ -11,6 +11,10 @@ One launch scales up to ``TENSORS_PER_LAUNCH`` tensors (dX, dW and db: every gra
 of a call), of any dtypes: each pointer's element type is part of the compiled kernel's
 signature, so a mix of dtypes is one more compiled variant, not one more launch. A
 launch costs more host time than the skip saves GPU time, hence one for all.
+
+``scaled_copies`` is the out-of-place twin, for gradients the caller must not modify (a
+CUDA graph's outputs, a custom op's saved ones): new tensors, the copy being the
+scaling's pass, in one launch too.
 """
 
 from __future__ import annotations
@@ -66,6 +70,44 @@ def _scale_unless_one_kernel(
         _scale_in_place(c_ptr, c_n, scale, BLOCK)
 
 
+@triton.jit
+def _scale_into(
+    source_ptr,  # (n,) contiguous, bf16 / fp16 / fp32
+    out_ptr,  # (n,) contiguous, the source's dtype
+    n,
+    scale,  # fp32
+    BLOCK: tl.constexpr,
+):
+    """This program's blocks of ``out = source * scale`` (every ``num_programs``-th)."""
+    step = tl.num_programs(0).to(tl.int64) * BLOCK
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    for block_start in tl.range(start, n, step):
+        offsets = block_start + tl.arange(0, BLOCK)
+        mask = offsets < n
+        values = tl.load(source_ptr + offsets, mask=mask)
+        tl.store(out_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
+
+
+@triton.jit
+def _scaled_copies_kernel(
+    a_ptr,  # (a_n,) contiguous, bf16 / fp16 / fp32, read only
+    a_out_ptr,  # (a_n,) contiguous, a's dtype: a * scale
+    a_n,
+    b_ptr,  # (b_n,) likewise; b_n = 0 for an unused slot
+    b_out_ptr,
+    b_n,
+    c_ptr,  # (c_n,) likewise
+    c_out_ptr,
+    c_n,
+    scale_ptr,  # () fp32 upstream gradient
+    BLOCK: tl.constexpr,
+):
+    scale = tl.load(scale_ptr)  # applied even when it is 1: the outputs are new tensors
+    _scale_into(a_ptr, a_out_ptr, a_n, scale, BLOCK)
+    _scale_into(b_ptr, b_out_ptr, b_n, scale, BLOCK)
+    _scale_into(c_ptr, c_out_ptr, c_n, scale, BLOCK)
+
+
 @cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -76,6 +118,56 @@ def _program_count(device: torch.device, blocks: int) -> int:
     if device.type != "cuda":  # the interpreter: one program per block is simplest
         return max(1, blocks)
     return max(1, min(blocks, _multiprocessors(device) * PROGRAMS_PER_SM))
+
+
+def _fp32_scalar(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``scale`` as the kernels read it: a 0-dim fp32 tensor on ``device``, detached (each
+    step only when needed: each op costs host time in the backward)."""
+    if scale.requires_grad:
+        scale = scale.detach()
+    if scale.dim() != 0:
+        scale = scale.reshape(())
+    # A dispatched op even where it changes nothing: only when it does.
+    return scale if scale.dtype == torch.float32 and scale.device == device else scale.to(device, torch.float32)
+
+
+def scaled_copies(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> list[torch.Tensor]:
+    """``t * scale`` for each of ``tensors``, new contiguous tensors (the product in fp32,
+    rounded once): one launch per ``TENSORS_PER_LAUNCH`` tensors. Each tensor contiguous,
+    all on one device; ``scale`` a 0-dim tensor. The out-of-place twin of
+    ``scale_unless_one_``, for gradients the caller must not modify (a graph's outputs, a
+    custom op's saved ones): the copy is the scaling's pass."""
+    for values in tensors:
+        if not values.is_contiguous():
+            raise ValueError("scaled_copies: every tensor must be contiguous")
+    outputs = [torch.empty_like(values) for values in tensors]
+    present = [(values, out) for values, out in zip(tensors, outputs, strict=True) if values.numel()]
+    if not present:
+        return outputs
+    device = present[0][0].device
+    scale32 = _fp32_scalar(scale, device)
+    for first in range(0, len(present), TENSORS_PER_LAUNCH):
+        group = present[first : first + TENSORS_PER_LAUNCH]
+        largest = max(values.numel() for values, _ in group)
+        blocks = (largest + BLOCK - 1) // BLOCK
+        launch(
+            _scaled_copies_kernel,
+            (_program_count(device, blocks),),
+            (*_flat_slots(group), scale32),
+            dict(BLOCK=BLOCK),
+            num_warps=4,
+            device=device,
+        )
+    return outputs
+
+
+def _flat_slots(group: list) -> tuple:
+    """``(source, out, n)`` per slot of ``_scaled_copies_kernel``; an unused slot repeats
+    the first pair with n = 0."""
+    first_source, first_out = group[0]
+    slots = [(source, out, source.numel()) for source, out in group]
+    slots += [(first_source, first_out, 0)] * (TENSORS_PER_LAUNCH - len(group))
+    return tuple(item for slot in slots for item in slot)
 
 
 def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
@@ -90,13 +182,7 @@ def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> N
     if not present:
         return
     device = present[0].device
-    # Each step only when needed: each op costs host time in the backward.
-    if scale.requires_grad:
-        scale = scale.detach()
-    if scale.dim() != 0:
-        scale = scale.reshape(())
-    # A dispatched op even where it changes nothing: only when it does.
-    scale32 = scale if scale.dtype == torch.float32 and scale.device == device else scale.to(device, torch.float32)
+    scale32 = _fp32_scalar(scale, device)
     for first in range(0, len(present), TENSORS_PER_LAUNCH):
         group = present[first : first + TENSORS_PER_LAUNCH]
         # An unused slot gets a real pointer (never read: its size is 0).
