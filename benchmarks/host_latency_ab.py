@@ -173,7 +173,7 @@ def measure(rounds: int) -> dict:
 
     # The small shape, back to back.
     x, w, t = tensors(SMALL_SHAPE, grad=True)
-    methods = ["eager", "new:triton", "base:triton", "new:cutedsl", "base:cutedsl"]
+    methods = ["eager", "new:triton", "base:triton", "new:cutedsl", "base:cutedsl", "new:torch", "base:torch"]
     calls = {m: make_call(m, x, w, t, "fwd+bwd") for m in methods}
     for m in methods:
         for _ in range(20):

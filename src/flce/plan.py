@@ -40,6 +40,8 @@ so does every backward of a plan whose gradients depend on per-token upstream gr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +57,7 @@ from flce.backends.base import (
 from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row_statistics_refusal
+from flce.driver.graphs import GRAPHED_CALLS, MAX_GRAPHED_WORK, Replay, copied_key, graph_applies, tensor_key
 from flce.driver.scaling import scale_gradients_, scaled_gradients
 from flce.driver.schemes import Scheme, budget_environment, options_for_scheme, scheme_of_call
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
@@ -419,11 +422,120 @@ class ForwardResult:
     outputs: Outputs
     residuals: tuple  # what backward needs besides the operands (the logprobs' lse)
     gradients: Gradients | None  # computed in the forward (mean/sum); None: recomputed in backward
+    # None: the gradients are the caller's own. Else they are a CUDA graph's outputs, still
+    # this call's while ``borrowed()`` is true, and must not be modified (``forward``).
+    borrowed: Callable[[], bool] | None = None
+
+    def copied(self, borrow_gradients: bool = False) -> ForwardResult:
+        """The same values in tensors of their own (a graph's outputs are overwritten by
+        its next replay); with ``borrow_gradients`` the gradients stay the graph's."""
+        gradients = self.gradients
+        if gradients is not None and not borrow_gradients:
+            gradients = _copied_fields(gradients)
+        return ForwardResult(_copied_fields(self.outputs), tuple(_copied(t) for t in self.residuals), gradients)
 
 
-def forward(plan: LossPlan, operands, request: GradRequest) -> ForwardResult:
+def _copied(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
+
+
+def _copied_fields(outputs):
+    """A dataclass of tensors (``Reduced``, ``Gradients``) with each tensor copied."""
+    return dataclasses.replace(
+        outputs, **{f.name: _copied(getattr(outputs, f.name)) for f in dataclasses.fields(outputs)}
+    )
+
+
+def graphed_forward(plan: LossPlan, operands, request: GradRequest) -> Replay | None:
+    """``launched_forward`` replayed from a CUDA graph (``flce.driver.graphs``), for the
+    fused loss of a single-device ``Plan`` where one applies (its result is the graph's
+    outputs); None where none does (the caller launches the call). The hidden states,
+    targets and class weights are copied into the graph's inputs; the weight and bias are
+    read in place (keyed by address). A call that states a memory bound is launched
+    (``_states_memory_bound``)."""
+    if type(plan) is not Plan or type(operands) is not LinearOperands:
+        return None
+    o = operands
+    device = o.input.device
+    n_rows, hidden = o.input.shape
+    vocab = o.weight.shape[0]
+    # The cheapest refusals first: a large call (most of a large model's) pays for the
+    # question before its first GEMM.
+    if n_rows * vocab * hidden > MAX_GRAPHED_WORK or device.type != "cuda" or _states_memory_bound(plan.options):
+        return None
+    held_bytes = _graph_held_bytes(plan, o, request)
+    if not graph_applies(device, n_rows, vocab, hidden, held_bytes):
+        return None
+    if any(type(t) not in _PLAIN_TENSOR_TYPES for t in o.tensors() if t is not None):
+        return None  # a subclass (DTensor, ...) may not be read through its address
+    key = (
+        plan.options,
+        plan.backend.name,
+        plan.compute_dtype,
+        request,
+        device,
+        torch.cuda.current_stream(device).cuda_stream,
+        copied_key(o.input),
+        copied_key(o.target),
+        copied_key(o.ce_weight),
+        tensor_key(o.weight),
+        tensor_key(o.bias),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_inference_mode_enabled(),
+    )
+
+    def run(copied: tuple) -> ForwardResult:
+        input, target, ce_weight = copied
+        captured = make_plan(plan.options, device, target, ce_weight, vocab, plan.compute_dtype)
+        return launched_forward(captured, LinearOperands(input, o.weight, o.bias, target, ce_weight), request)
+
+    return GRAPHED_CALLS.forward(key, (o.input, o.target, o.ce_weight), run, held_bytes)
+
+
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _states_memory_bound(options: LossOptions) -> bool:
+    """Whether a call states a memory bound: a budget (the option or the variables) or
+    chunk sizes. Such a call is never graphed: a graph holds its memory between calls and
+    its dW is copied out (two at once)."""
+    explicit = (options.memory_budget, options.chunk_size, options.vocab_chunk_size)
+    return explicit != (None, None, None) or budget_environment() != (None, None)
+
+
+def _graph_held_bytes(plan: Plan, o: LinearOperands, request: GradRequest) -> int:
+    """An upper bound of the device memory a graph of this call holds: its copies of the
+    per-call tensors, one chunk of logits as large as the whole batch's (in the compute
+    dtype; the gradient is written over them), and the gradients (dW counted in fp32, as
+    the widest accumulator)."""
+    n_rows, hidden = o.input.shape
+    vocab = o.weight.shape[0]
+    x_bytes = n_rows * hidden * o.input.element_size()
+    copied = x_bytes + n_rows * o.target.element_size() + (0 if o.ce_weight is None else vocab * 4)
+    logits = n_rows * vocab * plan.compute_dtype.itemsize
+    gradients = (x_bytes if request.input else 0) + (vocab * hidden * 4 if request.weight else 0)
+    rows = n_rows * 4 * 4  # the per-row outputs
+    return copied + logits + gradients + (vocab * 4 if request.bias else 0) + rows
+
+
+def forward(plan: LossPlan, operands, request: GradRequest, borrow_gradients: bool = False) -> ForwardResult:
     """The outputs of a call, and the gradients of ``request`` where the forward computes
-    them (``defers_gradients`` false: the CE's and the distillation's ``mean``/``sum``)."""
+    them (``defers_gradients`` false: the CE's and the distillation's ``mean``/``sum``):
+    replayed from a CUDA graph where one applies (``graphed_forward``), else launched.
+    A replay's outputs are copied out; with ``borrow_gradients`` its gradients are not:
+    they are the graph's, valid while ``ForwardResult.borrowed()`` (the autograd Function
+    scales them into new tensors in its backward, the copy being the scaling's pass)."""
+    replay = graphed_forward(plan, operands, request)
+    if replay is None:
+        return launched_forward(plan, operands, request)
+    result = replay.result.copied(borrow_gradients)
+    if borrow_gradients and result.gradients is not None:
+        result.borrowed = replay.current
+    return result
+
+
+def launched_forward(plan: LossPlan, operands, request: GradRequest) -> ForwardResult:
+    """``forward`` with every kernel launched from the host."""
     deferred = plan.defers_gradients
     with _no_autocast(_device(operands)):
         rows, grads = plan.run(operands, NO_GRADIENTS if deferred else request)
@@ -471,9 +583,9 @@ class LossFunction(torch.autograd.Function):
     def forward(ctx, plan: LossPlan, operands_type: type, *tensors):
         operands = operands_type(*tensors)
         request = operands.request(ctx.needs_input_grad[2:])
-        result = forward(plan, operands, request)
+        result = forward(plan, operands, request, borrow_gradients=True)
         ctx.plan, ctx.operands_type, ctx.request = plan, operands_type, request
-        ctx.gradients = result.gradients
+        ctx.gradients, ctx.gradients_borrowed = result.gradients, result.borrowed
         ctx.n_tensors = len(tensors)
         ctx.save_for_backward(*tensors, *result.residuals)
         extras = result.outputs.non_differentiable()
@@ -486,10 +598,14 @@ class LossFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         refuse_create_graph(ctx.operands_type.entry)
         saved, ctx.gradients = ctx.gradients, None
+        borrowed, ctx.gradients_borrowed = ctx.gradients_borrowed, None
+        if saved is not None and borrowed is not None and not borrowed():
+            saved = None  # a CUDA graph's, overwritten by a later call's replay: recomputed below
         if saved is not None:
             # The forward's gradients, scaled here: the operands are not needed (unpacking
-            # the saved tensors is host time on every training step).
-            grads = backward(ctx.plan, None, ctx.request, grad_outputs, (), saved, owned=True)
+            # the saved tensors is host time on every training step). A graph's are
+            # scaled into new tensors.
+            grads = backward(ctx.plan, None, ctx.request, grad_outputs, (), saved, owned=borrowed is None)
         else:
             saved_tensors = ctx.saved_tensors
             tensors, residuals = saved_tensors[: ctx.n_tensors], saved_tensors[ctx.n_tensors :]

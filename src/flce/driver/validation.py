@@ -18,9 +18,10 @@ guarantees"):
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 
@@ -76,11 +77,32 @@ def _new_slot(key: tuple) -> _Slot:
     return _Slot(key, host, torch.cuda.Event())
 
 
+# Where ``defer`` records the checks instead of copying their counts, while
+# ``recording_checks`` is active (None: not recording).
+_recording: list | None = None
+
+
+@contextlib.contextmanager
+def recording_checks(checks: list) -> Iterator[None]:
+    """While active, ``defer`` appends ``(counts, describe)`` to ``checks`` instead of
+    copying the counts: the checks of a call captured into a CUDA graph, which the
+    caller defers after each replay (``flce.driver.graphs``)."""
+    global _recording
+    outer, _recording = _recording, checks
+    try:
+        yield
+    finally:
+        _recording = outer
+
+
 def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
     """Copies the device ``counts`` to pinned host memory in the background; the next
     ``raise_pending`` raises ``describe(counts.tolist())`` once the copy has landed.
-    Skipped during CUDA-graph capture (a replay cannot report; the NaN poisoning still
-    applies)."""
+    Recorded instead while ``recording_checks`` is active; skipped during the caller's
+    own CUDA-graph capture (its replays cannot report; the NaN poisoning still applies)."""
+    if _recording is not None:
+        _recording.append((counts, describe))
+        return
     if torch.cuda.is_current_stream_capturing():
         return
     key = (counts.device, counts.shape, counts.dtype)
