@@ -14,6 +14,7 @@ import functools
 import math
 import numbers
 import operator
+import os
 import sys
 from dataclasses import dataclass, fields
 
@@ -271,6 +272,20 @@ def as_bool(name: str, value) -> bool:
     raise TypeError(f"{name} must be a bool, got {value!r}")
 
 
+def environment_mode(variable: str, modes: tuple[str, ...]) -> str:
+    """The mode an environment variable sets, one of ``modes`` (``modes[0]`` when unset or
+    empty; case and surrounding spaces ignored); a ValueError naming the variable otherwise."""
+    return _environment_mode(variable, os.environ.get(variable), modes)
+
+
+@functools.cache  # every call asks (an error is not kept: a bad value raises again)
+def _environment_mode(variable: str, value: str | None, modes: tuple[str, ...]) -> str:
+    mode = (value or modes[0]).strip().lower()
+    if mode not in modes:
+        raise ValueError(f"{variable} must be one of {modes}, got {mode!r}")
+    return mode
+
+
 def check_compute_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
@@ -444,7 +459,10 @@ class KeptAnswers:
         return len(self._answers)
 
 
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # others (DTensor, ...) are checked every call
+# Tensors whose data is their storage at their address: a layout checked once is kept, a
+# CUDA graph reads them in place, a kernel takes them. Others (DTensor, torch.compile's
+# fake and functional tensors, ...) are checked every call and take the plain paths.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _checked_layouts = KeptAnswers()
 
 
@@ -455,7 +473,7 @@ def _layout_key(tensors: tuple) -> tuple | None:
     for tensor in tensors:
         if tensor is None:
             key.append(None)
-        elif type(tensor) in _PLAIN_TENSOR_TYPES:
+        elif type(tensor) in PLAIN_TENSOR_TYPES:
             key.append((tensor.shape, tensor.dtype, tensor.device))
         else:
             return None

@@ -35,12 +35,18 @@ A repeated backward (``retain_graph=True``) and ``reduction="none"`` recompute t
 gradients with the upstream gradient folded into each row, so scaling never compounds;
 so does every backward of a plan whose gradients depend on per-token upstream gradients
 (``defers_gradients``: the logprobs head).
+
+A small fused call whose layout repeats replays its forward from a CUDA graph of its own
+(``graphed_forward``, ``flce.driver.graphs``): the outputs are copied out of the graph;
+the autograd Function borrows its gradients instead and scales them into new tensors in
+its backward, or recomputes them where a later call's replay has overwritten them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -63,7 +69,7 @@ from flce.driver.schemes import Scheme, budget_environment, options_for_scheme, 
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.validation import pending_checks, raise_pending
 from flce.driver.vocab_blocks import run_vocab_blocks
-from flce.options import KeptAnswers, LossOptions, refuse_create_graph
+from flce.options import PLAIN_TENSOR_TYPES, KeptAnswers, LossOptions, refuse_create_graph
 from flce.rows.cross_entropy import ChunkScalars, Reduced, RowOutputs, reduce_rows
 
 # ------------------------------------------------------------------ operands
@@ -466,7 +472,7 @@ def graphed_forward(plan: LossPlan, operands, request: GradRequest) -> Replay | 
     held_bytes = _graph_held_bytes(plan, o, request)
     if not graph_applies(device, n_rows, vocab, hidden, held_bytes):
         return None
-    if any(type(t) not in _PLAIN_TENSOR_TYPES for t in o.tensors() if t is not None):
+    if any(type(t) not in PLAIN_TENSOR_TYPES for t in o.tensors() if t is not None):
         return None  # a subclass (DTensor, ...) may not be read through its address
     key = (
         plan.options,
@@ -475,6 +481,7 @@ def graphed_forward(plan: LossPlan, operands, request: GradRequest) -> Replay | 
         request,
         device,
         torch.cuda.current_stream(device).cuda_stream,
+        threading.get_ident(),  # a graph's inputs and outputs serve one thread's calls
         copied_key(o.input),
         copied_key(o.target),
         copied_key(o.ce_weight),
@@ -490,9 +497,6 @@ def graphed_forward(plan: LossPlan, operands, request: GradRequest) -> Replay | 
         return launched_forward(captured, LinearOperands(input, o.weight, o.bias, target, ce_weight), request)
 
     return GRAPHED_CALLS.forward(key, (o.input, o.target, o.ce_weight), run, held_bytes)
-
-
-_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def _states_memory_bound(options: LossOptions) -> bool:

@@ -32,21 +32,26 @@ def _bits(values):
     return values.view({2: torch.int16, 4: torch.int32}[values.element_size()])
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The number of scaling launches made while the test runs."""
+def _counted_launches(monkeypatch, kernel_name: str) -> list[int]:
+    """The number of launches of ``scale.<kernel_name>`` made while the test runs."""
     from flce.backends.triton import scale
 
     count = [0]
-    kernel = scale._scale_unless_one_kernel
+    kernel = getattr(scale, kernel_name)
 
     class Counted:
         def __getitem__(self, grid):
             count[0] += 1
             return kernel[grid]
 
-    monkeypatch.setattr(scale, "_scale_unless_one_kernel", Counted())
+    monkeypatch.setattr(scale, kernel_name, Counted())
     return count
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The number of in-place scaling launches made while the test runs."""
+    return _counted_launches(monkeypatch, "_scale_unless_one_kernel")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -136,18 +141,7 @@ def test_a_fused_backward_scales_dx_dw_and_db_in_one_launch(dtype, launches):
 @pytest.fixture
 def copy_launches(monkeypatch):
     """The number of out-of-place scaling launches made while the test runs."""
-    from flce.backends.triton import scale
-
-    count = [0]
-    kernel = scale._scaled_copies_kernel
-
-    class Counted:
-        def __getitem__(self, grid):
-            count[0] += 1
-            return kernel[grid]
-
-    monkeypatch.setattr(scale, "_scaled_copies_kernel", Counted())
-    return count
+    return _counted_launches(monkeypatch, "_scaled_copies_kernel")
 
 
 @pytest.mark.parametrize("names", _SUBSETS, ids="+".join)

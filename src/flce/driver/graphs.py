@@ -18,7 +18,8 @@ What a graph keys on and what it copies (``GraphedCalls.forward``):
   with its new values at the next replay;
 - everything else that decides the kernels (the plan's options, backend and compute dtype,
   the gradients requested, the current stream, the deterministic-algorithms switch,
-  inference mode) is part of the key given by the caller.
+  inference mode) is part of the key given by the caller, and so is the calling thread
+  (each thread's calls use graphs of their own).
 
 A graph is captured on the second call of its key (the first one runs as usual and
 compiles what it launches), after one warm-up run on a side stream, with no host sync.
@@ -35,7 +36,7 @@ bad targets, and the next call raises. ``FLCE_CUDA_GRAPHS=off`` turns them off.
 
 from __future__ import annotations
 
-import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from functools import cache
 import torch
 
 from flce.driver import validation
+from flce.options import environment_mode
 
 GRAPHS_ENV_VAR = "FLCE_CUDA_GRAPHS"
 _MODES = ("auto", "off")
@@ -76,15 +78,7 @@ _SEEN_LIMIT = 1024
 
 def graphs_enabled() -> bool:
     """Whether small calls may be replayed from CUDA graphs (``FLCE_CUDA_GRAPHS``)."""
-    return _mode(os.environ.get(GRAPHS_ENV_VAR)) == "auto"
-
-
-@cache  # every call asks (an error is not kept: a bad value raises again)
-def _mode(value: str | None) -> str:
-    mode = (value or "auto").strip().lower()
-    if mode not in _MODES:
-        raise ValueError(f"{GRAPHS_ENV_VAR} must be one of {_MODES}, got {mode!r}")
-    return mode
+    return environment_mode(GRAPHS_ENV_VAR, _MODES) == "auto"
 
 
 def graph_pays(n_rows: int, vocab: int, hidden: int, held_bytes: int) -> bool:
@@ -94,14 +88,15 @@ def graph_pays(n_rows: int, vocab: int, hidden: int, held_bytes: int) -> bool:
 
 
 def graph_applies(device: torch.device, n_rows: int, vocab: int, hidden: int, held_bytes: int) -> bool:
-    """Whether a fused call is replayed from a graph (module docstring): on CUDA, where it
-    pays (``graph_pays``), with asynchronous validation (a synchronous check reads the
-    host), and not inside the caller's own capture."""
+    """Whether a fused call is replayed from a graph (module docstring): on the current CUDA
+    device, where it pays (``graph_pays``), with asynchronous validation (a synchronous
+    check reads the host), and not inside the caller's own capture."""
     return (
         device.type == "cuda"
         and graph_pays(n_rows, vocab, hidden, held_bytes)
         and graphs_enabled()
         and not validation.validates_synchronously(device)
+        and device.index in (None, torch.cuda.current_device())  # captured and replayed on the current device
         and not torch.cuda.is_current_stream_capturing()
     )
 
@@ -168,6 +163,10 @@ class GraphedCalls:
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.captures = 0
         self.replays = 0  # calls served by a replay (the captures' included)
+        # Threads calling flce at once take turns here (the cache's bookkeeping); each has
+        # graphs of its own (the caller's key holds the thread: a graph's inputs and outputs
+        # are used between the calls' turns here).
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -195,6 +194,10 @@ class GraphedCalls:
         uses them while ``Replay.current``), or None where the caller runs the call
         itself: a key not seen often enough yet, or refused. ``run`` must read the
         per-call tensors only through its argument."""
+        with self._lock:
+            return self._forward(key, copied, run, held_bytes)
+
+    def _forward(self, key, copied, run, held_bytes: int) -> Replay | None:
         graph = self._graphs.get(key)
         if graph is None:
             if key in self._refused:

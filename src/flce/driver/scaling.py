@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from flce.dispatch import device_helper
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+from flce.options import PLAIN_TENSOR_TYPES
 
 
 def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> None:
@@ -48,7 +47,9 @@ def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     present = [g for g in gradients if g is not None]
     scaled_copies = device_helper("scaled_copies", present[0].device) if present else None
     # Plain tensors only: a traced call (torch.compile's fake and functional tensors) has no data.
-    in_one_launch = [type(g) in _PLAIN_TENSORS and scaled_copies is not None and g.is_contiguous() for g in gradients]
+    in_one_launch = [
+        type(g) in PLAIN_TENSOR_TYPES and scaled_copies is not None and g.is_contiguous() for g in gradients
+    ]
     taken = [g for g, kernel_takes_it in zip(gradients, in_one_launch, strict=True) if kernel_takes_it]
     copies = iter(scaled_copies(taken, grad_loss) if taken else ())
     return [

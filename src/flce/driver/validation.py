@@ -19,13 +19,13 @@ guarantees"):
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache
 
 import torch
+
+from flce.options import environment_mode
 
 VALIDATE_ENV_VAR = "FLCE_VALIDATE"
 _MODES = ("async", "sync")
@@ -33,15 +33,7 @@ _MODES = ("async", "sync")
 
 def validates_synchronously(device: torch.device) -> bool:
     """Whether the checks of a call on ``device`` read their counts on the host at once."""
-    return _mode(os.environ.get(VALIDATE_ENV_VAR)) == "sync" or device.type != "cuda"
-
-
-@cache  # every call asks (an error is not kept: a bad value raises again)
-def _mode(value: str | None) -> str:
-    mode = (value or "async").strip().lower()
-    if mode not in _MODES:
-        raise ValueError(f"{VALIDATE_ENV_VAR} must be one of {_MODES}, got {mode!r}")
-    return mode
+    return environment_mode(VALIDATE_ENV_VAR, _MODES) == "sync" or device.type != "cuda"
 
 
 @dataclass(frozen=True)

@@ -34,20 +34,21 @@ TENSORS_PER_LAUNCH = 3  # the pointer slots of the kernel: dX, dW, db
 
 
 @triton.jit
-def _scale_in_place(
-    values_ptr,  # (n,) contiguous, bf16 / fp16 / fp32
+def _scale_into(
+    source_ptr,  # (n,) contiguous, bf16 / fp16 / fp32
+    out_ptr,  # (n,) contiguous, the source's dtype: the source itself to scale in place
     n,
     scale,  # fp32
     BLOCK: tl.constexpr,
 ):
-    """This program's blocks of ``values`` (every ``num_programs``-th) times ``scale``."""
+    """This program's blocks of ``out = source * scale`` (every ``num_programs``-th)."""
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     for block_start in tl.range(start, n, step):
         offsets = block_start + tl.arange(0, BLOCK)
         mask = offsets < n
-        values = tl.load(values_ptr + offsets, mask=mask)
-        tl.store(values_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
+        values = tl.load(source_ptr + offsets, mask=mask)
+        tl.store(out_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
 
 
 @triton.jit
@@ -65,27 +66,9 @@ def _scale_unless_one_kernel(
     if scale != 1.0:  # NaN and Inf scales are applied (NaN != 1.0)
         # Each program strides over every tensor in turn: at most one block more than
         # another program per tensor, with no table of where each tensor's blocks start.
-        _scale_in_place(a_ptr, a_n, scale, BLOCK)
-        _scale_in_place(b_ptr, b_n, scale, BLOCK)
-        _scale_in_place(c_ptr, c_n, scale, BLOCK)
-
-
-@triton.jit
-def _scale_into(
-    source_ptr,  # (n,) contiguous, bf16 / fp16 / fp32
-    out_ptr,  # (n,) contiguous, the source's dtype
-    n,
-    scale,  # fp32
-    BLOCK: tl.constexpr,
-):
-    """This program's blocks of ``out = source * scale`` (every ``num_programs``-th)."""
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    for block_start in tl.range(start, n, step):
-        offsets = block_start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        values = tl.load(source_ptr + offsets, mask=mask)
-        tl.store(out_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
+        _scale_into(a_ptr, a_ptr, a_n, scale, BLOCK)
+        _scale_into(b_ptr, b_ptr, b_n, scale, BLOCK)
+        _scale_into(c_ptr, c_ptr, c_n, scale, BLOCK)
 
 
 @triton.jit
