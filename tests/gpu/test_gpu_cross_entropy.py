@@ -12,15 +12,14 @@ import pytest
 import torch
 
 import flce
-from flce.dispatch import availability
 from flce.reference import cross_entropy_reference
+from tests.gpu.common import CUDA, skip_unless_usable
 
 if not torch.cuda.is_available():
     pytest.skip("GPU cross-entropy tests: need a CUDA GPU", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.device("cuda")
 K = 3.0
 EPS_LOSS = 2e-6
 EPS_GRAD = {torch.float32: 2e-6, torch.bfloat16: 1e-4}
@@ -42,9 +41,7 @@ def _rel(x: torch.Tensor, truth: torch.Tensor) -> float:
 @pytest.mark.parametrize("upstream", [1.0, 0.7])
 @pytest.mark.parametrize("vocab", [32000, 128256])
 def test_matches_float64(backend, dtype, reduction, feature, upstream, vocab):
-    ok, why = availability(backend, CUDA)
-    if not ok:
-        pytest.skip(f"{backend}: {why}")
+    skip_unless_usable(backend)
     gen = torch.Generator(device=CUDA).manual_seed(vocab + len(feature))
     n = 64
     base = (torch.randn(n, vocab, generator=gen, device=CUDA) * 3).to(dtype)

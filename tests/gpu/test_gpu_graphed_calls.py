@@ -10,16 +10,15 @@ import pytest
 import torch
 
 import flce
-from flce.dispatch import availability
 from flce.driver import graphs
 from flce.reference import fused_linear_cross_entropy_reference
 from tests.entry_points import assert_close_to_reference
+from tests.gpu.common import CUDA, skip_unless_usable
 
 if not torch.cuda.is_available():
     pytest.skip("graphed calls: need a CUDA GPU", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
-CUDA = torch.device("cuda")
 BACKENDS = ["torch", "triton", "cutedsl"]
 # H a multiple of 64 and bf16: the cutedsl loss-only route (fused GEMM) applies too.
 N, H, V = 256, 128, 1031
@@ -39,12 +38,6 @@ def fresh_graphs(monkeypatch):
     flce.check_errors()  # nothing pending from earlier tests
     yield
     graphs.GRAPHED_CALLS.clear()
-
-
-def _usable(backend: str) -> None:
-    ok, why = availability(backend, CUDA)
-    if not ok:
-        pytest.skip(f"{backend}: {why}")
 
 
 def _weight(seed: int = 0, vocab: int = V) -> torch.Tensor:
@@ -96,6 +89,15 @@ def _launched(*args, **kwargs):
         return _call(*args, **kwargs)
 
 
+def _call_matching_launched(x, w, y, backend, **kwargs):
+    """``_call``, asserted bit for bit equal to the same call launched without a graph:
+    its (outputs, gradients)."""
+    got = _call(x, w, y, backend, **kwargs)
+    expected = _launched(x, w, y, backend, **kwargs)
+    _assert_identical(got[0] + got[1], expected[0] + expected[1])
+    return got
+
+
 def _assert_identical(got, expected):
     for ours, theirs in zip(got, expected, strict=True):
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
@@ -105,9 +107,9 @@ def _assert_identical(got, expected):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("features", list(FEATURES))
 def test_replays_match_the_launched_call(backend, features):
-    """Calls 3.. of a layout replay its graph on new data: the launched call's outputs and
+    """Calls 2.. of a layout replay its graph on new data: the launched call's outputs and
     gradients bit for bit; every replayed call's outputs stay as they were after later ones."""
-    _usable(backend)
+    skip_unless_usable(backend)
     options = FEATURES[features]
     w = _weight()
     kept = []
@@ -125,7 +127,7 @@ def test_replays_match_the_launched_call(backend, features):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_replays_against_float64(backend):
     """Replayed fwd+bwd within 3x eager PyTorch's own error (bf16) of the float64 truth."""
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     for seed in range(4):
         x, y = _batch(10 + seed)
@@ -139,14 +141,13 @@ def test_replays_against_float64(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bias_and_class_weights(backend):
     """The bias is read in place (a parameter), the class weights are copied in per call."""
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     b = (torch.randn(V, device=CUDA) * 0.1).bfloat16()
     for seed in range(4):
         xs, y = _batch(20 + seed)
         cw = torch.rand(V, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(seed)) + 0.5
-        got = _call(xs, w, y, backend, b=b, cw=cw)
-        _assert_identical(got[0] + got[1], sum(_launched(xs, w, y, backend, b=b, cw=cw), []))
+        _call_matching_launched(xs, w, y, backend, b=b, cw=cw)
     assert graphs.GRAPHED_CALLS.replays == 4 - graphs.CALLS_BEFORE_CAPTURE
 
 
@@ -154,23 +155,21 @@ def test_bias_and_class_weights(backend):
 def test_weight_updated_in_place_and_another_weight(backend):
     """An optimizer step (the weight changed in place) is read by the next replay; another
     weight tensor of the same shape gets a graph of its own."""
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     x, y = _batch(30)
     for _ in range(4):
-        got = _call(x, w, y, backend)
-        _assert_identical(got[0] + got[1], sum(_launched(x, w, y, backend), []))
+        got = _call_matching_launched(x, w, y, backend)
         w.sub_(0.1 * got[1][1])  # SGD in place: same address, new values
     other = w.clone()
     for _ in range(3):
-        got = _call(x, other, y, backend)
-        _assert_identical(got[0] + got[1], sum(_launched(x, other, y, backend), []))
+        _call_matching_launched(x, other, y, backend)
     assert len(graphs.GRAPHED_CALLS) == 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loss_only_calls(backend):
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     for seed in range(4):
         x, y = _batch(40 + seed)
@@ -183,7 +182,7 @@ def test_loss_only_calls(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_target_in_a_replay_gives_nan_then_an_error(backend):
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     x, y = _batch(50)
     for _ in range(3):
@@ -205,7 +204,7 @@ def test_bad_target_in_a_replay_gives_nan_then_an_error(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_host_sync_in_capture_or_replay(backend):
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     x, y = _batch(60)
     _call(x, w, y, backend)  # launched: compiles the kernels (compilation may synchronize)
@@ -298,8 +297,7 @@ def test_keys_that_evict_each_other_end_up_launched():
         for step in range(24):
             x, y = _batch(100 + step)
             w = weights[step % 2]
-            got = _call(x, w, y, "triton")
-            _assert_identical(got[0] + got[1], sum(_launched(x, w, y, "triton"), []))
+            _call_matching_launched(x, w, y, "triton")
         assert graphs.GRAPHED_CALLS.captures == graphs.FREE_CAPTURES
     finally:
         graphs.GRAPHED_CALLS._held_bytes_limit = None
@@ -310,7 +308,7 @@ def test_gradients_of_calls_whose_backward_waits(backend):
     """A replay's gradients are the graph's until the backward scales them into new
     tensors: two calls of one layout, then both backwards (the first call's gradients were
     overwritten by the second's replay: recomputed), with upstream gradients 2.5 and -1."""
-    _usable(backend)
+    skip_unless_usable(backend)
     w = _weight()
     for seed in range(2):  # the capture
         x, y = _batch(110 + seed)

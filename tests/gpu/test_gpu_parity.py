@@ -4,24 +4,17 @@
 import pytest
 import torch
 
-from flce.dispatch import availability
 from flce.options import LossOptions
 from flce.testing import FEATURES, Case, make_tensors, run_case
 from tests.budgets import call_of, inside_dw_budget
+from tests.gpu.common import CUDA, skip_unless_usable
 
 if not torch.cuda.is_available():
     pytest.skip("GPU parity suite: needs a CUDA GPU", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
 
-CUDA = torch.device("cuda")
 GPU_BACKENDS = ["torch", "triton", "cutedsl"]
-
-
-def _require(backend):
-    ok, why = availability(backend, CUDA)
-    if not ok:
-        pytest.skip(f"{backend}: {why}")
 
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
@@ -33,7 +26,7 @@ def _require(backend):
 )
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_feature_matrix(backend, dtype, reduction, feature, bias):
-    _require(backend)
+    skip_unless_usable(backend)
     case = Case(
         n_rows=93, hidden=64, vocab=1031, dtype=dtype, reduction=reduction, feature=feature, bias=bias, chunk_size=40
     )
@@ -44,7 +37,7 @@ def test_feature_matrix(backend, dtype, reduction, feature, bias):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("grads", [("input",), ("weight",), ("bias",)], ids="+".join)
 def test_which_tensors_require_grad(backend, grads):
-    _require(backend)
+    skip_unless_usable(backend)
     case = Case(n_rows=50, hidden=32, vocab=257, feature="all", bias=True, grads=grads, dtype=torch.bfloat16)
     outcome = run_case(case, backend, CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
@@ -57,7 +50,7 @@ def test_which_tensors_require_grad(backend, grads):
 @pytest.mark.parametrize("feature", ["plain", "all"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_real_vocabularies(backend, vocab, feature, dtype):
-    _require(backend)
+    skip_unless_usable(backend)
     case = Case(n_rows=64, hidden=128, vocab=vocab, dtype=dtype, feature=feature, bias=feature == "all")
     outcome = run_case(case, backend, CUDA)
     assert outcome.passed, f"{case.name}: {outcome.failures} {outcome.errors}"
@@ -67,7 +60,7 @@ def test_real_vocabularies(backend, vocab, feature, dtype):
 def test_64bit_offsets_inside_one_chunk(backend):
     """N x V >= 2^31 logits in a single chunk: rows past the 2^31-th element must be as
     right as eager PyTorch in bf16 is (a 32-bit offset would read another row: garbage)."""
-    _require(backend)
+    skip_unless_usable(backend)
     import flce
     from flce.reference import fused_linear_cross_entropy_reference
     from flce.testing import EPS, TOLERANCE_FACTOR, _rel_err
@@ -99,7 +92,7 @@ def test_64bit_offsets_inside_one_chunk(backend):
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_no_memory_growth_over_200_steps(backend):
-    _require(backend)
+    skip_unless_usable(backend)
     import flce
 
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -125,7 +118,7 @@ def test_no_memory_growth_over_200_steps(backend):
 def test_peak_memory_follows_the_documented_formula(backend, n, v):
     """Peak extra memory within 10% of the formula in flce/driver/sizing.py's docstring (for the
     torch backend, whose workspace term is an upper bound: at most the formula + 10%)."""
-    _require(backend)
+    skip_unless_usable(backend)
     import flce
     from flce.dispatch import get_backend
     from flce.driver.sizing import peak_extra_bytes, whole_row_chunk_size
@@ -157,7 +150,7 @@ def test_peak_memory_follows_the_documented_formula(backend, n, v):
 @pytest.mark.parametrize("feature", ["plain", "all"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_vocabulary_blocks_real_vocabularies(backend, vocab, feature, dtype):
-    _require(backend)
+    skip_unless_usable(backend)
     case = Case(
         n_rows=96,
         hidden=128,
@@ -177,7 +170,7 @@ def test_vocabulary_blocks_peak_memory(chunk_size):
     """Exact fp32 dW with only a block of it in fp32: peak extra within the formula of
     flce.driver.vocab_blocks (+10%), far below the whole-row driver's. With one row
     chunk (the default here) each dW block is written directly: no V_b x H fp32 term."""
-    _require("triton")
+    skip_unless_usable("triton")
     import flce
 
     n, h, v, block = 8192, 4096, 128256, 16032
@@ -207,7 +200,7 @@ def test_vocabulary_blocks_inside_dw_at_the_reference_shape(backend):
     inside dW, the call peaks at the predicted bytes (within 1%; the returned gradients and
     one block), and its loss, dX and dW are bit for bit those of the plain blocks of the
     same width (the same GEMMs and kernels, in the same order)."""
-    _require(backend)
+    skip_unless_usable(backend)
     import flce
 
     n, h, v = 8192, 4096, 128256
@@ -242,7 +235,7 @@ def test_vocabulary_blocks_inside_dw_at_the_reference_shape(backend):
 def test_vocabulary_blocks_inside_dw_real_vocabularies(monkeypatch, backend, vocab, feature):
     """float64 parity of the vocabulary blocks with their workspace inside dW (bf16: the
     variant needs a 16-bit dX and dW), every output and gradient."""
-    _require(backend)
+    skip_unless_usable(backend)
     case = Case(n_rows=96, hidden=128, vocab=vocab, dtype=torch.bfloat16, feature=feature, bias=feature == "all")
     tensors = make_tensors(case, CUDA)
     options = LossOptions(**{k: v for k, v in FEATURES[feature].items() if k != "ce_weight"})

@@ -9,16 +9,15 @@ import pytest
 import torch
 
 import flce
-from flce.dispatch import availability
 from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
 from tests.budgets import call_of, inside_dw_budget
+from tests.gpu.common import CUDA, skip_unless_usable
 
 if not torch.cuda.is_available():
     pytest.skip("training-loop tests: need a CUDA GPU", allow_module_level=True)
 
 pytestmark = pytest.mark.gpu
-CUDA = torch.device("cuda")
 BACKENDS = ["torch", "triton", "cutedsl"]
 # H a multiple of 64 and bf16: the cutedsl loss-only route (fused GEMM) applies too.
 N, H, V = 256, 128, 1031
@@ -26,12 +25,6 @@ OPTIONS = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=30.0)
 # The vocabulary blocks with their workspace inside dW pay off where a chunk of logits
 # outweighs dX's fp32 accumulator: a larger vocabulary (prime: ragged blocks).
 V_INSIDE_DW = 4099
-
-
-def _usable(backend: str) -> None:
-    ok, why = availability(backend, CUDA)
-    if not ok:
-        pytest.skip(f"{backend}: {why}")
 
 
 def _inputs(seed: int, dtype=torch.bfloat16, vocab: int = V):
@@ -65,7 +58,7 @@ def _blocks_inside_dw(backend: str, x, w) -> dict:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mode", ["fwd_bwd", "loss_only", "per_token", "vocab_blocks", "blocks_inside_dw"])
 def test_no_host_sync(backend, mode):
-    _usable(backend)
+    skip_unless_usable(backend)
     x, w, y = _inputs(0, vocab=V_INSIDE_DW if mode == "blocks_inside_dw" else V)
     extra = dict(reduction="none") if mode == "per_token" else {}
     if mode == "vocab_blocks":
@@ -96,7 +89,7 @@ def test_no_host_sync(backend, mode):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scheme", ["default", "vocab_blocks", "blocks_inside_dw"])
 def test_cuda_graph_capture_and_replay(backend, scheme):
-    _usable(backend)
+    skip_unless_usable(backend)
     vocab = V_INSIDE_DW if scheme == "blocks_inside_dw" else V
     x, w, y = _inputs(1, vocab=vocab)
     static_x, static_w, static_y = x.clone().requires_grad_(), w.clone().requires_grad_(), y.clone()
@@ -132,7 +125,7 @@ def test_cuda_graph_capture_and_replay(backend, scheme):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compile_reduce_overhead(backend):
-    _usable(backend)
+    skip_unless_usable(backend)
     torch._dynamo.reset()
 
     def loss_of(x, w, y):
@@ -152,7 +145,7 @@ def test_compile_reduce_overhead(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_target_gives_nan_then_an_error(backend):
-    _usable(backend)
+    skip_unless_usable(backend)
     flce.check_errors()  # nothing pending from earlier tests
     x, w, y = _inputs(7)
     y[3] = V + 5  # out of range: never read, and never a silently finite loss
