@@ -128,6 +128,22 @@ def combine_softmax(m: Float32, d: Float32, m_o: Float32, d_o: Float32):
     return m_new, d_new
 
 
+def gradient_row_tensors(
+    rows: cute.Layout,  # (M,)
+    p_row_max: cute.Pointer,  # (M,) fp32: the whole row's reference point m
+    p_inv_sum: cute.Pointer,  # (M,) fp32: 1 / sum_i exp(z'_i - m) over the whole row
+    p_onehot_coef: cute.Pointer,  # (M,) fp32: coef_y
+    p_smooth_coef: cute.Pointer,  # (M,) fp32: coef_eps
+    p_z_coef: cute.Pointer,  # (M,) fp32: coef_z
+    p_weight_sum: cute.Pointer,  # (1,) fp32: W
+) -> tuple:
+    """The split-row gradient's inputs per row as tensors, in that order (the contract of
+    ``flce.rows.cross_entropy.gradient_coefficients``), for the ``@cute.jit`` launchers of
+    the kernels that take them (the in-place block gradient, the block-gradient GEMM)."""
+    per_row = (p_row_max, p_inv_sum, p_onehot_coef, p_smooth_coef, p_z_coef)
+    return (*[cute.make_tensor(p, rows) for p in per_row], cute.make_tensor(p_weight_sum, cute.make_layout((1,))))
+
+
 class RowStream:
     """What every row kernel of this backend shares: the launch geometry of one row (or
     row slice) of ``vocab`` logits read as ``vec``-element vectors, the per-thread

@@ -58,6 +58,7 @@ from flce.backends.cutedsl.common import (
     compile_launcher,
     cuda_stream,
     gmem_ptr,
+    gradient_row_tensors,
     null_ptr,
     softcap_tanh,
     softcapped,
@@ -115,12 +116,7 @@ class FusedGradientKernel(FusedForwardKernel):
         epilogue_tensors = (
             cute.make_tensor(p_target, rows),  # (N,)
             cute.make_tensor(p_bias, cute.make_layout((self.key.vocab,))),  # (V_b,)
-            cute.make_tensor(p_row_max, rows),  # (N,)
-            cute.make_tensor(p_inv_sum, rows),  # (N,)
-            cute.make_tensor(p_onehot_coef, rows),  # (N,)
-            cute.make_tensor(p_smooth_coef, rows),  # (N,)
-            cute.make_tensor(p_z_coef, rows),  # (N,)
-            cute.make_tensor(p_weight_sum, cute.make_layout((1,))),  # (1,)
+            *gradient_row_tensors(rows, p_row_max, p_inv_sum, p_onehot_coef, p_smooth_coef, p_z_coef, p_weight_sum),
             cute.make_tensor(p_out, cute.make_layout((num_rows, self.key.vocab), stride=(out_stride, 1))),  # (N, V_b)
             p_out,  # the same, for the paired stores
             out_stride,

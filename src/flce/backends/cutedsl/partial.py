@@ -44,6 +44,7 @@ from flce.backends.cutedsl.common import (
     compile_launcher,
     cuda_stream,
     gmem_ptr,
+    gradient_row_tensors,
     null_ptr,
     pow2_ceil,
     row_threads,
@@ -233,12 +234,7 @@ class PartialGradient(RowStream):
             p_logits,
             cute.make_tensor(p_target, rows),  # (M,)
             cute.make_tensor(p_weight, cute.make_layout((self.vec, self.num_vec), stride=(1, self.vec))),
-            cute.make_tensor(p_row_max, rows),  # (M,)
-            cute.make_tensor(p_inv_sum, rows),  # (M,)
-            cute.make_tensor(p_onehot_coef, rows),  # (M,)
-            cute.make_tensor(p_smooth_coef, rows),  # (M,)
-            cute.make_tensor(p_z_coef, rows),  # (M,)
-            cute.make_tensor(p_weight_sum, cute.make_layout((1,))),  # (1,)
+            *gradient_row_tensors(rows, p_row_max, p_inv_sum, p_onehot_coef, p_smooth_coef, p_z_coef, p_weight_sum),
             row_stride,
             softcap,
             inv_softcap,
