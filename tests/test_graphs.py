@@ -120,6 +120,20 @@ def test_recording_checks_instead_of_copying():
     assert validation.pending_checks() == pending
 
 
+def test_recording_is_per_thread():
+    """A capture recording in one thread does not take the checks of another's calls:
+    there, nothing records (their counts go to the host as usual)."""
+    import threading
+
+    mine, in_other_thread = [], []
+    with validation.recording_checks(mine):
+        other = threading.Thread(target=lambda: in_other_thread.append(validation._recording.checks))
+        other.start()
+        other.join()
+        validation.defer(torch.zeros(2), str)
+    assert in_other_thread == [None] and [d for _, d in mine] == [str]
+
+
 def test_forward_result_copied_owns_its_tensors():
     loss, dx = torch.tensor(1.5), torch.arange(4.0)
     result = plan_module.ForwardResult(Reduced(loss, None, None, None), (), Gradients(dx, None, None))

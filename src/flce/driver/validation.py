@@ -19,6 +19,7 @@ guarantees"):
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -69,22 +70,27 @@ def _new_slot(key: tuple) -> _Slot:
     return _Slot(key, host, torch.cuda.Event())
 
 
-# Where ``defer`` records the checks instead of copying their counts, while
-# ``recording_checks`` is active (None: not recording).
-_recording: list | None = None
+class _Recording(threading.local):
+    """Where ``defer`` records the checks of this thread's calls instead of copying their
+    counts, while ``recording_checks`` is active (None: not recording). Per thread: a
+    capture in one thread must not take another thread's checks."""
+
+    checks: list | None = None
+
+
+_recording = _Recording()
 
 
 @contextlib.contextmanager
 def recording_checks(checks: list) -> Iterator[None]:
     """While active, ``defer`` appends ``(counts, describe)`` to ``checks`` instead of
-    copying the counts: the checks of a call captured into a CUDA graph, which the
-    caller defers after each replay (``flce.driver.graphs``)."""
-    global _recording
-    outer, _recording = _recording, checks
+    copying the counts, for this thread's calls: the checks of a call captured into a CUDA
+    graph, which the caller defers after each replay (``flce.driver.graphs``)."""
+    outer, _recording.checks = _recording.checks, checks
     try:
         yield
     finally:
-        _recording = outer
+        _recording.checks = outer
 
 
 def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
@@ -92,8 +98,9 @@ def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
     ``raise_pending`` raises ``describe(counts.tolist())`` once the copy has landed.
     Recorded instead while ``recording_checks`` is active; skipped during the caller's
     own CUDA-graph capture (its replays cannot report; the NaN poisoning still applies)."""
-    if _recording is not None:
-        _recording.append((counts, describe))
+    recording = _recording.checks
+    if recording is not None:
+        recording.append((counts, describe))
         return
     if torch.cuda.is_current_stream_capturing():
         return
