@@ -6,6 +6,8 @@ first call, so a missing optional dependency only shows up in ``availability``.
 
 from __future__ import annotations
 
+import sys
+from contextlib import contextmanager
 from functools import cache
 
 import torch
@@ -93,6 +95,42 @@ def fused_forward_workspace_bytes(num_rows: int, vocab: int, with_logit_sum: boo
     rows = fused_forward_rows_per_launch(num_rows, vocab, with_logit_sum)
     outputs = num_rows * (20 if with_logit_sum else 16)
     return outputs + (vocab * 4 if has_bias else 0) + tiles * rows * _tile_statistics_bytes(with_logit_sum)
+
+
+# The DSL's ``-diagnostic`` option and its values: what of the process's command line the
+# DSL reads at each compile (``dsl_command_line``).
+DSL_DIAGNOSTIC_OPTION = "-diagnostic"
+DSL_DIAGNOSTIC_VALUES = ("all", "fail", "success", "info", "suggestion")
+
+
+def dsl_command_line(argv: list[str]) -> list[str]:
+    """What of ``argv`` (``sys.argv``) the CuTe DSL may see while it compiles a kernel: the
+    program name and the DSL's own ``-diagnostic`` option (with its value), nothing else.
+
+    nvidia-cutlass-dsl (4.8) parses ``sys.argv`` with ``argparse`` at every compile to find
+    that option, and argparse takes abbreviations: a training script run with ``--h 4096``
+    (or ``--he``, ``--hel``) printed the DSL's usage and exited at flce's first compile,
+    and a typo of the option exited with an argparse error. The user's own options are
+    never the DSL's, so they are hidden from it."""
+    kept = argv[:1]
+    rest = argv[1:]
+    for i, arg in enumerate(rest):
+        if arg == DSL_DIAGNOSTIC_OPTION or arg.startswith(DSL_DIAGNOSTIC_OPTION + "="):
+            kept.append(arg)
+            if arg == DSL_DIAGNOSTIC_OPTION and i + 1 < len(rest) and rest[i + 1] in DSL_DIAGNOSTIC_VALUES:
+                kept.append(rest[i + 1])
+    return kept
+
+
+@contextmanager
+def command_line_for_dsl():
+    """``sys.argv`` reduced to ``dsl_command_line(sys.argv)`` for the duration of a compile."""
+    saved = sys.argv
+    sys.argv = dsl_command_line(list(saved))
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 @cache

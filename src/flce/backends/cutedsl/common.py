@@ -25,6 +25,8 @@ from cutlass._mlir.dialects import llvm, nvvm
 from cutlass.cute.nvgpu import cpasync
 from cutlass.cutlass_dsl import dsl_user_op
 
+from flce.backends.cutedsl import command_line_for_dsl
+
 try:
     from cutlass.memory import SmemAllocator as _SmemAllocator
 except ImportError:  # older nvidia-cutlass-dsl
@@ -590,12 +592,15 @@ def compile_launcher(kernel, *placeholders):
     """``cute.compile(kernel, *placeholders)``, through TVM FFI where it is available, and
     the cheapest callable that launches it: with TVM FFI the raw ``tvm_ffi.Function``
     (positional plain values; the DSL's Python wrapper around it would re-check every
-    argument), else the DSL's compiled function."""
+    argument), else the DSL's compiled function. The DSL sees none of the process's
+    command line but its own option (``command_line_for_dsl``)."""
     if not TVM_FFI_CALLS:
-        return cute.compile(kernel, *placeholders)
+        with command_line_for_dsl():
+            return cute.compile(kernel, *placeholders)
     import tvm_ffi
 
-    compiled = cute.compile(kernel, *placeholders, options="--enable-tvm-ffi")
+    with command_line_for_dsl():
+        compiled = cute.compile(kernel, *placeholders, options="--enable-tvm-ffi")
     raw = compiled.__tvm_ffi_object__() if hasattr(compiled, "__tvm_ffi_object__") else None
     if raw is None and isinstance(compiled, tvm_ffi.Function):
         raw = tvm_ffi.Function.__call__.__get__(compiled)  # the C call, not the subclass's Python one
