@@ -8,6 +8,8 @@ nvidia-cutlass-dsl (no GPU: it compiles for sm_90a)."""
 from __future__ import annotations
 
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -53,3 +55,27 @@ def test_a_kernel_compiles_under_a_command_line_the_dsl_would_exit_on(monkeypatc
     key = fg.FusedGradientKey(torch.bfloat16, 520, 192, False, False, False, False, False)
     assert fg.compile_fused_gradient(key) is not None  # before: the DSL's usage, then SystemExit
     assert sys.argv is argv
+
+
+def test_threads_compiling_at_once_leave_the_command_line_as_it_was(monkeypatch):
+    argv = ["train.py", "--h", "4096"]
+    monkeypatch.setattr(sys, "argv", argv)
+    inside = threading.Barrier(2, timeout=1.0)
+    seen = []
+
+    def compile_like():
+        with command_line_for_dsl():
+            seen.append(list(sys.argv))
+            try:  # both inside at once only if the swap is not serialised
+                inside.wait()
+            except threading.BrokenBarrierError:
+                pass
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=compile_like) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sys.argv is argv
+    assert seen == [["train.py"], ["train.py"]]

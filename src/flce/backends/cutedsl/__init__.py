@@ -7,6 +7,7 @@ first call, so a missing optional dependency only shows up in ``availability``.
 from __future__ import annotations
 
 import sys
+import threading
 from contextlib import contextmanager
 from functools import cache
 
@@ -122,15 +123,22 @@ def dsl_command_line(argv: list[str]) -> list[str]:
     return kept
 
 
+# Held while sys.argv is swapped: two threads compiling at once would otherwise each save
+# what the other set, and the user's command line could stay reduced for good.
+_COMMAND_LINE_LOCK = threading.RLock()
+
+
 @contextmanager
 def command_line_for_dsl():
-    """``sys.argv`` reduced to ``dsl_command_line(sys.argv)`` for the duration of a compile."""
-    saved = sys.argv
-    sys.argv = dsl_command_line(list(saved))
-    try:
-        yield
-    finally:
-        sys.argv = saved
+    """``sys.argv`` reduced to ``dsl_command_line(sys.argv)`` for the duration of a compile
+    (one thread's compile at a time)."""
+    with _COMMAND_LINE_LOCK:
+        saved = sys.argv
+        sys.argv = dsl_command_line(list(saved))
+        try:
+            yield
+        finally:
+            sys.argv = saved
 
 
 @cache
