@@ -471,3 +471,63 @@ def test_logits_product_split_equals_the_whole(bias):
     out = torch.empty(5, 16, dtype=torch.float64)[:, :13]  # aligned rows, as the drivers' buffers
     gemm.logits_product(out, x, w.t(), b)
     torch.testing.assert_close(out, x @ w.t() + (0 if b is None else b), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------- full-precision reductions
+def _reduction_flags() -> tuple[bool, bool]:
+    matmul = torch.backends.cuda.matmul
+    return matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction
+
+
+@pytest.fixture
+def reductions_allowed():
+    matmul = torch.backends.cuda.matmul
+    saved = _reduction_flags()
+    matmul.allow_bf16_reduced_precision_reduction = True
+    matmul.allow_fp16_reduced_precision_reduction = True
+    yield
+    matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+
+
+def test_full_precision_reductions_clear_the_flags_inside_and_restore_them_after_an_error(reductions_allowed):
+    with pytest.raises(RuntimeError, match="inside"):
+        with gemm.full_precision_reductions():
+            assert _reduction_flags() == (False, False)
+            with gemm.full_precision_reductions():  # nested: still cleared after the inner one
+                pass
+            assert _reduction_flags() == (False, False)
+            raise RuntimeError("inside")
+    assert _reduction_flags() == (True, True)
+
+
+def test_full_precision_reductions_hold_while_any_thread_is_inside(reductions_allowed):
+    # Thread A enters, B enters, A leaves while B's dW GEMM would be queued: the flags must
+    # stay cleared for B, and be restored once B leaves too.
+    import threading
+
+    a_inside, b_inside, a_left, b_may_leave = (threading.Event() for _ in range(4))
+    seen_by_b = []
+
+    def thread_a():
+        with gemm.full_precision_reductions():
+            a_inside.set()
+            b_inside.wait(5)
+        a_left.set()
+
+    def thread_b():
+        a_inside.wait(5)
+        with gemm.full_precision_reductions():
+            b_inside.set()
+            a_left.wait(5)
+            seen_by_b.append(_reduction_flags())
+            b_may_leave.wait(5)
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for thread in threads:
+        thread.start()
+    a_left.wait(5)
+    b_may_leave.set()
+    for thread in threads:
+        thread.join(5)
+    assert seen_by_b == [(False, False)]
+    assert _reduction_flags() == (True, True)

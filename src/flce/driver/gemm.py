@@ -5,6 +5,7 @@ vocabulary extent is unaligned (``vocabulary_main_extent``)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Literal
 
 import torch
@@ -34,19 +35,47 @@ def vocabulary_main_extent(vocab: int, dtype: torch.dtype) -> int:
     return main if main > 0 else vocab
 
 
+class _FullPrecisionReductions:
+    """Who is inside ``full_precision_reductions`` and what the flags were before the first
+    of them: the flags are process-wide, and threads (``torch.nn.DataParallel``'s replicas,
+    a loss per device) enter and leave in any order."""
+
+    lock = threading.Lock()
+    users = 0
+    saved: tuple[bool, bool] | None = None
+
+
 @contextlib.contextmanager
 def full_precision_reductions():
     """cuBLAS may reduce split-K partial sums of bf16/fp16 GEMMs in that dtype unless
     told not to (PyTorch allows it by default); a dW GEMM that replaces the fp32
-    accumulator must keep every partial sum in fp32."""
+    accumulator must keep every partial sum in fp32.
+
+    The flags are global and read when a GEMM is queued, so they are cleared while any
+    thread is inside and restored when the last one leaves: with a plain save and restore
+    per call, one thread's restore re-allowed the reduced reductions under another
+    thread's dW GEMM, and two threads' saves could leave them cleared for good."""
     matmul = torch.backends.cuda.matmul
-    saved = (matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction)
-    matmul.allow_bf16_reduced_precision_reduction = False
-    matmul.allow_fp16_reduced_precision_reduction = False
+    state = _FullPrecisionReductions
+    with state.lock:
+        if state.users == 0:
+            state.saved = (
+                matmul.allow_bf16_reduced_precision_reduction,
+                matmul.allow_fp16_reduced_precision_reduction,
+            )
+            matmul.allow_bf16_reduced_precision_reduction = False
+            matmul.allow_fp16_reduced_precision_reduction = False
+        state.users += 1
     try:
         yield
     finally:
-        matmul.allow_bf16_reduced_precision_reduction, matmul.allow_fp16_reduced_precision_reduction = saved
+        with state.lock:
+            state.users -= 1
+            if state.users == 0:
+                bf16, fp16 = state.saved
+                matmul.allow_bf16_reduced_precision_reduction = bf16
+                matmul.allow_fp16_reduced_precision_reduction = fp16
+                state.saved = None
 
 
 def weight_accumulator_dtype(accum_dtype: torch.dtype | None, param_dtype: torch.dtype) -> torch.dtype:
