@@ -300,3 +300,41 @@ def test_a_call_raises_an_earlier_error_once_its_own_gemm_is_queued(cuda, monkey
     assert order == ["gemm", "gemm"]  # raised after the second call's GEMM
     flce.fused_linear_cross_entropy(x, w, good, backend="torch")
     flce.check_errors()
+
+
+def test_threads_reading_at_once_read_each_check_once_and_free_each_slot_once(cuda):
+    # DataParallel's replicas (threads) call flce at once: each reads the checks pending.
+    # A check read by two threads, and popped twice, lost the next call's check, and its
+    # slot freed twice went to two later calls at once.
+    import threading
+    import time
+
+    described = []
+
+    def describe(counts: list) -> str | None:
+        described.append(int(counts[1]))
+        return None
+
+    def slow_query() -> bool:
+        time.sleep(0.01)  # both threads between reading the oldest check and popping it
+        return True
+
+    for call in range(4):
+        validation.defer(torch.tensor([0.0, float(call)]), describe)
+    for slot in cuda.slots:
+        slot.landed.query = slow_query
+    start = threading.Barrier(2)
+
+    def read():
+        start.wait(5)
+        validation.raise_pending()
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert sorted(described) == [0, 1, 2, 3]
+    assert not validation._pending
+    free = [slot for slots in validation._free_slots.values() for slot in slots]
+    assert len(free) == len({id(slot) for slot in free}) == len(cuda.slots) == 4

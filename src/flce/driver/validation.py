@@ -13,7 +13,8 @@ guarantees"):
   else, on CUDA, by the next flce call (or ``flce.check_errors()``), from a flag copied to
   pinned memory in the background. A call reads the earlier calls' flags once its own
   kernels are queued (``pending_checks``, ``raise_pending(earlier=...)``): the host work
-  of reading them does not delay its first GEMM.
+  of reading them does not delay its first GEMM. The checks are the process's: with
+  several threads calling flce, the next call of any of them reads them, each once.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ _pending: deque[_Pending] = deque()
 # allocating. Their number is the most calls ever pending at once (a few: each flce call
 # reads the counts that have landed first).
 _free_slots: dict[tuple, deque[_Slot]] = {}
+# Guards both: threads (DataParallel's replicas, a loss per device) defer and read checks at
+# once, and a check read by two of them, or a slot freed twice, would lose another call's.
+_lock = threading.Lock()
 
 
 def _new_slot(key: tuple) -> _Slot:
@@ -105,13 +109,15 @@ def defer(counts: torch.Tensor, describe: Callable[[list], str | None]) -> None:
     if torch.cuda.is_current_stream_capturing():
         return
     key = (counts.device, counts.shape, counts.dtype)
-    try:
-        slot = _free_slots[key].pop()
-    except (KeyError, IndexError):  # none free for these counts (yet)
+    with _lock:
+        free = _free_slots.get(key)
+        slot = free.pop() if free else None
+    if slot is None:  # none free for these counts (yet)
         slot = _new_slot(key)
     slot.host.copy_(counts, non_blocking=True)  # on the current stream of the counts' device
     slot.landed.record(torch.cuda.current_stream(counts.device))
-    _pending.append(_Pending(slot, describe))
+    with _lock:
+        _pending.append(_Pending(slot, describe))
 
 
 def pending_checks() -> int:
@@ -129,27 +135,32 @@ def raise_pending(wait: bool = False, earlier: int | None = None) -> None:
     # Only CUDA calls defer checks: with some pending, CUDA is there to ask about capture.
     if earlier == 0 or not _pending or torch.cuda.is_current_stream_capturing():
         return
-    remaining = len(_pending) if earlier is None else earlier
-    while _pending and remaining > 0:
-        remaining -= 1
-        head = _pending[0]
-        if wait:
-            head.slot.landed.synchronize()
-        elif not head.slot.landed.query():
-            return
-        _pending.popleft()
-        message = head.describe(head.slot.host.tolist())
-        _free_slots.setdefault(head.slot.key, deque()).append(head.slot)  # read: free to reuse
-        if message is not None:
-            discard_pending()
-            raise ValueError(message)
+    message = None
+    with _lock:  # each check read once, whichever thread reads it
+        remaining = len(_pending) if earlier is None else earlier
+        while _pending and remaining > 0:
+            remaining -= 1
+            head = _pending[0]
+            if wait:
+                head.slot.landed.synchronize()
+            elif not head.slot.landed.query():
+                break
+            _pending.popleft()
+            message = head.describe(head.slot.host.tolist())
+            _free_slots.setdefault(head.slot.key, deque()).append(head.slot)  # read: free to reuse
+            if message is not None:
+                _pending.clear()  # as discard_pending
+                break
+    if message is not None:
+        raise ValueError(message)
 
 
 def discard_pending() -> None:
     """Forgets the checks still pending (their calls' outputs stay NaN). Their slots are
     dropped, not reused: a copy into one may still be in flight (PyTorch's pinned-memory
     allocator keeps the memory until it has landed)."""
-    _pending.clear()
+    with _lock:
+        _pending.clear()
 
 
 def check_errors() -> None:
