@@ -19,6 +19,8 @@
 #   sweeps         fwd+bwd over the vocabulary and the token sweeps       -> fwd-bwd/
 #   forward        forward only (no grad) over both sweeps                -> forward-only/
 #   memory         the exact low-memory mode (16 vocabulary blocks)       -> memory-mode/
+#   block-kernels  one vocabulary block's kernels alone at a range of widths
+#                  (benchmarks/block_gemm_kernels.py), and the call at four widths -> block-kernels/
 #   features       each loss feature alone, then all, then fp16           -> features/
 #   kernel         the CE kernel alone and the host overhead per call     -> ce-kernel/
 #   fused-forward  the fused forward GEMM alone against torch.mm          -> fused-forward.log
@@ -36,7 +38,7 @@
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory features kernel fused-forward autocast tp heads frontier liger-memory graph]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -187,6 +189,12 @@ step_frontier() {
 
 step_liger_memory() {
   run liger-memory 300 "$python" benchmarks/budget_vs_liger.py "$out/liger-memory" --rounds 3
+}
+
+step_block_kernels() {
+  run block-kernels 150 "$python" benchmarks/block_gemm_kernels.py "$out/block-kernels" --rounds 7 --reps 4
+  run block-widths 120 "$python" benchmarks/block_width_sweep.py "$out/block-kernels" --shapes 8192x128256 \
+    --widths 8016,8192,8448,7936 --rounds 5
 }
 
 step_graph() {
