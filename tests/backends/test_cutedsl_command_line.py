@@ -79,3 +79,10 @@ def test_threads_compiling_at_once_leave_the_command_line_as_it_was(monkeypatch)
         thread.join()
     assert sys.argv is argv
     assert seen == [["train.py"], ["train.py"]]
+
+
+def test_an_interpreter_without_a_command_line_gets_none_back(monkeypatch):
+    monkeypatch.delattr(sys, "argv")
+    with command_line_for_dsl():
+        assert sys.argv == [""]  # what argparse needs to find no option
+    assert not hasattr(sys, "argv")

@@ -133,12 +133,15 @@ def command_line_for_dsl():
     """``sys.argv`` reduced to ``dsl_command_line(sys.argv)`` for the duration of a compile
     (one thread's compile at a time)."""
     with _COMMAND_LINE_LOCK:
-        saved = sys.argv
-        sys.argv = dsl_command_line(list(saved))
+        saved = getattr(sys, "argv", None)  # an embedded interpreter may have none
+        sys.argv = dsl_command_line(list(saved)) if saved is not None else [""]
         try:
             yield
         finally:
-            sys.argv = saved
+            if saved is None:
+                del sys.argv
+            else:
+                sys.argv = saved
 
 
 @cache
