@@ -14,6 +14,10 @@ CUDA events, 100 ms of GEMMs before each sample, ``--reps`` launches per sample)
   the epilogue that stores dL/dz),
 - ``dx``: ``dX += G_b W_b`` into an fp32 accumulator (cuBLAS, beta = 1),
 - ``dw``: ``dW_b = G_b^T X`` in bf16 (cuBLAS),
+- ``block``: the three in the blocks' order (gradient, dX, dW), one block's second pass,
+- ``dx_then_dw`` and ``dx_beside_dw``: dX then dW on one stream, and dW on a second stream
+  beside dX (both read ``G_b`` and write disjoint outputs, so one's ramp and last wave may
+  overlap the other's: what two streams would save per block),
 
 and the tile waves of the fused kernels (64 x 256 tiles over the resident CTAs): the
 share of the last wave that is idle separates tile quantization from the epilogue's cost.
@@ -37,6 +41,7 @@ from flce.bench import report  # noqa: E402
 from flce.bench.timing import Heater, Workload, interleaved_times  # noqa: E402
 
 DEFAULT_WIDTHS = "7936,8016,8192,8448,16032,16896"
+SINGLE_GEMMS = ("logits", "stats", "gradient", "dx", "dw")  # each one GEMM of 2 N V_b H flop
 TILE_M, TILE_N = 64, 256  # the fused kernels' default tile (fused_forward.DEFAULT_CONFIG)
 
 
@@ -80,12 +85,34 @@ def time_width(x: torch.Tensor, width: int, rounds: int, reps: int, heater: Heat
     torch.cuda.synchronize()
     if not torch.isfinite(grad).all():
         raise RuntimeError(f"block gradient not finite at width {width}")
+
+    def input_grad():
+        torch.addmm(dx, grad, w, out_dtype=torch.float32, out=dx)
+
+    def weight_grad():
+        torch.mm(grad.t(), x, out=dw)
+
+    side = torch.cuda.Stream(device)
+
+    def input_grad_beside_weight_grad():
+        # Both read G_b and write disjoint outputs: one's ramp and last wave can overlap the other's.
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        input_grad()
+        with torch.cuda.stream(side):
+            weight_grad()
+        current.wait_stream(side)
+
     kernels = {
         "logits": lambda: torch.mm(x, w.t(), out=logits),
         "stats": lambda: fused_forward_statistics(x, w, target, check=False),
         "gradient": gradient,
-        "dx": lambda: torch.addmm(dx, grad, w, out_dtype=torch.float32, out=dx),
-        "dw": lambda: torch.mm(grad.t(), x, out=dw),
+        "dx": input_grad,
+        "dw": weight_grad,
+        # Sequences: what the blocks run per block, and dX beside dW on two streams.
+        "block": lambda: (gradient(), input_grad(), weight_grad()),
+        "dx_then_dw": lambda: (input_grad(), weight_grad()),
+        "dx_beside_dw": input_grad_beside_weight_grad,
     }
     times = interleaved_times(
         {name: repeated(reps, launch) for name, launch in kernels.items()}, device, rounds, heater
@@ -101,7 +128,9 @@ def time_width(x: torch.Tensor, width: int, rounds: int, reps: int, heater: Heat
         "last_wave_idle": math.ceil(waves) - waves,
         **{f"{name}_ms": value for name, value in ms.items()},
         **{f"{name}_x_logits": value / ms["logits"] for name, value in ms.items()},
-        "tflops": {name: 2 * n * width * h / (value * 1e-3) / 1e12 for name, value in ms.items()},
+        "tflops": {name: 2 * n * width * h / (ms[name] * 1e-3) / 1e12 for name in SINGLE_GEMMS},
+        # What dW on a second stream beside dX saves per block.
+        "beside_saving": 1 - ms["dx_beside_dw"] / ms["dx_then_dw"],
     }
     print(
         f"V_b {width:6d} tiles {tiles:5d} waves {waves:6.2f} | "
