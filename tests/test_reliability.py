@@ -444,6 +444,97 @@ def test_cross_entropy_checks_the_target_shape(entry, logits_shape, target_shape
         LOGITS_ENTRIES[entry].call(tensors, None, {})
 
 
+# ------------------------------------------------------------ narrow integer targets
+# PyTorch compares a tensor with a Python int in the tensor's dtype, wrapping the int: a
+# uint8 target would see ignore_index=-100 as class 156, an int32 one ignore_index=2**32
+# as class 0. Every entry point must compare in a dtype that holds both (the values of the
+# float64 reference), whatever the target's dtype.
+
+# (target dtype, ignore_index, V, classes the wrapped comparisons would misjudge)
+NARROW_TARGETS = {
+    "int32-ignore-2**32": (torch.int32, 2**32, 11, (0, 0)),
+    "int32-ignore-2**32+5": (torch.int32, 2**32 + 5, 11, (5, 0)),
+    "uint8-ignore-(-100)": (torch.uint8, -100, 200, (156, 156)),
+    "uint8-byte-vocabulary": (torch.uint8, -100, 256, (200, 255)),
+    "int8": (torch.int8, -100, 11, (3, 7)),
+    "int16-ignore-(-1)": (torch.int16, -1, 300, (255, 299)),
+}
+
+
+def _narrow_target_problem(kind: str, case: str) -> Problem:
+    dtype, ignore_index, vocab, trap_classes = NARROW_TARGETS[case]
+    representable = torch.iinfo(dtype).min <= ignore_index <= torch.iinfo(dtype).max
+    ignored = (1,) if representable else ()
+    if kind == "fused":
+        leaves = fused_leaves(v=vocab, ignored=ignored, ignore_index=ignore_index)
+        differentiable = ("x", "w", "b")
+    else:
+        leaves = logits_leaves(v=vocab, ignored=ignored, ignore_index=ignore_index)
+        differentiable = ("z",)
+    leaves["t"][[2, 3]] = torch.tensor(trap_classes)
+
+    def make(leaves: dict) -> dict:
+        tensors = plain_fused(leaves) if kind == "fused" else plain_logits(leaves)
+        return dict(tensors, t=leaves["t"].to(dtype))
+
+    return Problem(leaves, make, dict(ignore_index=ignore_index), differentiable)
+
+
+@pytest.mark.usefixtures("process_group_of_one")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(NARROW_TARGETS))
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_narrow_integer_targets_are_compared_without_wrapping(backend, case, entry):
+    problem = _narrow_target_problem(ENTRIES[entry].kind, case)
+    outputs, grads = run_entry(ENTRIES[entry], problem, backend)
+    assert_matches_reference(ENTRIES[entry], problem, outputs, grads)
+
+
+@pytest.mark.usefixtures("process_group_of_one")
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_a_narrow_target_out_of_range_is_reported(entry):
+    """uint8 156 against V = 100 (what ignore_index=-100 wraps to in uint8): out of range."""
+    kind = ENTRIES[entry].kind
+    leaves = fused_leaves(v=100, ignored=()) if kind == "fused" else logits_leaves(v=100, ignored=())
+    leaves["t"][2] = 156
+    tensors = dict((plain_fused if kind == "fused" else plain_logits)(leaves), t=leaves["t"].to(torch.uint8))
+    tensors = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in tensors.items()}
+    with pytest.raises(ValueError, match=r"out of range"):
+        ENTRIES[entry].call(tensors, None, {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(NARROW_TARGETS))
+def test_heads_take_narrow_integer_targets_as_their_int64_values(backend, case):
+    """The logprobs and distillation heads give with a narrow target exactly what they give
+    with the same classes in int64."""
+    dtype, ignore_index, vocab, trap_classes = NARROW_TARGETS[case]
+    x, w, _ = _inputs(v=vocab)
+    teacher_x, teacher_w, target = _inputs(v=vocab, seed=1)
+    target[[2, 3]] = torch.tensor(trap_classes, device=target.device)
+    if torch.iinfo(dtype).min <= ignore_index <= torch.iinfo(dtype).max:
+        target[1] = ignore_index
+    narrow = target.to(dtype)
+    for run in (
+        lambda t: (
+            flce.fused_linear_logprobs(
+                x, w, t, ignore_index=ignore_index, return_entropy=True, backend=backend
+            ).logprobs
+        ),
+        lambda t: flce.fused_linear_distillation(
+            x, w, teacher_x, teacher_w, t, ignore_index=ignore_index, reduction="none", backend=backend
+        ),
+    ):
+        torch.testing.assert_close(run(narrow), run(target), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.bool, torch.float32], ids=str)
+def test_other_target_dtypes_are_refused_by_name(dtype):
+    x, w, t = _inputs()
+    with pytest.raises(TypeError, match=r"target must be an integer tensor \(int64, int32, int16, int8 or uint8\)"):
+        flce.fused_linear_cross_entropy(x, w, t.to(dtype))
+
+
 # ------------------------------------------------ non-finite values in an ignored row
 # Contract: an ignored row contributes nothing its own logits could poison: loss 0,
 # accuracy 0, predicted -1 and an exactly-zero dL/dlogits row, even when its logits are

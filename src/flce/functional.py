@@ -19,6 +19,7 @@ from flce.options import (
     LogprobsOptions,
     LossOptions,
     cached_options,
+    index_target,
     validate_fused_inputs,
     validate_head_target,
     validate_linear_head,
@@ -32,11 +33,6 @@ def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """``(..., D)`` -> ``(N, D)``: a 2-D tensor as it is (no view op per call), else flattened
     with an explicit N (D may be 0)."""
     return tensor if tensor.dim() == 2 else tensor.reshape(tensor.shape[:-1].numel(), tensor.shape[-1])
-
-
-def as_flat(target: torch.Tensor) -> torch.Tensor:
-    """``(N,)`` or ``(B, T)`` -> ``(N,)`` (a 1-D tensor as it is)."""
-    return target if target.dim() == 1 else target.reshape(-1)
 
 
 def prepare_ce_weight(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -60,7 +56,7 @@ def fused_linear_cross_entropy_with_options(
         input=as_rows(input),
         weight=weight,
         bias=bias,
-        target=as_flat(target),
+        target=index_target(target, options.ignore_index),
         ce_weight=prepare_ce_weight(ce_weight),
     )
     if compiling:
@@ -80,7 +76,11 @@ def cross_entropy_with_options(
     compiling = torch.compiler.is_compiling()
     validate_logits_inputs(logits, target, weight, options)
     vocab = logits.shape[-1]
-    operands = LogitsOperands(logits=as_rows(logits), target=as_flat(target), ce_weight=prepare_ce_weight(weight))
+    operands = LogitsOperands(
+        logits=as_rows(logits),
+        target=index_target(target, options.ignore_index),
+        ce_weight=prepare_ce_weight(weight),
+    )
     if compiling:
         from flce import ops  # registers the ops on first use
 
@@ -207,12 +207,6 @@ def cross_entropy(
 # ------------------------------------------------------------ RL and distillation
 
 
-def index_target(target: torch.Tensor) -> torch.Tensor:
-    """A validated target as the heads' kernels take it: (N,), int32 or int64."""
-    flat = as_flat(target)
-    return flat if flat.dtype in (torch.int32, torch.int64) else flat.long()
-
-
 def _check_target_type(target) -> None:
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
@@ -233,7 +227,7 @@ def fused_linear_logprobs_with_options(
         input=as_rows(input),
         weight=weight,
         bias=bias,
-        target=index_target(target),
+        target=index_target(target, options.ignore_index),
     )
     if torch.compiler.is_compiling():
         from flce import ops  # registers the ops on first use
@@ -364,7 +358,7 @@ def fused_linear_distillation_with_options(
         teacher_input=teacher_input.detach().reshape(n_rows, teacher_input.shape[-1]),
         teacher_weight=teacher_weight.detach(),
         teacher_bias=_detached(teacher_bias),
-        target=None if target is None else index_target(target),
+        target=None if target is None else index_target(target, options.ignore_index),
     )
     if torch.compiler.is_compiling():
         from flce import ops  # registers the ops on first use

@@ -291,6 +291,24 @@ def check_compute_dtype(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
 
 
+TARGET_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def index_target(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """A validated target as every kernel and row formula reads it: ``(N,)``, int64 or int32.
+
+    They compare the target with ``ignore_index`` and with ``V`` in the target's own dtype,
+    where PyTorch wraps a Python int: against a uint8 target ``ignore_index=-100`` is class
+    156, against an int32 one ``ignore_index=2**32`` is class 0. So a target narrower than
+    int32, or an int32 target whose ``ignore_index`` int32 cannot hold, is widened to int64
+    (a copy of N values); int64, and int32 with an int32 ``ignore_index``, pass as they are."""
+    flat = target if target.dim() == 1 else target.reshape(-1)
+    if flat.dtype == torch.int64 or (flat.dtype == torch.int32 and _INT32_MIN <= ignore_index <= _INT32_MAX):
+        return flat
+    return flat.long()
+
+
 def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: str) -> None:
     """``target`` holds one integer class index per row of ``rows_name``, whose leading
     (all but the last) dimensions are ``leading_shape``: ``(N,)``, or ``(B, T)`` against
@@ -298,8 +316,8 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
     order; a 2-D target of ``N`` values against a 2-D tensor likewise)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"target must be an integer tensor (int64 or int32), got {target.dtype}")
+    if target.dtype not in TARGET_DTYPES:
+        raise TypeError(f"target must be an integer tensor (int64, int32, int16, int8 or uint8), got {target.dtype}")
     if len(leading_shape) == 2 and target.dim() == 2 and tuple(target.shape) != tuple(leading_shape):
         raise ValueError(f"target must be (B, T) = {tuple(leading_shape)}, got {tuple(target.shape)}")
     if target.dim() not in (1, 2):

@@ -44,8 +44,9 @@ def cross_entropy_reference(
     n, vocab = z.shape
     if softcap is not None:
         z = softcap * torch.tanh(z / softcap)
+    target = target.long()  # compared in int64: a narrower dtype would wrap ignore_index
     valid = target != ignore_index
-    y = torch.where(valid, target, torch.zeros_like(target)).long()
+    y = torch.where(valid, target, torch.zeros_like(target))
     log_p = torch.log_softmax(z, dim=-1)  # log p_i = z'_i - lse
     lse = torch.logsumexp(z, dim=-1)
     w = (
@@ -122,8 +123,9 @@ def logprobs_from_logits_reference(
     differentiable through ``logits`` (autograd in ``math_dtype``; float32 on
     low-precision logits is what eager PyTorch code does)."""
     log_p = torch.log_softmax(logits.to(math_dtype) / temperature, dim=-1)  # (N, V)
+    target = target.long()  # compared in int64: a narrower dtype would wrap ignore_index
     valid = target != ignore_index
-    y = torch.where(valid, target, torch.zeros_like(target)).long()
+    y = torch.where(valid, target, torch.zeros_like(target))
     logprobs = log_p.gather(1, y[:, None]).squeeze(1)
     entropy = -(torch.exp(log_p) * log_p).sum(dim=-1)
     zero = torch.zeros((), dtype=math_dtype, device=log_p.device)
@@ -197,7 +199,7 @@ def distillation_from_logits_reference(
     if target is None:
         valid = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)
     else:
-        valid = target.to(rows.device) != ignore_index
+        valid = target.to(rows.device).long() != ignore_index
     rows = torch.where(valid, rows, torch.zeros((), dtype=math_dtype, device=rows.device))
     if reduction == "none":
         return rows

@@ -58,7 +58,7 @@ from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
-from flce.options import LossOptions, as_int, validate_ce_weight, validate_fused_inputs
+from flce.options import LossOptions, as_int, index_target, validate_ce_weight, validate_fused_inputs
 from flce.output import LossResult, package_result
 from flce.parallel.dtensor import unwrap_dtensors
 from flce.parallel.handshake import agree_on_call, gather_class_weights, resolve_group
@@ -139,9 +139,9 @@ class ParallelPlan(CrossEntropyPlan):
 
 def _plan(
     input, weight, target, bias, ce_weight, options: LossOptions, group, vocab_start
-) -> tuple[ParallelPlan, torch.Tensor | None]:
-    """Local validation, then the handshake (``flce.parallel.handshake``): the plan and
-    the full class weights."""
+) -> tuple[ParallelPlan, torch.Tensor | None, torch.Tensor]:
+    """Local validation, then the handshake (``flce.parallel.handshake``): the plan, the
+    full class weights and the (N,) target as the kernels read it (``index_target``)."""
     local_error: Exception | None = None
     compute_dtype = None
     try:
@@ -161,7 +161,7 @@ def _plan(
         ce_full = gather_class_weights(
             ce_weight, agreed.shard_sizes, agreed.shard_starts, agreed.vocab, group, agreed.world_size
         )
-    target_1d = target.reshape(-1)
+    target_1d = index_target(target, options.ignore_index)
     stats = batch_statistics(target_1d, ce_full, agreed.vocab, options.ignore_index)
     n_rows = target_1d.numel()
     kernels = split_row_kernels(options.backend, input.device)
@@ -183,7 +183,7 @@ def _plan(
         ),
         local_kernels=kernels,
     )
-    return plan, ce_full
+    return plan, ce_full, target_1d
 
 
 # ------------------------------------------------------------------ argmax keys
@@ -320,9 +320,11 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
         input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
     )
     group = resolve_group(process_group)
-    plan, ce_full = _plan(input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start)
+    plan, ce_full, target_1d = _plan(
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start
+    )
     input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
-    operands = LinearOperands(input_2d, weight_shard, bias_shard, target.reshape(-1), ce_full)
+    operands = LinearOperands(input_2d, weight_shard, bias_shard, target_1d, ce_full)
     # run_loss raises an earlier call's bad input after this call's collectives, on every rank.
     return package_result(options, tuple(target.shape), *run_loss(plan, operands))
 
