@@ -338,3 +338,42 @@ def test_threads_reading_at_once_read_each_check_once_and_free_each_slot_once(cu
     assert not validation._pending
     free = [slot for slots in validation._free_slots.values() for slot in slots]
     assert len(free) == len({id(slot) for slot in free}) == len(cuda.slots) == 4
+
+
+ENTRY_POINTS = {
+    "fused": lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, backend="torch"),
+    "fused-none": lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, reduction="none", backend="torch").sum(),
+    "cross_entropy": lambda x, w, t: flce.cross_entropy(x @ w.T, t, backend="torch"),
+    "logprobs": lambda x, w, t: flce.fused_linear_logprobs(x, w, t, backend="torch").logprobs.sum(),
+    "distillation": lambda x, w, t: flce.fused_linear_distillation(x, w, x.detach(), w.detach(), t, backend="torch"),
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_entry_point_raises_a_bad_input_at_the_next_call_and_reuses_its_slots(cuda, monkeypatch, entry, compiled):
+    """Eager and under torch.compile (whose custom ops run the plan), every head's call
+    leaves its own check pending (its outputs are NaN) and the next call raises it: never
+    a loop that reports nothing, and the slots are read and reused, not one made per call."""
+    monkeypatch.setattr(validation, "validates_synchronously", lambda device: False)
+    loss_of = ENTRY_POINTS[entry]
+    if compiled:
+        torch._dynamo.reset()
+        loss_of = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(16, 8, requires_grad=True)
+    good = torch.tensor([0, 3, 5, 15, -100, 2])
+    bad = good.clone()
+    bad[4] = 16
+    loss = loss_of(x, w, bad)
+    assert loss.isnan()
+    loss.backward()
+    with pytest.raises(ValueError, match="found 1 out of range"):
+        loss_of(x, w, good)
+    for _ in range(4):
+        loss_of(x, w, good).backward()
+    slots_made = len(cuda.slots)
+    for _ in range(8):
+        loss_of(x, w, good).backward()
+    # A forward's and a backward's check at most stay pending; their slots are reused.
+    assert validation.pending_checks() <= 2
+    assert len(cuda.slots) == slots_made

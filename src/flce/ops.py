@@ -34,7 +34,7 @@ from flce.options import (
     options_schema,
     refuse_create_graph,
 )
-from flce.plan import LinearOperands, LogitsOperands, Operands, backward, forward, make_plan
+from flce.plan import LinearOperands, LogitsOperands, Operands, backward, make_plan, op_forward
 from flce.rows.cross_entropy import Reduced
 
 _EMPTY = (0,)
@@ -143,7 +143,7 @@ def _linear_forward(*args):
     (input, weight, target, bias, ce_weight), options, (compute_dtype, *flags) = _split(args, 5)
     operands = LinearOperands(input, weight, bias, target, ce_weight)
     request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
-    result = forward(_plan_for(operands, options, compute_dtype), operands, request)
+    result = op_forward(_plan_for(operands, options, compute_dtype), operands, request)
     grads = result.gradients or Gradients(None, None, None)
     return _reduced_outputs(result.outputs, input) + _gradient_outputs(grads, input, weight)
 
@@ -221,7 +221,7 @@ def _logits_forward(*args):
     folded in); entries not requested (or deferred to backward) are empty (0,) tensors."""
     (logits, target, ce_weight), options, (grad_logits,) = _split(args, 3)
     operands = LogitsOperands(logits, target, ce_weight)
-    result = forward(_plan_for(operands, options, logits.dtype), operands, GradRequest(input=grad_logits))
+    result = op_forward(_plan_for(operands, options, logits.dtype), operands, GradRequest(input=grad_logits))
     grads = result.gradients or Gradients(None, None, None)
     return _reduced_outputs(result.outputs, logits) + (_or_empty(grads.input, logits, logits.dtype),)
 
@@ -292,7 +292,7 @@ def _logprobs_forward(*args):
     return_predicted_tokens), lse (N,) float64 for the backward op)."""
     tensors, options, (compute_dtype,) = _split(args, 4, LogprobsOptions)
     operands = LogprobsOperands(*tensors)
-    result = forward(_logprobs_plan(operands, options, compute_dtype), operands, NO_GRADIENTS)
+    result = op_forward(_logprobs_plan(operands, options, compute_dtype), operands, NO_GRADIENTS)
     logprobs, entropy, predicted = result.outputs.as_tuple()
     lse, _ = result.residuals
     return logprobs, _or_empty(entropy, logprobs, torch.float32), _or_empty(predicted, logprobs, torch.int64), lse
@@ -400,7 +400,7 @@ def _distillation_forward(*args):
     tensors, options, (compute_dtype, teacher_dtype, *flags) = _split(args, 7, DistillationOptions)
     operands = DistillationOperands(*tensors)
     request = GradRequest(flags[0], flags[1], flags[2] and operands.bias is not None)
-    result = forward(_distillation_plan(operands, options, compute_dtype, teacher_dtype), operands, request)
+    result = op_forward(_distillation_plan(operands, options, compute_dtype, teacher_dtype), operands, request)
     grads = result.gradients or Gradients(None, None, None)
     return result.outputs.as_tuple() + _gradient_outputs(grads, operands.input, operands.weight)
 

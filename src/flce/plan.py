@@ -620,6 +620,18 @@ class LossFunction(torch.autograd.Function):
         return (None, None) + ctx.operands_type.gradient_tuple(grads)
 
 
+def op_forward(plan: LossPlan, operands, request: GradRequest) -> ForwardResult:
+    """``forward`` for the custom ops of ``flce.ops``, which replace ``run_loss`` under
+    ``torch.compile``: then, as ``run_loss`` does, an earlier call's bad input that the
+    device found is raised (without it a compiled loop would never report one, and the
+    pending checks' host slots would pile up one per call)."""
+    earlier_checks = pending_checks()
+    result = forward(plan, operands, request)
+    if earlier_checks:
+        raise_pending(earlier=earlier_checks)
+    return result
+
+
 def run_loss(plan: LossPlan, operands) -> tuple:
     """A call through autograd when a differentiable operand requires grad (and grad mode
     is on), else the forward alone with no gradient work: the outputs as a tuple.

@@ -21,6 +21,7 @@ loss and gradients, and ``ValueError``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from flce.backends.base import BackendSpec
 from flce.dispatch import resolve_backend
 from flce.driver.chunks import Gradients, GradRequest, LinearHead, row_range, run_token_chunks
-from flce.driver.statistics import batch_statistics
+from flce.driver.statistics import BatchStatistics, batch_statistics
 from flce.options import DistillationOptions
 
 
@@ -93,7 +94,23 @@ class DistillationPlan:
     backend: BackendSpec  # one with a ``distillation`` slot
     compute_dtype: torch.dtype  # the student's GEMMs
     teacher_dtype: torch.dtype  # the teacher's GEMM
-    row_scale: torch.Tensor  # () fp32 on the device: the reduction's scale of each row, NaN for bad targets
+    device: torch.device
+    n_rows: int
+    stats: BatchStatistics | None  # the target check, computed on first use; None without a target
+
+    @functools.cached_property
+    def row_scale(self) -> torch.Tensor:
+        """() fp32 on the device: the reduction's scale of each row, NaN for bad targets.
+        Computed when the first kernel needs it, after the first logits GEMM is queued (as
+        the cross-entropy's statistics are): the GPU starts sooner, and a call's own bad
+        target is raised by the next call, never by itself."""
+        device = self.device
+        if self.stats is None:
+            count_scale = torch.full((), 1.0 / self.n_rows if self.n_rows else 0.0, dtype=torch.float32, device=device)
+            poison = torch.ones((), dtype=torch.float32, device=device)
+        else:
+            count_scale, poison = self.stats.accuracy_scale, self.stats.poison  # 1 / n_valid (0 when none is valid)
+        return count_scale * poison if self.options.reduction == "mean" else poison
 
     @property
     def defers_gradients(self) -> bool:
@@ -107,7 +124,6 @@ class DistillationPlan:
         reduction's scale folded into each row."""
         o, options, kernels = operands, self.options, self.backend.distillation
         losses = None
-        row_grad_scale = self.row_scale.expand(o.n_rows) if upstream is None else upstream
 
         def allocate() -> None:  # once the first logits GEMMs are queued (run_token_chunks)
             nonlocal losses
@@ -123,7 +139,7 @@ class DistillationPlan:
                 inv_temperature=options.inv_temperature,
                 ignore_index=options.ignore_index,
                 loss_out=row_range(losses, start, end),
-                row_grad_scale=row_range(row_grad_scale, start, end),
+                row_grad_scale=row_range(self.row_scale.expand(o.n_rows) if upstream is None else upstream, start, end),
                 compute_grad=compute_grad,
             )
 
@@ -168,11 +184,5 @@ def make_distillation_plan(
     """The backend (the best one with a distillation kernel, or the requested one) and
     the reduction's per-row scale, computed on the device."""
     backend = resolve_backend(options.backend, device, needs="distillation")
-    if target is None:
-        count_scale = torch.full((), 1.0 / n_rows if n_rows else 0.0, dtype=torch.float32, device=device)
-        poison = torch.ones((), dtype=torch.float32, device=device)
-    else:
-        stats = batch_statistics(target, None, vocab, options.ignore_index)
-        count_scale, poison = stats.accuracy_scale, stats.poison  # 1 / n_valid (0 when none is valid)
-    row_scale = count_scale * poison if options.reduction == "mean" else poison
-    return DistillationPlan(options, backend, compute_dtype, teacher_dtype, row_scale)
+    stats = None if target is None else batch_statistics(target, None, vocab, options.ignore_index)
+    return DistillationPlan(options, backend, compute_dtype, teacher_dtype, device, n_rows, stats)

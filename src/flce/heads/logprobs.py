@@ -56,7 +56,7 @@ from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, LinearHead,
 from flce.driver.gemm import fp32_output_gemm_supported, weight_accumulator_dtype
 from flce.driver.schemes import MemoryBudgetError, scheme_for_call
 from flce.driver.sizing import CallShape
-from flce.driver.statistics import batch_statistics
+from flce.driver.statistics import BatchStatistics, batch_statistics
 from flce.options import LogprobsOptions, LossOptions, cached_options
 
 
@@ -223,9 +223,14 @@ class LogprobsPlan:
     options: LogprobsOptions
     backend: BackendSpec  # one with a ``logprobs`` slot
     compute_dtype: torch.dtype
-    poison: torch.Tensor  # () fp32 on the device: 1, or NaN for a call with bad targets
+    stats: BatchStatistics  # the target check, computed on first use (after the first GEMM)
     scheme: LogprobsScheme
     kept: KeptLogits = field(default_factory=KeptLogits)  # this call's, filled by the forward
+
+    @property
+    def poison(self) -> torch.Tensor:
+        """() fp32 on the device: 1, or NaN for a call with bad targets."""
+        return self.stats.poison
 
     @property
     def defers_gradients(self) -> bool:
@@ -324,4 +329,4 @@ def make_logprobs_plan(
     vocab = operands.weight.shape[0]
     stats = batch_statistics(operands.target, None, vocab, options.ignore_index)
     scheme = choose_logprobs_scheme(operands, options, compute_dtype, backend.logprobs.extra_bytes_per_logit, backward)
-    return LogprobsPlan(options, backend, compute_dtype, stats.poison, scheme)
+    return LogprobsPlan(options, backend, compute_dtype, stats, scheme)
