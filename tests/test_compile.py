@@ -102,3 +102,29 @@ def test_compiled_cross_entropy_on_given_logits(reduction):
         grads.append((loss.detach(), accuracy, h.grad, proj.grad))
     for e, g in zip(*grads, strict=False):
         torch.testing.assert_close(g, e)
+
+
+# A float option that changes from call to call (a smoothing, z-loss, temperature or beta
+# schedule) becomes a symbolic float in the compiled function, as every float does under
+# dynamic=True: validating the options must trace it, and each value must reach the op.
+SCHEDULED_OPTION = {
+    "label_smoothing": lambda x, w, t, s: flce.fused_linear_cross_entropy(x, w, t, label_smoothing=s),
+    "lse_square_scale": lambda x, w, t, s: flce.fused_linear_cross_entropy(x, w, t, lse_square_scale=s),
+    "cross_entropy": lambda x, w, t, s: flce.cross_entropy(x @ w.T, t, label_smoothing=s),
+    "temperature": lambda x, w, t, s: flce.fused_linear_logprobs(x, w, t, temperature=1.0 + s).logprobs.sum(),
+    "beta": lambda x, w, t, s: flce.fused_linear_distillation(x, w, x.detach(), w.detach().flip(0), t, beta=s),
+}
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+@pytest.mark.parametrize("option", list(SCHEDULED_OPTION))
+def test_a_float_option_changing_between_compiled_calls(option, dynamic):
+    loss_of = SCHEDULED_OPTION[option]
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_of, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    x, w, _, t = _inputs("mean")
+    x = x.reshape(-1, 16)
+    for value in (0.1, 0.2, 0.3):
+        (grad,) = torch.autograd.grad(compiled(x, w, t.reshape(-1), value), x)
+        (expected,) = torch.autograd.grad(loss_of(x, w, t.reshape(-1), value), x)
+        torch.testing.assert_close(grad, expected)

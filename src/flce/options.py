@@ -230,8 +230,14 @@ def as_int(name: str, value) -> int:
 
 def as_float(name: str, value) -> float:
     """``value`` as a finite Python float: any real scalar (``int``, ``float``, NumPy
-    integers and floats), not a bool, a tensor, NaN or Inf."""
-    if not _is_tensor_or_bool(value) and isinstance(value, numbers.Real) and math.isfinite(value):
+    integers and floats), not a bool, a tensor, NaN or Inf. The range is checked with
+    comparisons rather than ``math.isfinite``, which cannot take the symbolic float that
+    ``torch.compile`` makes of an option changing between calls (NaN fails both)."""
+    if (
+        not _is_tensor_or_bool(value)
+        and isinstance(value, numbers.Real | torch.SymFloat)
+        and -math.inf < value < math.inf
+    ):
         return float(value)
     hint = "; pass float(t)" if isinstance(value, torch.Tensor) else ""
     raise TypeError(f"{name} must be a finite float, got {value!r}{hint}")
