@@ -825,3 +825,21 @@ def test_parity_with_budgets_that_force_each_scheme(monkeypatch, backend, scheme
     assert ran[-1] == (driver, chosen.rows, chosen.block)
     if scheme == "token chunks":
         assert math.ceil(call.n_rows / chosen.rows) > 1
+
+
+@pytest.mark.parametrize("budget_from", ["option", "environment"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_a_budget_no_scheme_fits_is_refused_at_the_call_for_every_reduction(monkeypatch, reduction, budget_from):
+    """``reduction="none"`` plans its gradient pass for the backward: that plan, and its
+    refusal, come at the call too (no kernel runs), not inside ``backward()``."""
+    x = torch.randn(24, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 40, (24,))
+    options = dict(reduction=reduction)
+    if budget_from == "option":
+        options["memory_budget"] = 2048
+    else:
+        monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", "0.002")
+    with pytest.raises(MemoryBudgetError, match="is below the least this call can run in"):
+        flce.fused_linear_cross_entropy(x, w, y, backend="torch", **options)
+    assert x.grad is None and w.grad is None

@@ -173,6 +173,10 @@ class LossPlan(Protocol):
 
     def finish_gradients(self, grads: Gradients) -> None: ...
 
+    def prepare_backward(self, operands, request: GradRequest) -> None:
+        """With deferred gradients, the forward makes the backward's decisions that can
+        fail (a scheme that fits the memory budget): raised at the call, before any kernel."""
+
 
 class CrossEntropyPlan:
     """The cross-entropy's side of ``LossPlan``, shared by ``Plan`` and ``flce.parallel``'s
@@ -181,6 +185,9 @@ class CrossEntropyPlan:
     @property
     def defers_gradients(self) -> bool:
         return self.options.reduction == "none"
+
+    def prepare_backward(self, operands, request: GradRequest) -> None:
+        """Nothing to decide ahead (``Plan`` overrides it)."""
 
     def reduce(self, rows: RowOutputs) -> Reduced:
         self.stats.ensure_computed()  # a call's checks run even where no kernel needed its statistics
@@ -268,6 +275,13 @@ class Plan(CrossEntropyPlan):
             request,
             row_grad_scale,
         )
+
+    def prepare_backward(self, operands: Operands, request: GradRequest) -> None:
+        """The backward's route, decided (and kept) now: a memory budget that its gradient
+        pass cannot run in raises ``MemoryBudgetError`` at the call, as it does for the
+        mean and sum, instead of inside ``backward()``."""
+        if isinstance(operands, LinearOperands):
+            self.route(operands, request)
 
     def route(self, o: LinearOperands, request: GradRequest) -> Route:
         """How ``run`` runs these operands (``Route``). A training loop asks with the same
@@ -541,6 +555,8 @@ def forward(plan: LossPlan, operands, request: GradRequest, borrow_gradients: bo
 def launched_forward(plan: LossPlan, operands, request: GradRequest) -> ForwardResult:
     """``forward`` with every kernel launched from the host."""
     deferred = plan.defers_gradients
+    if deferred and request.any:
+        plan.prepare_backward(operands, request)
     with _no_autocast(_device(operands)):
         rows, grads = plan.run(operands, NO_GRADIENTS if deferred else request)
     gradients = None if deferred or not request.any else grads

@@ -171,6 +171,9 @@ class DistillationPlan:
     def finish_gradients(self, grads: Gradients) -> None:
         """Nothing to finish on one device."""
 
+    def prepare_backward(self, operands, request: GradRequest) -> None:
+        """Nothing to decide ahead: the backward sizes its chunks as the forward did."""
+
 
 def make_distillation_plan(
     options: DistillationOptions,

@@ -311,6 +311,9 @@ class LogprobsPlan:
     def finish_gradients(self, grads: Gradients) -> None:
         """Nothing to finish on one device."""
 
+    def prepare_backward(self, operands, request: GradRequest) -> None:
+        """Nothing to decide ahead: the scheme was chosen for the backward too."""
+
 
 def make_logprobs_plan(
     options: LogprobsOptions,
