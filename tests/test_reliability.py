@@ -444,6 +444,58 @@ def test_cross_entropy_checks_the_target_shape(entry, logits_shape, target_shape
         LOGITS_ENTRIES[entry].call(tensors, None, {})
 
 
+# -------------------------------------------------- torch.func and forward-mode AD
+# flce's outputs come from fused kernels: no tangent, no batching rule. Under a
+# torch.func transform or with dual tensors every entry point refuses by name rather
+# than give a zero tangent, differentiate a detached term, or fail in PyTorch's internals.
+
+TRANSFORMS = ("grad", "vmap", "jvp", "dual")
+HEAD_CALLS = {
+    "logprobs": lambda x, w, t: flce.fused_linear_logprobs(x, w, t, return_entropy=True).logprobs.sum(),
+    "distillation": lambda x, w, t: flce.fused_linear_distillation(x, w, x.detach(), w.detach(), t),
+}
+
+
+def _transformed(transform: str, loss_of, first: torch.Tensor):
+    """``loss_of(first)`` under ``transform`` (differentiating or batching over ``first``)."""
+    if transform == "grad":
+        return torch.func.grad(loss_of)(first)
+    if transform == "vmap":
+        return torch.func.vmap(loss_of)(first.unsqueeze(0).expand(2, *first.shape))
+    if transform == "jvp":
+        return torch.func.jvp(loss_of, (first,), (torch.ones_like(first),))
+    with torch.autograd.forward_ad.dual_level():
+        return loss_of(torch.autograd.forward_ad.make_dual(first, torch.ones_like(first)))
+
+
+@pytest.mark.usefixtures("process_group_of_one")
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_function_transforms_and_forward_ad_are_refused_by_name(entry, transform):
+    entry = ENTRIES[entry]
+    kind = entry.kind
+    leaves = fused_leaves() if kind == "fused" else logits_leaves()
+    tensors = {
+        k: v.float() if v is not None and v.is_floating_point() else v
+        for k, v in (plain_fused if kind == "fused" else plain_logits)(leaves).items()
+    }
+    first = "x" if kind == "fused" else "z"
+
+    def loss_of(value):
+        return unpack(entry.call(dict(tensors, **{first: value}), None, {}))[0]
+
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        _transformed(transform, loss_of, tensors[first])
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize("head", list(HEAD_CALLS))
+def test_heads_refuse_function_transforms_and_forward_ad_by_name(head, transform):
+    x, w, t = _inputs()
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        _transformed(transform, lambda value: HEAD_CALLS[head](value, w, t), x)
+
+
 # ------------------------------------------------------------ narrow integer targets
 # PyTorch compares a tensor with a Python int in the tensor's dtype, wrapping the int: a
 # uint8 target would see ignore_index=-100 as class 156, an int32 one ignore_index=2**32

@@ -20,6 +20,7 @@ from flce.options import (
     LossOptions,
     cached_options,
     index_target,
+    refuse_function_transforms,
     validate_fused_inputs,
     validate_head_target,
     validate_linear_head,
@@ -64,6 +65,7 @@ def fused_linear_cross_entropy_with_options(
 
         outputs = ops.compiled_loss(operands, options, compute_dtype)
     else:
+        refuse_function_transforms(operands.entry, operands.tensors())
         plan = make_plan(options, input.device, operands.target, operands.ce_weight, vocab, compute_dtype)
         outputs = run_loss(plan, operands)
     return package_result(options, tuple(target.shape), *outputs)
@@ -86,6 +88,7 @@ def cross_entropy_with_options(
 
         outputs = ops.compiled_loss(operands, options, logits.dtype)
     else:
+        refuse_function_transforms(operands.entry, operands.tensors())
         plan = make_plan(options, logits.device, operands.target, operands.ce_weight, vocab, logits.dtype)
         outputs = run_loss(plan, operands)
     return package_result(options, tuple(target.shape), *outputs)
@@ -234,6 +237,7 @@ def fused_linear_logprobs_with_options(
 
         logprobs, entropy, predicted = ops.compiled_logprobs(operands, options, compute_dtype)
     else:
+        refuse_function_transforms(operands.entry, operands.tensors())
         plan = make_logprobs_plan(options, operands, compute_dtype, backward_request(operands))
         logprobs, entropy, predicted = run_loss(plan, operands)
     return LogprobsOutput(
@@ -365,6 +369,7 @@ def fused_linear_distillation_with_options(
 
         (loss,) = ops.compiled_distillation(operands, options, compute_dtype, teacher_dtype)
     else:
+        refuse_function_transforms(operands.entry, operands.tensors())
         plan = make_distillation_plan(
             options,
             student_input.device,

@@ -626,6 +626,24 @@ def _check_accum_dtype(options: LossOptions, param_dtype: torch.dtype) -> None:
         )
 
 
+def refuse_function_transforms(entry: str, tensors) -> None:
+    """Raises under ``torch.func`` transforms (``grad``, ``vmap``, ``jvp``...) and for
+    forward-mode AD dual tensors: flce's outputs come from fused kernels that carry no
+    tangent and have no batching rule, so these would give a tangent of zero (or a
+    differentiated ``detach``) or an error from PyTorch's internals. Two cheap reads
+    when neither is active."""
+    dual = torch.autograd.forward_ad._current_level >= 0 and any(
+        t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None for t in tensors
+    )
+    if dual or torch._C._are_functorch_transforms_active():
+        raise RuntimeError(
+            f"{entry} does not support torch.func transforms (grad, vmap, jvp, ...) or forward-mode AD "
+            "(torch.autograd.forward_ad dual tensors): its fused kernels carry no tangents and have no batching "
+            "rule. Use reverse-mode autograd (loss.backward() or torch.autograd.grad), or eager PyTorch "
+            "(torch.nn.functional.cross_entropy on the logits) inside the transform."
+        )
+
+
 def refuse_create_graph(entry: str) -> None:
     """Raises when called from a backward that autograd runs with ``create_graph=True``
     (grad mode is on inside a backward exactly then): flce's gradients come from fused

@@ -58,7 +58,14 @@ from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
-from flce.options import LossOptions, as_int, index_target, validate_ce_weight, validate_fused_inputs
+from flce.options import (
+    LossOptions,
+    as_int,
+    index_target,
+    refuse_function_transforms,
+    validate_ce_weight,
+    validate_fused_inputs,
+)
 from flce.output import LossResult, package_result
 from flce.parallel.dtensor import unwrap_dtensors
 from flce.parallel.handshake import agree_on_call, gather_class_weights, resolve_group
@@ -318,6 +325,9 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     split_row_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
     input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
         input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
+    )
+    refuse_function_transforms(
+        "flce.parallel.vocab_parallel_fused_linear_cross_entropy", (input, weight_shard, bias_shard)
     )
     group = resolve_group(process_group)
     plan, ce_full, target_1d = _plan(
