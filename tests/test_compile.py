@@ -128,3 +128,21 @@ def test_a_float_option_changing_between_compiled_calls(option, dynamic):
         (grad,) = torch.autograd.grad(compiled(x, w, t.reshape(-1), value), x)
         (expected,) = torch.autograd.grad(loss_of(x, w, t.reshape(-1), value), x)
         torch.testing.assert_close(grad, expected)
+
+
+@pytest.mark.parametrize("entry", ["fused", "cross_entropy"])
+def test_compiled_extra_outputs_have_no_gradient_as_in_eager(entry):
+    """The z-loss, accuracy and predictions are reported values: only the loss carries a
+    gradient, compiled as eager (never a requires_grad output whose backward gives 0)."""
+    x, w, _, t = _inputs("mean")
+    extras = dict(lse_square_scale=1e-3, return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
+
+    def call(x, w, t):
+        if entry == "fused":
+            return flce.fused_linear_cross_entropy(x, w, t, **extras)
+        return flce.cross_entropy(x @ w.T, t, **extras)
+
+    torch._dynamo.reset()
+    for out in (call(x, w, t), torch.compile(call, backend="aot_eager", fullgraph=True)(x, w, t)):
+        assert out.loss.requires_grad
+        assert not any(v.requires_grad for v in (out.z_loss, out.token_accuracy, out.predicted_tokens))

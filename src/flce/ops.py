@@ -192,6 +192,7 @@ def _linear_setup_context(ctx, inputs, output):
     tensors, options, rest = _split(inputs, 5)
     ctx.flags = rest[1:]
     ctx.has_bias = tensors[3] is not None
+    ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient, as in eager
     _save_for_backward(ctx, inputs[5:], options, tensors, output[4:])
 
 
@@ -263,6 +264,7 @@ cross_entropy_bwd = _define(
 def _logits_setup_context(ctx, inputs, output):
     tensors, options, (grad_logits,) = _split(inputs, 3)
     ctx.grad_logits = grad_logits
+    ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient, as in eager
     _save_for_backward(ctx, inputs[3 : 3 + _N_OPTIONS], options, tensors, (output[4],))
 
 
