@@ -687,6 +687,10 @@ def test_group_of_one_local_refusals(single_group):
         call(x, w, t, vocab_start=2)
     with pytest.raises(ValueError, match="reduction must be one of"):
         call(x, w, t, reduction="avg")
+    # A rank whose shard is empty (a Shard(0) DTensor of V rows over more than V ranks)
+    # is told so, not that the weight needs a row.
+    with pytest.raises(ValueError, match="weight_shard has no rows on this rank"):
+        call(x, torch.randn(0, 4), torch.tensor([-100, -100, -100]))
     from flce.dispatch import BackendUnavailableError, availability
 
     # cutedsl's split-row kernels need an sm_90+ CUDA GPU: refused here with the reason.

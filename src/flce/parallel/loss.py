@@ -152,6 +152,13 @@ def _plan(
     local_error: Exception | None = None
     compute_dtype = None
     try:
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
+            raise ValueError(
+                "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one vocabulary "
+                "row per rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
+                "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
+                "of at least one row each"
+            )
         compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
         validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
         if vocab_start is not None:
