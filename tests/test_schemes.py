@@ -843,3 +843,24 @@ def test_a_budget_no_scheme_fits_is_refused_at_the_call_for_every_reduction(monk
     with pytest.raises(MemoryBudgetError, match="is below the least this call can run in"):
         flce.fused_linear_cross_entropy(x, w, y, backend="torch", **options)
     assert x.grad is None and w.grad is None
+
+
+def test_device_memory_of_an_unindexed_cuda_device_is_the_current_devices(monkeypatch):
+    """``torch.device("cuda")`` means the current device, which can change between calls
+    (GPUs of one machine can differ): the cache is keyed by the resolved index."""
+    from flce.driver import sizing
+
+    sizing._cuda_memory_bytes.cache_clear()
+    memories = {0: 80 * 2**30, 1: 141 * 2**30}
+    current = {"index": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda index: type("Properties", (), {"total_memory": memories[index]})
+    )
+    try:
+        assert sizing.device_memory_bytes(torch.device("cuda")) == memories[0]
+        current["index"] = 1
+        assert sizing.device_memory_bytes(torch.device("cuda")) == memories[1]
+        assert sizing.device_memory_bytes(torch.device("cuda", 0)) == memories[0]
+    finally:
+        sizing._cuda_memory_bytes.cache_clear()

@@ -152,15 +152,17 @@ def env_memory_budget_bytes() -> int | None:
 
 
 @functools.cache
-def _cuda_memory_bytes(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()).total_memory
+def _cuda_memory_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).total_memory
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
-    """The device's total memory (a cached host query, no device sync), None off CUDA."""
+    """The device's total memory (a cached host query, no device sync), None off CUDA. A
+    device without an index is the current one, resolved before the cache (GPUs of one
+    machine can differ)."""
     if device.type != "cuda":
         return None
-    return _cuda_memory_bytes(device.index)
+    return _cuda_memory_bytes(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def default_memory_budget(call: CallShape, device_memory: int | None) -> int:
