@@ -242,10 +242,15 @@ def test_output_types_logits_to_keep_and_tuples():
     torch.testing.assert_close(out.loss, out_ref.loss, **LOSS_TOL)
     with pytest.raises(ValueError, match="logits_to_keep"):
         patched(input_ids=input_ids, labels=labels, logits_to_keep=4)
-    # return_dict=False: the tuple of the output without logits, loss first; positional input_ids work.
-    as_tuple = patched(input_ids, labels=labels, return_dict=False, use_cache=False)
-    assert isinstance(as_tuple, tuple) and len(as_tuple) == 1
-    torch.testing.assert_close(as_tuple[0], ref(input_ids, labels=labels).loss, **LOSS_TOL)
+    # return_dict=False: the stock tuple's layout, loss first, None in the logits' slot so later
+    # fields keep their positions; positional input_ids work.
+    for use_cache in (False, True):
+        as_tuple = patched(input_ids, labels=labels, return_dict=False, use_cache=use_cache)
+        stock_tuple = ref(input_ids, labels=labels, return_dict=False, use_cache=use_cache)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == len(stock_tuple) == 2 + use_cache
+        assert as_tuple[1] is None
+        assert [type(x) for x in as_tuple[2:]] == [type(x) for x in stock_tuple[2:]]
+        torch.testing.assert_close(as_tuple[0], stock_tuple[0], **LOSS_TOL)
     # hidden states requested from the decoder are returned.
     out = patched(input_ids=input_ids, labels=labels, output_hidden_states=True)
     assert out.hidden_states is not None and len(out.hidden_states) == ref.config.num_hidden_layers + 1

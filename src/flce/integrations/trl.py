@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from flce.integrations.forward_wrappers import wrapper_chain
+
 # The trainers whose use of the fused head is checked against TRL's own head
 # (tests/integrations/test_trl.py); other TRL trainers are refused.
 SUPPORTED_TRAINERS = ("SFTTrainer", "GRPOTrainer", "DPOTrainer")
@@ -208,14 +210,7 @@ def _wrapper_chain(forward) -> list:
     when there is one: accelerate's mixed-precision wrappers (which ``prepare_model`` puts on
     a reference model while the trainer is built) leave ``__wrapped__`` links, as
     ``functools.wraps`` does."""
-    chain, current = [], forward
-    while current is not None and len(chain) < 16:
-        current = getattr(current, "__func__", current)  # a bound method: its function
-        chain.append(current)
-        if _is_fused_forward(current):
-            break
-        current = getattr(current, "__wrapped__", None)
-    return chain
+    return wrapper_chain(forward, _is_fused_forward)
 
 
 def _fused_forward_function(owner: torch.nn.Module) -> types.FunctionType | None:

@@ -10,20 +10,29 @@ type: all its own); only its LM head and its loss are intercepted (``patch.py`` 
 With labels, the loss is flce's on the head's input and weight, so the ``(tokens, vocab)``
 logits are never materialised, and it equals the model's own loss and gradients: the label
 shift the model uses (or not), its logit scale (Cohere, Granite; a learnable one gets its
-gradient) and soft-cap (Gemma), MoE auxiliary losses, LoRA on the head, PEFT
-``modules_to_save`` and accelerate offloading of the head. Each model instance is probed
-once (a few forwards on a 6-token input) to establish this; what cannot be established is
-refused with ``UnsupportedModelError``, leaving the model as it was.
+gradient) and soft-cap (Gemma), a padded vocabulary (the first rows of the weight), MoE
+auxiliary losses, LoRA on the head, PEFT ``modules_to_save`` and accelerate offloading of the
+head. Each model instance is probed once (a few forwards on a 6-token input, leaving the
+random generators and the grad mode as they were; again when a config entry the result
+depends on changes) to establish this; what cannot be established is refused with
+``UnsupportedModelError``, leaving the model as it was (e.g. encoder-decoder models that
+compute their loss inline, heads in float64).
 
 Behaviour of the patched forward, the model's own otherwise:
 
 - no labels: the model's own forward, untouched (``generate`` included);
-- labels (or ``shift_labels``): ``logits`` is None in the output, in training and in eval,
-  unless ``skip_logits=False`` is passed (then they are the model's own logits and the loss is
+- labels: ``logits`` is None in the output, in training and in eval, unless
+  ``skip_logits=False`` is passed (then they are the model's own logits and the loss is
   ``flce.cross_entropy`` on them); ``skip_logits=True`` without labels is an error;
+  ``shift_labels`` without labels: the model's own forward (no loss, its logits);
 - ``num_items_in_batch`` (the HF Trainer's count under gradient accumulation): the sum
   divided by it, as transformers;
-- ``return_dict=False``: the output's ``to_tuple()``, as the model's own.
+- ``return_dict=False``: the model's own tuple, None in the logits' slot when they are not
+  computed;
+- PEFT's per-row adapters (``adapter_names=``) reaching a head with adapters: an error at the
+  call, before anything is computed (``skip_logits=False`` scores the model's own logits);
+- wrappers the instance's forward has (accelerate's mixed precision after
+  ``accelerator.prepare``) stay around flce's.
 
 ``loss_options`` go to ``flce.fused_linear_cross_entropy``: ``ignore_index`` (the default
 when the model passes none), ``label_smoothing``, ``lse_square_scale``, ``ce_weight``,
@@ -44,6 +53,7 @@ from typing import Any
 
 import torch
 
+from flce.integrations.forward_wrappers import rewrapped, wrapper_chain
 from flce.integrations.transformers.errors import UnsupportedModelError
 from flce.integrations.transformers.patch import (
     INTERCEPTOR_ATTRIBUTE,
@@ -97,33 +107,94 @@ def _forward_call(cls: type) -> ForwardCall:
         raise UnsupportedModelError(cls.__name__, str(exc)) from exc
 
 
+# On an instance-level flce forward: the instance's own forward (wrappers such as
+# accelerate's mixed-precision ones) it was put inside, restored by remove_flce; None where
+# the instance had none.
+REPLACED_FORWARD = "flce_replaced_forward"
+
+
+def _has_accelerate_hook(target) -> bool:
+    return hasattr(target, "_hf_hook") and hasattr(target, "_old_forward")
+
+
+def _instance_chain(forward, call: ForwardCall) -> list:
+    """The wrappers of an instance's own ``forward`` down to the class's forward (or a
+    class-level flce forward around it), outermost first."""
+    return wrapper_chain(forward, lambda function: function is call.original or is_flce_forward(function))
+
+
+def _wrapped_instance_forward(target, call: ForwardCall):
+    """The instance's own forward that flce's goes inside (e.g. accelerate's mixed-precision
+    wrappers after ``accelerator.prepare``), or None where the class's forward runs as is."""
+    forward = target.__dict__.get("forward")
+    if forward is None:
+        return None
+    innermost = _instance_chain(forward, call)[-1]
+    if hasattr(innermost, REPLACED_FORWARD):  # patched before: inside what was there then
+        return getattr(innermost, REPLACED_FORWARD)
+    if innermost is call.original or is_flce_forward(innermost):
+        return forward
+    raise UnsupportedModelError(
+        type(target).__name__,
+        f"its instance forward ({getattr(forward, '__qualname__', type(forward).__name__)}) replaces the class's "
+        "forward without a __wrapped__ link to it, so flce cannot patch the forward it runs; apply flce before "
+        "replacing the forward",
+    )
+
+
+def _patched_forward(target, function, call: ForwardCall) -> tuple[str, Any]:
+    """``(attribute, value)`` that makes ``function`` (flce's forward) the one calls on
+    ``target`` run: inside the instance's own wrappers where it has some. Raises
+    ``UnsupportedModelError`` where they cannot be kept (before the probe touches the model)."""
+    if _has_accelerate_hook(target):
+        return "_old_forward", types.MethodType(function, target)  # accelerate's hook calls it from `forward`
+    outer = _wrapped_instance_forward(target, call)
+    setattr(function, REPLACED_FORWARD, outer)
+    if outer is None:
+        return "forward", types.MethodType(function, target)
+    forward = rewrapped(_instance_chain(outer, call), function)
+    if forward is None:
+        raise UnsupportedModelError(
+            type(target).__name__,
+            "its instance forward wraps the class's forward in a way flce cannot see through to put its own "
+            "forward inside; apply flce before wrapping the forward (e.g. before accelerator.prepare)",
+        )
+    bound_to = getattr(outer, "__self__", None)
+    return "forward", types.MethodType(forward, bound_to) if bound_to is not None else forward
+
+
 def apply_flce(model, **loss_options: Any):
     """Patch this model instance so its loss with labels is computed by flce.
 
     Returns ``model`` (as given: a PEFT or compiled wrapper stays the wrapper). Raises
     ``UnsupportedModelError`` with the reason, leaving the model unpatched, when flce cannot
     give it its own loss and gradients. Patching again replaces the options;
-    ``remove_flce`` undoes it. Other instances of the class are not affected.
+    ``remove_flce`` undoes it. Other instances of the class are not affected. Wrappers the
+    instance's forward already has (accelerate's mixed precision after
+    ``accelerator.prepare``) are kept, flce's forward inside them.
     """
     settings = LossSettings.from_kwargs(loss_options)
     target = unwrap_model(model)
     call = _forward_call(type(target))
+    attribute, forward = _patched_forward(target, make_forward(call.original, settings), call)
     attach(target, settings, call)
-    forward = types.MethodType(make_forward(call.original, settings), target)
-    if hasattr(target, "_hf_hook") and hasattr(target, "_old_forward"):
-        target._old_forward = forward  # accelerate's hook calls `_old_forward` from `forward`
-    else:
-        target.forward = forward
+    setattr(target, attribute, forward)
     return model
 
 
 def remove_flce(model):
     """Undo ``apply_flce`` on this instance (a class-level patch stays in effect)."""
     target = unwrap_model(model)
-    if hasattr(target, "_hf_hook") and is_flce_forward(getattr(target, "_old_forward", None)):
+    if _has_accelerate_hook(target) and is_flce_forward(getattr(target, "_old_forward", None)):
         target._old_forward = types.MethodType(unwrap_forward(target._old_forward), target)
-    elif is_flce_forward(target.__dict__.get("forward")):
-        del target.forward
+    elif "forward" in target.__dict__:
+        innermost = wrapper_chain(target.__dict__["forward"], is_flce_forward)[-1]
+        if is_flce_forward(innermost) and hasattr(innermost, REPLACED_FORWARD):  # not a class-level patch
+            replaced = getattr(innermost, REPLACED_FORWARD)
+            if replaced is None:
+                del target.forward
+            else:
+                target.forward = replaced
     interceptor = target.__dict__.get(INTERCEPTOR_ATTRIBUTE)
     if interceptor is not None and not is_flce_forward(type(target).__dict__.get("forward")):
         interceptor.uninstall(target)
@@ -197,6 +268,6 @@ def is_patched(model_or_class) -> bool:
     if isinstance(model_or_class, type):
         return is_flce_forward(model_or_class.__dict__.get("forward"))
     target = unwrap_model(model_or_class)
-    if hasattr(target, "_hf_hook") and hasattr(target, "_old_forward"):
+    if _has_accelerate_hook(target):
         return is_flce_forward(target._old_forward)
-    return is_flce_forward(target.forward)
+    return is_flce_forward(wrapper_chain(target.forward, is_flce_forward)[-1])  # inside wrappers too

@@ -123,6 +123,25 @@ def linear_terms(parts: HeadParts, x: torch.Tensor) -> LinearTerms:
     return LinearTerms(torch.cat(inputs, dim=-1), torch.cat(weights, dim=1), bias)
 
 
+# Per-call arguments with which PEFT applies different adapters to different rows of a batch
+# (mixed-adapter batches, activated LoRA), injected into the head's forward by pre-hooks.
+PER_ROW_ADAPTER_ARGUMENTS = ("adapter_names", "alora_offsets")
+
+
+def per_row_adapter_argument(head: torch.nn.Module) -> str | None:
+    """The name of a per-row adapter argument PEFT injects into the head's modules for the
+    current call (``model(..., adapter_names=[...])``), or None. flce's linear map applies the
+    head's active adapters to every row, so such a call cannot go through it."""
+    for module in head.modules():
+        for hook in module._forward_pre_hooks.values():
+            keywords = getattr(hook, "keywords", None)  # PEFT registers functools.partial(..., adapter_names=...)
+            if isinstance(keywords, dict):
+                for name in PER_ROW_ADAPTER_ARGUMENTS:
+                    if keywords.get(name) is not None:
+                        return name
+    return None
+
+
 def hooked_modules(parts: HeadParts) -> tuple[torch.nn.Module, ...]:
     """The head's modules that carry an accelerate hook (offloading, device maps)."""
     return tuple(m for m in parts.modules if getattr(m, "_hf_hook", None) is not None)

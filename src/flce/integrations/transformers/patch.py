@@ -16,9 +16,12 @@ output type are all its own). Two things are intercepted on the instance
 
 Whether this reproduces a model's loss is established once per instance by ``probe.py``
 (``attach`` installs the interceptor and probes; a failure uninstalls it and raises
-``UnsupportedModelError``). Models that compute their cross-entropy inline instead
-(BART-style decoders, route ``inline``) are called without labels, flce adding the loss
-with the label convention the probe found.
+``UnsupportedModelError``), and again when a config entry it depends on changes
+(``interceptor_for``). Models that compute their cross-entropy inline instead (BART-style
+decoders, route ``inline``) are called without labels, flce adding the loss with the label
+convention the probe found (shifted or not, the targets their ``attention_mask`` hides
+dropped or not). A forward that keeps only the first logits (a padded vocabulary) is scored
+over those rows of the weight.
 
 Without labels nothing is intercepted (``generate`` is the stock one). With labels the
 logits are not computed unless asked for (``skip_logits=False``); then they are the model's
@@ -41,14 +44,18 @@ from flce.integrations.transformers.head import (
     hooked_modules,
     linear_terms,
     loaded_weights,
+    per_row_adapter_argument,
 )
 from flce.integrations.transformers.probe import (
     PLACEHOLDER_POINTS,
     ROUTE_INLINE,
+    SUPPORTED_DTYPES,
     Recipe,
     known_loss_functions,
+    masked_labels,
     probe,
     shifted_labels,
+    vocabulary_points,
 )
 
 INTERCEPTOR_ATTRIBUTE = "_flce_interceptor"
@@ -182,8 +189,11 @@ class _HeadOutputHook:
             logits = 3.0 * torch.randn((*positions, output.shape[-1]), generator=generator, device="cpu")
             it.placeholder = logits.to(output.device).requires_grad_()
             return it.placeholder
-        points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float32, device=output.device)
-        placeholder = points.expand(*positions, len(PLACEHOLDER_POINTS)).contiguous()
+        if it.mode == "probe_vocab":  # as wide as the vocabulary: what the forward does to particular columns shows
+            points = vocabulary_points(output.shape[-1]).to(output.device)
+        else:
+            points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float32, device=output.device)
+        placeholder = points.expand(*positions, points.shape[0]).contiguous()
         if it.mode == "probe":
             placeholder.requires_grad_()
         it.placeholder = placeholder
@@ -196,8 +206,9 @@ class Interceptor:
     Passive (``mode`` None) outside the patched forward: the hooks do nothing and the loss
     function is the model's own. The patched forward sets ``mode`` for one call:
     ``"fused"`` (placeholder logits, flce's fused loss on the kept hidden states) or
-    ``"logits"`` (real logits, ``flce.cross_entropy`` on them); the probe uses ``"probe"``
-    and ``"probe_logits"``.
+    ``"logits"`` (real logits, ``flce.cross_entropy`` on them); the probe uses ``"probe"``,
+    ``"probe_vocab"`` (a placeholder as wide as the vocabulary), ``"probe_logits"`` (known
+    logits) and ``"probe_unlabelled"`` (the inline route's call without labels).
     """
 
     def __init__(self, head: torch.nn.Module, loss_function, settings: LossSettings):
@@ -240,7 +251,7 @@ class Interceptor:
     # -- per call
 
     def intercepts_head(self) -> bool:
-        return self.mode in ("fused", "probe", "probe_logits")
+        return self.mode in ("fused", "probe", "probe_vocab", "probe_logits", "probe_unlabelled")
 
     def begin(self, mode: str) -> None:
         self.mode = mode
@@ -262,10 +273,10 @@ class Interceptor:
         if self.mode is None:
             return self.original_loss_function(*args, **kwargs)
         logits = _argument(args, kwargs, 0, "logits")
-        if self.mode == "probe_logits":  # the inline probe: the model should not get here
+        if self.mode in ("probe_logits", "probe_unlabelled"):  # the inline probe: the model should not get here
             self.loss_calls.append((logits, None))
             return self.original_loss_function(*args, **kwargs)
-        if self.mode == "probe":
+        if self.mode in ("probe", "probe_vocab"):
             result = torch.zeros((), device=logits.device, requires_grad=True)
             self.loss_calls.append((logits, result))
             return result * 1.0  # not a leaf: the model may add to it in place
@@ -301,7 +312,7 @@ class Interceptor:
             targets.reshape(-1).to(logits.device),
             ignore_index=ignore_index,
             reduction=reduction,
-            **self.settings.logits_kwargs(),
+            **_class_weights_for(self.settings.logits_kwargs(), "weight", logits_2d.shape[-1]),
         )
 
     def _fused_loss(self, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
@@ -326,20 +337,29 @@ class Interceptor:
     def _fused_from_parts(self, parts, hidden, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
         device = parts.linear.weight.device
         terms = linear_terms(parts, hidden.to(device))
-        features = terms.input
+        features, weight, bias = terms.input, terms.weight, terms.bias
+        if weight.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"flce: the head's weight is {weight.dtype} (the model was cast after patching); flce's kernels take "
+                "float16, bfloat16 or float32"
+            )
         if self.recipe.scale:  # g(z) = a * z: fold a (the processed point 1.0) into the input, differentiably
             features = features * placeholder[..., :1].to(device=device, dtype=features.dtype)
+        vocab_rows = self.recipe.vocab_rows
+        if vocab_rows is not None:  # the forward keeps the first vocab_rows logits: a padded vocabulary
+            weight = weight[:vocab_rows]
+            bias = None if bias is None else bias[:vocab_rows]
         rows = features.shape[:-1].numel()
         _check_target_count(targets, rows)
         return _flce().fused_linear_cross_entropy(
             features.reshape(rows, features.shape[-1]),
-            terms.weight,
+            weight,
             targets.reshape(-1).to(device),
-            bias=terms.bias,
+            bias=bias,
             ignore_index=ignore_index,
             reduction=reduction,
             softcap=self.recipe.softcap,
-            **self.settings.fused_kwargs(),
+            **_class_weights_for(self.settings.fused_kwargs(), "ce_weight", weight.shape[0]),
         )
 
     # -- one patched call
@@ -348,6 +368,14 @@ class Interceptor:
         """The model's own forward with the head and loss intercepted; its own output type,
         ``logits`` None unless ``materialize``."""
         recipe = self.recipe
+        if not materialize and not torch.compiler.is_compiling():
+            adapter_argument = per_row_adapter_argument(self.head)
+            if adapter_argument is not None:
+                raise ValueError(
+                    f"flce: {adapter_argument}= (PEFT's per-row adapters) reaches {type(model).__name__}'s head, whose "
+                    "fused loss would apply the head's active adapters to every row; pass skip_logits=False to score "
+                    f"the model's own logits, or call without {adapter_argument}"
+                )
         kwargs = dict(kwargs)
         return_dict = kwargs.pop("return_dict", None)
         if return_dict is None:
@@ -361,6 +389,10 @@ class Interceptor:
                     f"{type(model).__name__} computes its own loss without shift_labels; pass labels instead"
                 )
             inline_labels, args, kwargs = _without_labels(args, kwargs, call.labels_index)
+            if recipe.mask_drops_targets:
+                attention_mask = call.attention_mask(args, kwargs)
+                if attention_mask is not None:
+                    inline_labels = masked_labels(inline_labels, attention_mask, self.settings.options.ignore_index)
         self.begin("logits" if materialize else "fused")
         try:
             output = call.original(model, *args, **kwargs)
@@ -382,7 +414,20 @@ class Interceptor:
         if not materialize:
             values["logits"] = None
         output = type(output)(**values)
-        return output if return_dict else output.to_tuple()
+        if return_dict:
+            return output
+        # The stock tuple's fields are those that are not None; its logits always are, so a
+        # None keeps their slot and every later field where the stock tuple has it.
+        return tuple(value for name, value in values.items() if value is not None or name == "logits")
+
+
+def _class_weights_for(keywords: dict[str, Any], name: str, classes: int) -> dict[str, Any]:
+    """``keywords`` with the class weights (``keywords[name]``) cut to the first ``classes``
+    where the forward keeps that many logits (a padded vocabulary)."""
+    weights = keywords.get(name)
+    if weights is None or weights.shape[0] <= classes:
+        return keywords
+    return {**keywords, name: weights[:classes]}
 
 
 def _check_target_count(targets: torch.Tensor, rows: int) -> None:
@@ -442,11 +487,20 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
     """The instance's interceptor, attached (and probed) on first use or when its head was
     replaced (``resize_token_embeddings``, PEFT wrapping the head after patching)."""
     interceptor = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
+    changed = None
     if interceptor is not None and interceptor.head is model.get_output_embeddings():
-        if interceptor.settings is not settings:
-            interceptor.settings = settings
-        return interceptor
+        changed = interceptor.recipe.changed_config_entry(model.config)
+        if changed is None:
+            if interceptor.settings is not settings:
+                interceptor.settings = settings
+            return interceptor
     if torch.compiler.is_compiling():
+        if changed is not None:
+            entry, before, now = changed
+            raise RuntimeError(
+                f"flce: config.{entry} of {type(model).__name__} changed since it was probed ({before!r} -> "
+                f"{now!r}); call it once with labels outside torch.compile (or apply_flce(model) again) to probe it"
+            )
         raise RuntimeError(
             f"flce: {type(model).__name__} has not been probed yet (or its head was replaced); call it once with "
             "labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
@@ -467,6 +521,7 @@ class ForwardCall:
     original: Any
     labels_index: int | None  # position of `labels` among the positional arguments after self
     accepts_return_dict: bool
+    attention_mask_index: int | None = None  # position of `attention_mask` likewise
 
     @staticmethod
     def of(original) -> ForwardCall:
@@ -479,13 +534,21 @@ class ForwardCall:
             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         ][1:]  # without self
         labels_index = positional.index("labels") if "labels" in positional else None
+        mask_index = positional.index("attention_mask") if "attention_mask" in positional else None
         accepts_return_dict = "return_dict" in parameters or original.__code__ is _can_return_tuple_code()
-        return ForwardCall(original, labels_index, accepts_return_dict)
+        return ForwardCall(original, labels_index, accepts_return_dict, mask_index)
 
     def labels(self, args: tuple, kwargs: dict):
-        if "labels" in kwargs or self.labels_index is None:
-            return kwargs.get("labels")
-        return args[self.labels_index] if len(args) > self.labels_index else None
+        return _named_argument(args, kwargs, "labels", self.labels_index)
+
+    def attention_mask(self, args: tuple, kwargs: dict):
+        return _named_argument(args, kwargs, "attention_mask", self.attention_mask_index)
+
+
+def _named_argument(args: tuple, kwargs: dict, name: str, index: int | None):
+    if name in kwargs or index is None:
+        return kwargs.get(name)
+    return args[index] if len(args) > index else None
 
 
 def make_forward(original, settings: LossSettings):
@@ -495,16 +558,22 @@ def make_forward(original, settings: LossSettings):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         skip_logits = kwargs.pop("skip_logits", None)
-        has_targets = call.labels(args, kwargs) is not None or kwargs.get("shift_labels") is not None
+        # shift_labels alone: transformers' forwards compute no loss without labels (logits only).
+        has_labels = call.labels(args, kwargs) is not None
         if skip_logits is None:
-            skip_logits = has_targets
-        elif skip_logits and not has_targets:
-            raise ValueError("skip_logits=True needs labels or shift_labels")
-        if not has_targets:
+            skip_logits = has_labels
+        elif skip_logits and not has_labels:
+            raise ValueError("skip_logits=True needs labels")
+        if not has_labels:
             return original(self, *args, **kwargs)
         interceptor = interceptor_for(self, settings, call)
         return interceptor.run(call, self, args, kwargs, materialize=not skip_logits)
 
+    # The signature is the model's (the Trainer reads its columns, generate its arguments), but
+    # no __wrapped__ link: wrappers that unwrap a forward by those links (accelerate's
+    # unwrap_model) stop here instead of dropping the patch.
+    del forward.__wrapped__
+    forward.__signature__ = inspect.signature(original)
     setattr(forward, FLCE_MARK, True)
     forward.flce_original_forward = original
     forward.flce_settings = settings

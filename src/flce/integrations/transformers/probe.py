@@ -1,25 +1,41 @@
 """The probe: what one model instance's forward does with its head's output and its labels.
 
-A few forwards on a ``PROBE_LENGTH``-token input, in training and eval mode, with the head
-and ``loss_function`` intercepted (``patch.Interceptor``):
+Forwards on a ``PROBE_LENGTH``-token input, in training and eval mode, with the head and
+``loss_function`` intercepted (``patch.Interceptor``):
 
 - the head returns ``PLACEHOLDER_POINTS`` per position, requiring grad, and ``loss_function``
   a leaf; autograd then shows that the loss is ``loss_function(...)`` plus terms that never
   touch the logits (the leaf enters with weight 1, the placeholder not at all), that no other
   output field is computed from the logits, and the values ``loss_function`` receives show
-  the post-processing (none, a scale, or a soft-cap of the config);
+  the post-processing (none, a scale, or a soft-cap of the config). A forward that transforms
+  the logits at all gets its scale read at every call, even one that is 1.0 when probed (a
+  learnable scale gets its gradient, a scale set later is followed);
+- once more with a placeholder as wide as the vocabulary: a forward that keeps only the first
+  columns (a padded vocabulary, e.g. ``config.unpadded_vocab_size``) is scored over those rows
+  of the weight; any other change to particular columns is refused;
+- once more with an ``attention_mask`` that hides the first positions (left padding), which
+  must not change what was found, except for a forward that computes its cross-entropy
+  inline and drops the targets the mask hides, which is then followed;
 - a forward that never calls ``loss_function`` is given known logits instead and accepted only
   if its loss is exactly (value and gradient) the mean cross-entropy of those logits against
-  the labels, shifted or not.
+  the labels, shifted or not, and if calling it without labels, as the patched forward does,
+  runs and computes the same hidden states (labels that also build decoder inputs do not).
+
+The probe leaves the model as it found it: its training flag, and every random generator it
+could draw from (dropout in training mode). It runs under autograd whatever the caller's
+grad mode. The config entries the result depends on (soft-caps, logit scales, vocabulary
+sizes) are recorded; a call that finds one changed probes again (``patch.interceptor_for``).
 
 Whatever cannot be established raises ``UnsupportedModelError`` with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,12 +52,27 @@ if TYPE_CHECKING:
 # time (64 and 1024 bend under any soft-cap in use, -4 checks the sign is kept).
 PLACEHOLDER_POINTS = (1.0, -4.0, 64.0, 1024.0)
 PROBE_LENGTH = 6  # tokens in the probe's input: short, and enough to tell shifted labels from unshifted
+# Positions the probe's attention mask hides, at the start (left padding). With three, a
+# forward that drops the targets at hidden positions, one that drops the positions whose
+# logits are hidden and one that ignores the mask give three different losses (the probe's
+# labels ignore position 2 already).
+PROBE_PADDING = 3
+# The dtypes flce's kernels take: a head in another one (float64) is refused at patch time.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 ROUTE_LOSS_FUNCTION = "loss_function"  # the forward calls self.loss_function(logits, labels, ...)
 ROUTE_INLINE = "inline"  # the forward computes a plain cross-entropy itself
 
+# Config entries whose names contain one of these may steer the logits' post-processing or
+# width (a soft-cap, a logit scale, a vocabulary size); their values are recorded with the
+# recipe and a call that finds one changed probes again.
+CONFIG_READ_MARKERS = ("softcap", "soft_cap", "logit", "vocab")
+
 
 # --------------------------------------------------------------------------- recipe
+
+ConfigPath = tuple[str, ...]
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +81,34 @@ class Recipe:
 
     route: str  # ROUTE_LOSS_FUNCTION or ROUTE_INLINE
     shift: bool  # position t is scored against labels[t + 1]
-    scale: bool  # the head's output is multiplied by a factor (read from the placeholder at run time)
+    # The forward transforms the head's output by a scale, read at every call from the
+    # processed placeholder (the point 1.0), so it may be 1.0 when probed, learnable or changed.
+    scale: bool
     softcap: float | None  # then soft-capped: z -> c * tanh(z / c)
     output_fields: tuple[str, ...]  # the output dataclass's fields, to rebuild it without the logits
+    vocab_rows: int | None = None  # the forward keeps the logits of the first vocab_rows tokens only
+    mask_drops_targets: bool = False  # inline route: targets at positions attention_mask hides are not scored
+    # (path, value) of the config entries the recipe was found with (CONFIG_READ_MARKERS).
+    config_reads: tuple[tuple[ConfigPath, Any], ...] = ()
+
+    def changed_config_entry(self, config) -> tuple[str, Any, Any] | None:
+        """``(dotted path, value when probed, value now)`` of the first recorded config entry
+        that changed since the probe, or None."""
+        for path, value in self.config_reads:
+            current = config
+            for key in path:
+                current = getattr(current, key, _MISSING)
+            if not _same_value(current, value):
+                return ".".join(path), value, None if current is _MISSING else current
+        return None
+
+
+def _same_value(current, recorded) -> bool:
+    if current is recorded:
+        return True
+    if type(current) is not type(recorded):
+        return False
+    return current == recorded or (isinstance(current, float) and math.isnan(current) and math.isnan(recorded))
 
 
 def known_loss_functions() -> dict[Any, bool]:
@@ -67,25 +123,51 @@ def shifted_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-# --------------------------------------------------------------------------- probe
+def masked_labels(labels: torch.Tensor, attention_mask: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``labels`` with ``ignore_index`` where ``attention_mask`` (its last positions, as many as
+    the labels have) is 0: the targets a forward that drops hidden positions never scores."""
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] < labels.shape[-1]:
+        raise ValueError(
+            f"this model drops the targets its attention_mask hides; flce needs a (batch, sequence) attention_mask "
+            f"covering the labels' {labels.shape[-1]} positions, got shape {tuple(attention_mask.shape)}"
+        )
+    hidden = attention_mask[..., -labels.shape[-1] :].to(labels.device) == 0
+    return labels.masked_fill(hidden, ignore_index)
 
 
-def _config_items(config):
-    """``(key, value)`` of every attribute of ``config`` and of its sub-configs (each
+def vocabulary_points(vocab: int) -> torch.Tensor:
+    """The probe's placeholder row as wide as the vocabulary: ``PLACEHOLDER_POINTS`` then a
+    ramp, distinct values in order, so a slice or an edit of some columns shows."""
+    points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float32, device="cpu")
+    ramp = torch.linspace(-6.0, 6.0, max(vocab - len(PLACEHOLDER_POINTS), 0), dtype=torch.float32, device="cpu")
+    return torch.cat([points, ramp])[:vocab]
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _config_entries(config) -> Iterator[tuple[ConfigPath, Any]]:
+    """``(path, value)`` of every attribute of ``config`` and of its sub-configs (each
     visited once), sub-configs themselves excepted."""
     seen: set[int] = set()
 
-    def walk(cfg):
+    def walk(cfg, prefix: ConfigPath):
         if id(cfg) in seen:
             return
         seen.add(id(cfg))
         for key, value in vars(cfg).items():
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):
-                yield from walk(value)
+                yield from walk(value, (*prefix, key))
             else:
-                yield key, value
+                yield (*prefix, key), value
 
-    yield from walk(config)
+    yield from walk(config, ())
+
+
+def _config_items(config):
+    """``(key, value)`` of every attribute of ``config`` and of its sub-configs."""
+    for path, value in _config_entries(config):
+        yield path[-1], value
 
 
 def _is_number(value) -> bool:
@@ -111,7 +193,39 @@ def _softcap_candidates(config) -> list[float]:
     ]
 
 
-def _probe_inputs(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _config_reads(config, recipe: Recipe) -> tuple[tuple[ConfigPath, Any], ...]:
+    """The config entries a later change of which may change the recipe: those named like a
+    soft-cap, a logit scale or a vocabulary size, and those equal to the kept vocabulary width."""
+    reads = []
+    for path, value in _config_entries(config):
+        if value is not None and not _is_number(value):
+            continue
+        key = path[-1].lower()
+        if any(marker in key for marker in CONFIG_READ_MARKERS) or (
+            recipe.vocab_rows is not None and value == recipe.vocab_rows
+        ):
+            reads.append((path, value))
+    return tuple(reads)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeBatch:
+    """One probe call's inputs."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+
+    def left_padded(self) -> ProbeBatch:
+        mask = torch.ones_like(self.input_ids)
+        mask[:, :PROBE_PADDING] = 0
+        return dataclasses.replace(self, attention_mask=mask)
+
+
+def _probe_inputs(model, vocab: int) -> ProbeBatch:
     embeddings = model.get_input_embeddings()
     rows = getattr(embeddings, "num_embeddings", vocab)
     special = special_token_ids(model.config)
@@ -125,7 +239,10 @@ def _probe_inputs(model, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     input_ids = torch.tensor([tokens[::-1]], device=device)  # not sorted: labels and shifted labels differ
     labels = input_ids.clone()
     labels[0, 2] = -100  # an ignored target must stay ignored
-    return input_ids, labels
+    return ProbeBatch(input_ids, labels)
+
+
+# --------------------------------------------------------------------------- autograd
 
 
 def _grad(output: torch.Tensor, inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -138,19 +255,40 @@ def _depends(grad: torch.Tensor | None) -> bool:
     return grad is not None and bool((grad != 0).any())
 
 
-def _fit_transform(name: str, received: torch.Tensor, config) -> tuple[bool, float | None]:
-    """(scale, softcap) such that the model's post-processing g is ``softcap(scale * z)``."""
+def _other_leaves(tensor: torch.Tensor, known: torch.Tensor, limit: int = 10_000) -> bool:
+    """Whether ``tensor``'s autograd graph reaches a leaf other than ``known`` (a parameter
+    the post-processing reads, e.g. a learnable logit scale)."""
+    stack, seen = [tensor.grad_fn], set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if variable is not None and variable is not known:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen) >= limit
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+def _fit_transform(name: str, received: torch.Tensor, config, transformed: bool) -> tuple[bool, float | None]:
+    """(scale, softcap) such that the model's post-processing g is ``softcap(scale * z)``.
+    ``transformed``: the forward handed ``loss_function`` another tensor than the head's
+    output, so its scale is read at every call even where it is 1.0 now."""
     rows = received.detach().double().reshape(-1, len(PLACEHOLDER_POINTS))
     if not bool((rows == rows[:1]).all()):
         raise UnsupportedModelError(name, "its post-processing of the logits differs between positions")
     observed = rows[0].cpu()
     points = torch.tensor(PLACEHOLDER_POINTS, dtype=torch.float64, device="cpu")
     rtol = 8 * torch.finfo(received.dtype).eps
-    if torch.allclose(observed, points, rtol=rtol, atol=0):
-        return False, None
     scale = observed[0]
     if scale != 0 and torch.allclose(observed, scale * points, rtol=rtol, atol=0):
-        return True, None
+        # Identity included: a transform that gives 1.0 now (a learnable scale at its initial
+        # value, a config scale of 1) may not later.
+        return transformed, None
     for cap in _softcap_candidates(config):
         if torch.allclose(observed, cap * torch.tanh(points / cap), rtol=max(rtol, 1e-6), atol=0):
             return False, cap
@@ -160,6 +298,16 @@ def _fit_transform(name: str, received: torch.Tensor, config) -> tuple[bool, flo
         f"its forward transforms the head's output by a function that is neither a scale nor the config's "
         f"soft-cap ({seen}); flce cannot fold it into the loss",
     )
+
+
+def _expected_transform(recipe: Recipe, points: torch.Tensor, scale: float) -> torch.Tensor:
+    """The recipe's post-processing of ``points`` (float64)."""
+    if recipe.softcap is not None:
+        return recipe.softcap * torch.tanh(points / recipe.softcap)
+    return scale * points if recipe.scale else points
+
+
+# --------------------------------------------------------------------------- checks
 
 
 def _output_fields(name: str, output) -> tuple[str, ...]:
@@ -187,12 +335,29 @@ def _check_outputs_independent(name: str, output, placeholder: torch.Tensor, fie
                 )
 
 
-def _call_for_probe(interceptor: Interceptor, mode: str | None, original, model, input_ids, labels):
+def check_model(name: str, model, head: torch.nn.Module) -> None:
+    """What refuses a model before any probe: a head dtype flce's kernels do not take."""
+    dtype = head_parts(head).linear.weight.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedModelError(
+            name,
+            f"its head's weight is {dtype}; flce's kernels take float16, bfloat16 or float32 (cast the model, "
+            "e.g. model.float(), before patching)",
+        )
+
+
+# --------------------------------------------------------------------------- the calls
+
+
+def _call_for_probe(interceptor: Interceptor, mode: str | None, original, model, batch: ProbeBatch, labelled=True):
     interceptor.begin(mode)
-    extra = {"use_cache": False} if "use_cache" in inspect.signature(original).parameters else {}  # as in training
+    parameters = inspect.signature(original).parameters
+    extra = {"use_cache": False} if "use_cache" in parameters else {}  # as in training
+    if batch.attention_mask is not None:
+        extra["attention_mask"] = batch.attention_mask
+    labels = batch.labels if labelled else None
     try:
-        with torch.enable_grad():
-            output = original(model, input_ids=input_ids, labels=labels, **extra)
+        output = original(model, input_ids=batch.input_ids, labels=labels, **extra)
         return output, None
     except Exception as exc:  # the reason is reported if no route works
         return None, exc
@@ -235,20 +400,32 @@ def _probe_loss_function(name, interceptor, model, output, error) -> Recipe:
         )
     if _depends(weight_of_logits):
         raise UnsupportedModelError(name, "its loss uses the logits outside loss_function (e.g. a z-loss on them)")
-    scale, softcap = _fit_transform(name, received, model.config)
+    scale, softcap = _fit_transform(name, received, model.config, transformed=received is not placeholder)
+    if received.requires_grad and _other_leaves(received, placeholder) and not scale:
+        raise UnsupportedModelError(
+            name, "its post-processing of the logits reads a learnable tensor in a way that is not a plain scale"
+        )
     if scale and head_parts(interceptor.head).linear.bias is not None:
         raise UnsupportedModelError(name, "its head has a bias and its logits are scaled after it")
     return Recipe(ROUTE_LOSS_FUNCTION, interceptor.shift_of_loss_function, scale, softcap, fields)
 
 
-def _cross_entropy64(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
-    targets = shifted_labels(labels, -100) if shift else labels
+def _cross_entropy64(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.double().reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device))
 
 
-def _probe_inline(name, interceptor, model, output, error, input_ids, labels, first_error) -> Recipe:
+def _inline_candidates(batch: ProbeBatch) -> Iterator[tuple[bool, bool, torch.Tensor]]:
+    """``(shift, mask_drops_targets, targets)`` of each label convention flce can follow."""
+    for shift in (True, False):
+        for drops in (False, True) if batch.attention_mask is not None else (False,):
+            labels = masked_labels(batch.labels, batch.attention_mask, -100) if drops else batch.labels
+            yield shift, drops, shifted_labels(labels, -100) if shift else labels
+
+
+def _probe_inline(name, interceptor, model, output, error, batch: ProbeBatch, first_error) -> Recipe:
     """The forward did not call ``loss_function``: accept it only if its loss is exactly the
-    mean cross-entropy of its logits (given known ones) against the labels, shifted or not."""
+    mean cross-entropy of its logits (given known ones) against the labels, shifted or not,
+    with the targets its attention mask hides dropped or not."""
     if error is not None:
         cause = first_error or error
         raise UnsupportedModelError(name, f"its forward fails with the head intercepted: {cause!r}") from cause
@@ -266,60 +443,198 @@ def _probe_inline(name, interceptor, model, output, error, input_ids, labels, fi
     _check_outputs_independent(name, output, logits, tuple(f for f in fields if f != "logits"))
     (stock_grad,) = _grad(output.loss, [logits])
     matches = []
-    for shift in (True, False):
+    for shift, drops, targets in _inline_candidates(batch):
         reference_logits = logits.detach().double().requires_grad_()
-        reference = _cross_entropy64(reference_logits, labels, shift)
+        reference = _cross_entropy64(reference_logits, targets)
         (reference_grad,) = torch.autograd.grad(reference, [reference_logits])
         same_value = math.isclose(float(output.loss.detach()), float(reference.detach()), rel_tol=1e-5, abs_tol=1e-6)
         if same_value and stock_grad is not None and torch.allclose(stock_grad.double(), reference_grad, atol=1e-6):
-            matches.append(shift)
+            matches.append((shift, drops))
     if len(matches) != 1:
+        masked = (
+            " (with its attention_mask's hidden positions dropped or not)" if batch.attention_mask is not None else ""
+        )
         raise UnsupportedModelError(
             name,
             "its forward computes its loss without loss_function, and that loss is not the mean cross-entropy "
-            "of the logits against the labels (shifted or not)",
+            f"of the logits against the labels (shifted or not){masked}",
         )
-    return Recipe(ROUTE_INLINE, matches[0], False, None, fields)
+    ((shift, drops),) = matches
+    return Recipe(ROUTE_INLINE, shift, False, None, fields, mask_drops_targets=drops)
 
 
-def _check_stock_runs(name: str, interceptor: Interceptor, original, model, input_ids, labels) -> None:
-    """A forward that fails under interception may fail without it too: say which."""
-    _, error = _call_for_probe(interceptor, None, original, model, input_ids, labels)
+def _check_inline_runs_without_labels(name: str, interceptor: Interceptor, original, model, batch) -> None:
+    """The patched forward calls an inline-loss model without labels (with the head's
+    placeholder) and adds the loss itself: that call must run, and compute the hidden states
+    it computes with labels (a forward that builds decoder inputs from the labels does not)."""
+    with_labels = interceptor.hidden.detach()
+    output, error = _call_for_probe(interceptor, "probe_unlabelled", original, model, batch, labelled=False)
     if error is not None:
         raise UnsupportedModelError(
-            name, f"its own forward fails on a {PROBE_LENGTH}-token text input with labels: {error!r}"
+            name,
+            "its forward computes its loss without loss_function, so flce calls it without labels and adds the "
+            f"loss itself, but that call fails with the head intercepted: {error!r}",
+        ) from error
+    if interceptor.head_calls != 1 or getattr(output, "loss", None) is not None:
+        raise UnsupportedModelError(
+            name, "without labels its forward calls the head more than once or still computes a loss"
+        )
+    without_labels = interceptor.hidden.detach()
+    same = with_labels.shape == without_labels.shape and (
+        model.training or torch.allclose(with_labels, without_labels, rtol=1e-5, atol=1e-6)
+    )
+    if not same:
+        raise UnsupportedModelError(
+            name,
+            "its forward computes its loss without loss_function and uses the labels for more than that loss "
+            "(the head's input changes without them, e.g. decoder inputs built from the labels); flce calls it "
+            "without labels",
+        )
+
+
+class _StockForwardFails(UnsupportedModelError):
+    """The model's own forward fails on the probe's input (not only under interception)."""
+
+
+def _check_stock_runs(name: str, interceptor: Interceptor, original, model, batch: ProbeBatch) -> None:
+    """A forward that fails under interception may fail without it too: say which."""
+    _, error = _call_for_probe(interceptor, None, original, model, batch)
+    if error is not None:
+        padded = " with left padding (attention_mask)" if batch.attention_mask is not None else ""
+        raise _StockForwardFails(
+            name, f"its own forward fails on a {PROBE_LENGTH}-token text input with labels{padded}: {error!r}"
         ) from error
 
 
-def _probe_once(name: str, interceptor: Interceptor, original, model) -> Recipe:
-    input_ids, labels = _probe_inputs(model, head_parts(interceptor.head).linear.out_features)
+def _probe_once(name: str, interceptor: Interceptor, original, model, batch: ProbeBatch) -> Recipe:
     try:
-        output, error = _call_for_probe(interceptor, "probe", original, model, input_ids, labels)
+        output, error = _call_for_probe(interceptor, "probe", original, model, batch)
         if error is not None:
-            _check_stock_runs(name, interceptor, original, model, input_ids, labels)
+            _check_stock_runs(name, interceptor, original, model, batch)
         if interceptor.loss_calls:
             return _probe_loss_function(name, interceptor, model, output, error)
         if error is None and output is not None and getattr(output, "loss", None) is None:
             raise UnsupportedModelError(name, "its forward computes no loss from labels")
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                name,
+                "it is an encoder-decoder model (config.is_encoder_decoder) that computes its loss without "
+                "loss_function: flce would call it without labels, and its forward builds the decoder's inputs "
+                "from them; flce supports its decoder-only causal LM (e.g. BartForCausalLM, not "
+                "BartForConditionalGeneration)",
+            )
+        # The placeholder pass may fail where an inline loss reshapes logits to the vocabulary
+        # (`.view(-1, vocab_size)`); the call the patched forward makes is checked below.
         first_error = error
-        output, error = _call_for_probe(interceptor, "probe_logits", original, model, input_ids, labels)
-        return _probe_inline(name, interceptor, model, output, error, input_ids, labels, first_error)
+        output, error = _call_for_probe(interceptor, "probe_logits", original, model, batch)
+        recipe = _probe_inline(name, interceptor, model, output, error, batch, first_error)
+        _check_inline_runs_without_labels(name, interceptor, original, model, batch)
+        return recipe
     finally:
         interceptor.end()
+
+
+def _probe_vocabulary(
+    name: str, interceptor: Interceptor, original, model, batch: ProbeBatch, recipe: Recipe
+) -> Recipe:
+    """The loss_function route with a placeholder as wide as the vocabulary: the logits must
+    reach loss_function as the recipe's transform of every column, or of the first ones only
+    (a padded vocabulary: then the loss is over those rows of the weight)."""
+    try:
+        output, error = _call_for_probe(interceptor, "probe_vocab", original, model, batch)
+        if error is not None or len(interceptor.loss_calls) != 1:
+            reason = repr(error) if error is not None else f"loss_function called {len(interceptor.loss_calls)} times"
+            raise UnsupportedModelError(name, f"its forward fails with vocabulary-wide logits intercepted: {reason}")
+        received = interceptor.loss_calls[0][0].detach()
+        placeholder = interceptor.placeholder
+        vocab = placeholder.shape[-1]
+        width = received.shape[-1]
+        if received.shape[:-1] != placeholder.shape[:-1] or width > vocab:
+            raise UnsupportedModelError(
+                name,
+                f"its forward reshapes the logits between the head and loss_function "
+                f"({tuple(placeholder.shape)} -> {tuple(received.shape)})",
+            )
+        observed = received.double().reshape(-1, width)
+        scale = float(observed[0, 0])  # the point 1.0
+        expected = _expected_transform(recipe, placeholder.detach().double().reshape(-1, vocab)[:, :width], scale)
+        rtol = max(8 * torch.finfo(received.dtype).eps, 1e-6)
+        if not torch.allclose(observed, expected, rtol=rtol, atol=1e-6):
+            kept = f"the first {width} of {vocab} columns, " if width < vocab else ""
+            raise UnsupportedModelError(
+                name,
+                f"its forward changes the logits of particular vocabulary entries ({kept}not the same scale or "
+                "soft-cap of every column); flce cannot fold that into the loss",
+            )
+    finally:
+        interceptor.end()
+    return dataclasses.replace(recipe, vocab_rows=width if width < vocab else None)
+
+
+def _probe_attention_mask(
+    name: str, interceptor: Interceptor, original, model, batch: ProbeBatch, recipe: Recipe
+) -> Recipe:
+    """The same probe with left padding: the recipe must not change, except that an inline
+    loss may drop the targets the mask hides (then followed at every call)."""
+    if "attention_mask" not in inspect.signature(original).parameters:
+        return recipe
+    try:
+        padded = _probe_once(name, interceptor, original, model, batch.left_padded())
+    except _StockForwardFails:
+        if recipe.route == ROUTE_INLINE:  # which targets its mask drops cannot be established
+            raise
+        # Its own forward cannot take such a mask at all; loss_function receives the labels,
+        # and a reshape of the logits by the mask would show at the call.
+        return recipe
+    if dataclasses.replace(padded, mask_drops_targets=False) != recipe:
+        raise UnsupportedModelError(
+            name, f"its forward scores labels differently with an attention_mask: {recipe} vs {padded}"
+        )
+    return padded
+
+
+@contextlib.contextmanager
+def _isolated(model) -> Iterator[None]:
+    """Run the probe under autograd (whatever the caller's grad or inference mode), leaving
+    the training flags of the model's modules and every random generator it may draw from
+    (the CPU's, and those of the devices its tensors are on) as they were."""
+    devices: dict[str, set[int]] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        device = tensor.device
+        if device.type not in ("cpu", "meta"):
+            module = torch.get_device_module(device.type)
+            devices.setdefault(device.type, set()).add(
+                device.index if device.index is not None else module.current_device()
+            )
+    training_flags = [(module, module.training) for module in model.modules()]  # a frozen tower may be in eval
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.random.fork_rng(devices=[]))  # the CPU generator
+        for device_type, indices in devices.items():
+            stack.enter_context(torch.random.fork_rng(devices=sorted(indices), device_type=device_type))
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        try:
+            yield
+        finally:
+            for module, training in training_flags:
+                module.training = training
 
 
 def probe(interceptor: Interceptor, original, model) -> Recipe:
     """How this instance's forward scores labels, in training and in eval mode (a forward
     may add terms in one only); raises ``UnsupportedModelError``."""
     name = type(model).__name__
-    was_training = model.training
-    try:
+    check_model(name, model, interceptor.head)
+    with _isolated(model):
+        batch = _probe_inputs(model, head_parts(interceptor.head).linear.out_features)
         recipes = []
         for training in (True, False):
             model.train(training)
-            recipes.append(_probe_once(name, interceptor, original, model))
-    finally:
-        model.train(was_training)
-    if recipes[0] != recipes[1]:
-        raise UnsupportedModelError(name, f"its forward scores labels differently in training and eval: {recipes}")
-    return recipes[0]
+            recipes.append(_probe_once(name, interceptor, original, model, batch))
+        if recipes[0] != recipes[1]:
+            raise UnsupportedModelError(name, f"its forward scores labels differently in training and eval: {recipes}")
+        recipe = recipes[0]  # the model is in eval mode for the rest
+        recipe = _probe_attention_mask(name, interceptor, original, model, batch, recipe)
+        if recipe.route == ROUTE_LOSS_FUNCTION:
+            recipe = _probe_vocabulary(name, interceptor, original, model, batch, recipe)
+    return dataclasses.replace(recipe, config_reads=_config_reads(model.config, recipe))
