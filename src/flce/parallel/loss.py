@@ -154,8 +154,8 @@ def _plan(
     try:
         if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
             raise ValueError(
-                "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one vocabulary "
-                "row per rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
+                "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
+                "on every rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
                 "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
                 "of at least one row each"
             )
