@@ -116,8 +116,10 @@ SCHEDULED_OPTION = {
 }
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
-@pytest.mark.parametrize("option", list(SCHEDULED_OPTION))
+@pytest.mark.parametrize(
+    "option,dynamic",
+    [(option, None) for option in SCHEDULED_OPTION] + [("label_smoothing", True), ("temperature", True)],
+)
 def test_a_float_option_changing_between_compiled_calls(option, dynamic):
     loss_of = SCHEDULED_OPTION[option]
     torch._dynamo.reset()
