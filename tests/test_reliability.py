@@ -2,6 +2,7 @@
 determinism, on every backend usable here (on CPU: torch, and triton through its
 interpreter)."""
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,7 +13,11 @@ import torch
 import flce
 from flce.compat import liger
 from flce.options import LossOptions
-from flce.reference import cross_entropy_reference, fused_linear_cross_entropy_reference
+from flce.reference import (
+    cross_entropy_reference,
+    fused_linear_cross_entropy_reference,
+    logprobs_from_logits_reference,
+)
 from flce.testing import EPS
 from tests.entry_points import (
     BACKENDS,
@@ -494,6 +499,64 @@ def test_heads_refuse_function_transforms_and_forward_ad_by_name(head, transform
     x, w, t = _inputs()
     with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
         _transformed(transform, lambda value: HEAD_CALLS[head](value, w, t), x)
+
+
+# ------------------------------------------------------- masked (-inf) vocabulary
+# A part of the vocabulary masked to -inf (a -inf bias, or logits masked before the loss)
+# is a zero probability, as in eager PyTorch: a block, a tile or a chunk whose logits are
+# all -inf must not turn its rows into NaN (-inf - -inf), whatever the scheme.
+
+MASKED_COLUMNS = {"prefix": slice(0, 16), "middle": slice(16, 32)}  # of V = 40
+MASK_SCHEMES = {"one-chunk": {}, "vocabulary-blocks": dict(vocab_chunk_size=8)}
+
+
+@pytest.mark.usefixtures("process_group_of_one")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scheme", list(MASK_SCHEMES))
+@pytest.mark.parametrize("masked", list(MASKED_COLUMNS))
+@pytest.mark.parametrize("entry", list(ENTRIES), ids=str)
+def test_a_masked_part_of_the_vocabulary_is_a_zero_probability(backend, scheme, masked, entry):
+    entry = ENTRIES[entry]
+    options = MASK_SCHEMES[scheme]
+    if not entry.takes(options) or (entry.kind == "logits" and options):
+        pytest.skip("the entry point has no vocabulary blocks")
+    columns = MASKED_COLUMNS[masked]
+    if entry.kind == "fused":
+        leaves = fused_leaves(v=40)
+        leaves["b"][columns] = -math.inf
+        problem = Problem(leaves, plain_fused, options, ("x", "w", "b"))
+    else:
+        leaves = logits_leaves(v=40)
+        leaves["z"][:, columns] = -math.inf
+        problem = Problem(leaves, plain_logits, options, ("z",))
+    leaves["t"][leaves["t"] >= 0] = 39  # targets outside the masked columns
+    leaves["t"][[2, 3]] = torch.tensor([33, 7 if masked == "middle" else 20])
+    outputs, grads = run_entry(entry, problem, backend)
+    assert_matches_reference(entry, problem, outputs, grads)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logprobs_and_entropy_of_a_masked_vocabulary(backend):
+    """Entropy counts a -inf logit's 0 log 0 as 0, in value and gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(300, 8, generator=gen, dtype=torch.float64)
+    b = torch.zeros(300, dtype=torch.float64)
+    b[:260] = -math.inf  # a masked prefix longer than a tile, and a masked middle block
+    b[280:290] = -math.inf
+    target = torch.tensor([270, 271, 295, 299])
+    ours_x, reference_x = x.float().requires_grad_(), x.clone().requires_grad_()
+    out = flce.fused_linear_logprobs(
+        ours_x, w.float(), target, bias=b.float(), return_entropy=True, backend=backend, chunk_size=2
+    )
+    truth = logprobs_from_logits_reference(torch.nn.functional.linear(reference_x, w, b), target)
+    for ours, expected in ((out.logprobs, truth.logprobs), (out.entropy, truth.entropy)):
+        assert torch.isfinite(expected).all()
+        torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-5)
+    (out.logprobs.sum() + out.entropy.sum()).backward()
+    (truth.logprobs.sum() + truth.entropy.sum()).backward()
+    assert torch.isfinite(reference_x.grad).all()
+    torch.testing.assert_close(ours_x.grad.double(), reference_x.grad, rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------ narrow integer targets

@@ -56,8 +56,10 @@ def cross_entropy_reference(
     )
     w_y = w[y]
     nll = -log_p.gather(1, y[:, None]).squeeze(1)
-    smooth = -(log_p * w[None, :]).sum(dim=-1)  # sum_i w_i (lse - z'_i)
-    ce = (1 - label_smoothing) * w_y * nll + (label_smoothing / vocab) * smooth
+    ce = (1 - label_smoothing) * w_y * nll
+    if label_smoothing > 0:  # (skipped at 0: a masked -inf logit would make 0 * inf NaN)
+        smooth = -(log_p * w[None, :]).sum(dim=-1)  # sum_i w_i (lse - z'_i)
+        ce = ce + (label_smoothing / vocab) * smooth
     zl = lse_square_scale * lse**2
     if use_token_scaling:
         token_scale = torch.exp(-nll).detach()
@@ -127,7 +129,8 @@ def logprobs_from_logits_reference(
     valid = target != ignore_index
     y = torch.where(valid, target, torch.zeros_like(target))
     logprobs = log_p.gather(1, y[:, None]).squeeze(1)
-    entropy = -(torch.exp(log_p) * log_p).sum(dim=-1)
+    # 0 log 0 = 0 for a masked (-inf) logit, in value and gradient (log p masked first)
+    entropy = -(torch.exp(log_p) * torch.where(log_p > -math.inf, log_p, 0.0)).sum(dim=-1)
     zero = torch.zeros((), dtype=math_dtype, device=log_p.device)
     return LogprobsReference(torch.where(valid, logprobs, zero), torch.where(valid, entropy, zero))
 

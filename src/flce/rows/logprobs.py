@@ -178,10 +178,14 @@ class SoftmaxStatistics:
 def block_statistics(z: torch.Tensor, with_spread: bool) -> SoftmaxStatistics:
     """Statistics of ``z`` (M, V_b) fp32 (at least one column); ``z`` is consumed."""
     row_max = z.amax(dim=-1)  # (M,)
-    d = z.neg_().add_(row_max[:, None])  # (M, V_b) d_i = m - z_i >= 0, in z's storage
-    e = torch.neg(d).exp_()  # (M, V_b) e_i in (0, 1]
+    # Relative to 0 on a row whose block is all -inf (a masked part of the vocabulary):
+    # -inf - -inf would be NaN; its sum is then 0 and it vanishes when merged.
+    reference = torch.where(row_max == -math.inf, 0.0, row_max)
+    d = z.neg_().add_(reference[:, None])  # (M, V_b) d_i = m - z_i >= 0, in z's storage
+    e = torch.neg(d).exp_()  # (M, V_b) e_i in [0, 1]; 0 for a -inf logit
     row_sum = e.sum(dim=-1)
-    spread = (e * d).sum(dim=-1) if with_spread else None
+    # e_i d_i with 0 where e_i is 0: a -inf logit contributes 0, not 0 * inf = NaN
+    spread = torch.where(e > 0, e * d, 0.0).sum(dim=-1) if with_spread else None
     return SoftmaxStatistics(row_max, row_sum, spread)
 
 
@@ -189,13 +193,18 @@ def merge_statistics(a: SoftmaxStatistics, b: SoftmaxStatistics) -> SoftmaxStati
     """The statistics of two column blocks of the same rows, together (exact up to
     rounding; both blocks non-empty)."""
     row_max = torch.maximum(a.row_max, b.row_max)
-    scale_a = torch.exp(a.row_max - row_max)  # (M,) in (0, 1]
-    scale_b = torch.exp(b.row_max - row_max)
+    # Relative to 0 while both blocks are all -inf (block_statistics); a block of -inf
+    # logits has a sum of 0 and scales to 0 (its max - a finite max is -inf).
+    reference = torch.where(row_max == -math.inf, 0.0, row_max)
+    a_ref = torch.where(a.row_max == -math.inf, 0.0, a.row_max)
+    b_ref = torch.where(b.row_max == -math.inf, 0.0, b.row_max)
+    scale_a = torch.where(a.row_sum > 0, torch.exp(a_ref - reference), 0.0)  # (M,) in [0, 1]
+    scale_b = torch.where(b.row_sum > 0, torch.exp(b_ref - reference), 0.0)
     row_sum = a.row_sum * scale_a + b.row_sum * scale_b
     spread = None
     if a.spread is not None and b.spread is not None:
-        spread = scale_a * (a.spread + (row_max - a.row_max) * a.row_sum) + scale_b * (
-            b.spread + (row_max - b.row_max) * b.row_sum
+        spread = scale_a * (a.spread + (reference - a_ref) * a.row_sum) + scale_b * (
+            b.spread + (reference - b_ref) * b.row_sum
         )
     return SoftmaxStatistics(row_max, row_sum, spread)
 
@@ -236,5 +245,7 @@ def logits_gradient(
     else:
         grad = torch.zeros_like(p)
     if coef_entropy is not None:
-        grad.sub_(p.mul_(log_p.add_(entropy[:, None])).mul_(coef_entropy[:, None]))
+        # p_i (log p_i + H), 0 where p_i is (a -inf logit: 0 * -inf would be NaN)
+        spread = torch.where(p > 0, p * log_p.add_(entropy[:, None]), 0.0)
+        grad.sub_(spread.mul_(coef_entropy[:, None]))
     return grad

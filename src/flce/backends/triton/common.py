@@ -155,7 +155,10 @@ def _statistics_block(
         # strict >: an earlier block keeps a tie (first index wins)
         best_idx = tl.where(block_max > m, block_idx, best_idx)
     m_new = tl.maximum(m, block_max)
-    s = s * tl.exp2((m - m_new) * LOG2_E) + tl.sum(tl.exp2((z - m_new) * LOG2_E), axis=0)
+    # While every logit so far is -inf (a masked prefix of the vocabulary) m_new is -inf and
+    # m - m_new NaN: sums are then taken relative to 0 (each exp2 is 0, s stays 0).
+    reference = tl.where(m_new == -float("inf"), 0.0, m_new)
+    s = s * tl.exp2((m - reference) * LOG2_E) + tl.sum(tl.exp2((z - reference) * LOG2_E), axis=0)
     return m_new, s, smooth_sum, weight_sum, best_idx
 
 

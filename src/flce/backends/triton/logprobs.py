@@ -53,10 +53,13 @@ def _softmax_statistics_block(
         tile_argmax = tl.min(tl.where(z == tile_max, offs, 2147483647), axis=0)
         argmax = tl.where(tile_max > m, tile_argmax, argmax)  # strict: an earlier tile keeps a tie
     m_new = tl.maximum(m, tile_max)
-    rescale = tl.exp2((m - m_new) * LOG2_E)  # 0 on the first tile (m = -inf)
-    e = tl.exp2((z - m_new) * LOG2_E)  # (BLOCK_V,) 0 on masked lanes
+    # Relative to 0 while every logit so far is -inf (a masked prefix): m - m_new is NaN then.
+    reference = tl.where(m_new == -float("inf"), 0.0, m_new)
+    rescale = tl.exp2((m - reference) * LOG2_E)  # 0 on the first tile (m = -inf)
+    e = tl.exp2((z - reference) * LOG2_E)  # (BLOCK_V,) 0 on masked lanes and -inf logits
     if WITH_SPREAD:
-        d = tl.where(mask, m_new - z, 0.0)  # (BLOCK_V,) >= 0
+        # (BLOCK_V,) >= 0; 0 where e is (a -inf logit: 0 * inf would be NaN)
+        d = tl.where(e > 0.0, m_new - z, 0.0)
         # the running u re-based on m_new: each d grows by m_new - m (s = 0 while m = -inf)
         u = rescale * (u + tl.where(s > 0.0, m_new - m, 0.0) * s) + tl.sum(e * d, axis=0)
     s = s * rescale + tl.sum(e, axis=0)
@@ -165,7 +168,7 @@ def _logprobs_gradient_block(
     if HAS_GRAD_LOGPROB:
         g = coef_logprob * (tl.where(offs == y, 1.0, 0.0) - p)  # one group: exact where p_y ~ 1
     if HAS_GRAD_ENTROPY:
-        g -= coef_entropy * (p * (log_p + entropy))
+        g -= coef_entropy * tl.where(p > 0.0, p * (log_p + entropy), 0.0)  # 0 * -inf: NaN
     if BF16_ROUND_BY_BITS:
         g = fp32_to_bf16_rtne(g)
     tl.store(grad_row_ptr + offs, g.to(grad_row_ptr.dtype.element_ty), mask=mask)

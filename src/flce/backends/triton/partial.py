@@ -72,13 +72,16 @@ def _partial_statistics_kernel(
         BLOCK_V,
     )
 
+    # Shifted values relative to m, or to 0 where the chunk's logits are all -inf
+    # (flce.rows.cross_entropy.BlockStatistics: they vanish when rebased to a finite max).
+    reference = tl.where(m == -float("inf"), 0.0, m)
     tl.store(max_out + row, m)
     tl.store(sum_out + row, s)
-    tl.store(target_out + row, tl.where(owned, z_y - m, 0.0))
+    tl.store(target_out + row, tl.where(owned, z_y - reference, 0.0))
     if HAS_SMOOTHING:
         if not HAS_WEIGHT:
             weight_sum = V * 1.0
-        tl.store(smooth_out + row, smooth_sum - m * weight_sum)
+        tl.store(smooth_out + row, smooth_sum - reference * weight_sum)
     if WRITE_ARGMAX:
         tl.store(argmax_out + row, best_idx.to(tl.int64))
 
