@@ -160,3 +160,22 @@ def test_gpu_cutedsl_loss_only_route_with_a_non_finite_ignored_row(bad):
     assert_close_to_reference("z_loss", z_loss, truth[1], eager[1], floor)
     assert predicted[IGNORED_ROW].item() == -1
     assert_predictions("fused", clean, (loss, z_loss, accuracy, predicted), truth)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("masked", ["prefix", "middle"])
+@pytest.mark.parametrize("scheme", ["loss-only", "one-chunk", "vocabulary-blocks"])
+def test_gpu_a_masked_part_of_the_vocabulary_is_a_zero_probability(backend, dtype, masked, scheme):
+    """A -inf bias over whole tiles (the fused forward's 256 columns, a Triton block, a
+    vocabulary block) is a zero probability, as in eager PyTorch, on every route."""
+    entry = FUSED_ENTRIES["fused"]
+    leaves = fused_leaves(16, LOSS_ONLY_HIDDEN, 1000, ignored=(IGNORED_ROW,))
+    columns = slice(0, 512) if masked == "prefix" else slice(256, 768)
+    leaves["b"][columns] = float("-inf")
+    leaves["t"][leaves["t"] >= 0] = 900
+    options = dict(vocab_chunk_size=256) if scheme == "vocabulary-blocks" else {}
+    differentiable = () if scheme == "loss-only" else ("x", "w", "b")
+    problem = Problem(leaves, plain_fused, dict(LOSS_ONLY_OPTIONS, **options), differentiable, dtype=dtype)
+    outputs, grads = run_entry(entry, problem, backend)
+    assert_matches_reference(entry, problem, outputs, grads)

@@ -76,6 +76,7 @@ from flce.backends.base import device_guard, softcap_tanh_is_approximate
 from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES, fused_forward_rows_per_launch
 from flce.backends.cutedsl.common import (
     LOG2_E,
+    NEG_BIG,
     SMEM_LIMIT,
     arg_f32,
     arg_i32,
@@ -659,7 +660,10 @@ class FusedForwardKernel:
                     if lane % 4 == 0:
                         mTgtLogit[row] = Float32(0.0)
 
-            # sum exp(z' - m): exp2 of one FMA per value.
+            # sum exp(z' - m): exp2 of one FMA per value. A row whose tile is all -inf (a
+            # masked part of the vocabulary) takes NEG_BIG as its max: its sum is then 0 and
+            # the combine scales it by 0, where -inf - -inf would have been NaN.
+            m = cute.arch.fmax(m, Float32(NEG_BIG))
             neg_mL = -(m * LOG2_E)
             se = Float32(0.0)
             for c in cutlass.range_constexpr(C):
