@@ -148,3 +148,18 @@ def test_compiled_extra_outputs_have_no_gradient_as_in_eager(entry):
     for out in (call(x, w, t), torch.compile(call, backend="aot_eager", fullgraph=True)(x, w, t)):
         assert out.loss.requires_grad
         assert not any(v.requires_grad for v in (out.z_loss, out.token_accuracy, out.predicted_tokens))
+
+
+def test_a_liger_loss_module_built_inside_the_compiled_function():
+    """Older Liger model forwards build the loss module in the forward itself."""
+    from flce.compat.liger import LigerFusedLinearCrossEntropyLoss
+
+    x, w, _, t = _inputs("mean")
+    x, t = x.reshape(-1, 16), t.reshape(-1)
+
+    def loss_of(x, w, t):
+        return LigerFusedLinearCrossEntropyLoss(label_smoothing=0.1)(w, x, t)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, t), loss_of(x, w, t))

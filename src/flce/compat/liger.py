@@ -159,6 +159,10 @@ def liger_fused_linear_cross_entropy(
     return _fused(input, weight, target, bias, ce_weight, arguments, chunk_mem_const=chunk_mem_const)
 
 
+def _option_names_among(arguments: dict) -> list[str]:
+    return [name for name in OPTION_FIELDS if name in arguments]
+
+
 class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
     """Liger's module: ``forward(lin_weight, _input, target, bias=None)`` (weight first). The
     options are validated at construction (clear exceptions, where Liger asserts) and kept
@@ -178,10 +182,12 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
+        # No closure may read ``arguments``: a comprehension would make it a cell, which
+        # torch.compile cannot read from locals() (a model that builds this loss in its forward).
         arguments = locals()
         super().__init__()
         self.ce_weight = ce_weight
-        self._option_names = [name for name in OPTION_FIELDS if name in arguments]
+        self._option_names = _option_names_among(arguments)
         options = _options(arguments)
         for name in self._option_names:
             setattr(self, name, getattr(options, name))
