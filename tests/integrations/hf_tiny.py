@@ -14,6 +14,7 @@ import copy
 import math
 from pathlib import Path
 
+import pytest
 import torch
 
 VOCAB = 192
@@ -342,3 +343,12 @@ def write_readme() -> None:
 
 if __name__ == "__main__":
     write_readme()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: threads cost more than they give (a module imports it to use it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -19,15 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from flce.integrations import transformers as flce_hf  # noqa: E402
 from tests.integrations import hf_tiny  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: threads cost more than they give."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from tests.integrations.hf_tiny import one_thread  # noqa: E402, F401 (an autouse fixture)
 
 
 def recipe(model):
