@@ -403,9 +403,9 @@ def rows_from_statistics(
 @dataclass
 class BlockStatistics:
     """Per-row statistics of one column block of the logits, relative to the block's max of z'
-    (relative to 0 on a row whose block is all -inf, a masked part of the vocabulary: its
-    sum is then 0 and its shifted values -inf, which vanish when ``rebased`` to a finite max
-    instead of turning the row into NaN)."""
+    (to a finite point, 0 or the lowest float, on a row whose block is all -inf, a masked
+    part of the vocabulary: its sum is then 0 and its shifted values -inf, which vanish when
+    ``rebased`` to a finite max instead of turning the row into NaN)."""
 
     row_max: torch.Tensor  # (C,) max of z' over the block
     row_sum: torch.Tensor  # (C,) sum of exp(z' - row_max)

@@ -3,8 +3,6 @@ copy of the block and the formulas of ``flce.rows.cross_entropy``."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from flce.backends.torch.ce import EXTRA_BYTES_PER_LOGIT
@@ -15,6 +13,8 @@ from flce.rows.cross_entropy import (
     fp32_working_copy,
     gradient_from_softmax,
 )
+
+LOWEST_FLOAT32 = torch.finfo(torch.float32).min
 
 
 class TorchSplitRowKernels:
@@ -30,9 +30,9 @@ class TorchSplitRowKernels:
         # logits (C, V_b); local_target (C,) int64, outside [0, V_b) where the block lacks y
         z, _ = apply_softcap(fp32_working_copy(logits), softcap, False)
         block_max = z.amax(dim=-1)
-        # (C, V_b) z' - block max; relative to 0 on a row whose block is all -inf
-        # (BlockStatistics: -inf - -inf would be NaN; its parts vanish once rebased).
-        z.sub_(torch.where(block_max == -math.inf, 0.0, block_max)[:, None])
+        # (C, V_b) z' - block max; relative to the lowest float on a row whose block is all
+        # -inf (BlockStatistics: -inf - -inf would be NaN; its parts vanish once rebased).
+        z.sub_(block_max.clamp(min=LOWEST_FLOAT32)[:, None])
         argmax = z.argmax(dim=-1) if with_argmax else None  # first index among ties
         owned = (local_target >= 0) & (local_target < z.shape[1])
         target_shifted = z.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
