@@ -261,11 +261,21 @@ def as_positive_int_or_none(name: str, value) -> int | None:
     return number
 
 
+# The kernels multiply the logits by 1 / temperature in fp32: below this it is not finite.
+MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+
+
 def as_temperature(value) -> float:
-    """The softmax temperature: a finite float > 0 (the logits are divided by it)."""
+    """The softmax temperature: a finite float > 0 (the logits are divided by it) whose
+    reciprocal is a finite fp32 (a smaller one would give NaN, not a sharper softmax)."""
     value = as_float("temperature", value)
     if not value > 0:
         raise ValueError(f"temperature must be > 0 (the logits are divided by it), got {value}")
+    if value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"temperature must be >= {MIN_TEMPERATURE:.3g} (the kernels scale the logits by 1 / temperature "
+            f"in float32, which overflows below it), got {value}"
+        )
     return value
 
 

@@ -35,6 +35,9 @@ def test_numbers_are_normalised_to_python_types():
     [
         (LogprobsOptions, dict(temperature=0), ValueError, "temperature must be > 0"),
         (LogprobsOptions, dict(temperature=float("inf")), TypeError, "finite float"),
+        # positive, but 1 / temperature overflows float32: NaN logprobs before
+        (LogprobsOptions, dict(temperature=1e-39), ValueError, "temperature must be >= 2.94e-39"),
+        (DistillationOptions, dict(temperature=1e-300), ValueError, "temperature must be >= 2.94e-39"),
         (LogprobsOptions, dict(temperature=torch.tensor(1.0)), TypeError, r"pass float\(t\)"),
         (LogprobsOptions, dict(ignore_index=2**63), ValueError, "fit in int64"),
         (LogprobsOptions, dict(return_entropy="yes"), TypeError, "return_entropy must be a bool"),
