@@ -185,7 +185,8 @@ def make_distillation_plan(
     teacher_dtype: torch.dtype,
 ) -> DistillationPlan:
     """The backend (the best one with a distillation kernel, or the requested one) and
-    the reduction's per-row scale, computed on the device."""
+    the target check (on the device, computed on first use, with the reduction's per-row
+    scale: ``DistillationPlan.row_scale``)."""
     backend = resolve_backend(options.backend, device, needs="distillation")
     stats = None if target is None else batch_statistics(target, None, vocab, options.ignore_index)
     return DistillationPlan(options, backend, compute_dtype, teacher_dtype, device, n_rows, stats)
