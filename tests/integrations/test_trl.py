@@ -9,6 +9,8 @@ the exact run as stock's are (``hf_tiny._within``: ``err(flce) <= 3 err(stock) +
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -374,6 +376,20 @@ def test_options_user_subclass_and_softcap(tmp_path):
     assert not uses_flce_kernel(trainer.model)
     enable_flce(trainer, backend="torch", chunk_size=4)
     assert uses_flce_kernel(trainer.model)
+
+    # DeepSpeed ZeRO-3 gathers the head's weight for TRL's forward only: flce's backward would
+    # read a partitioned weight. Refused whether configured or already partitioning.
+    zero3 = user_class(model=tiny_model(), args=args, train_dataset=dataset, processing_class=tokenizer())
+    zero3.accelerator = types.SimpleNamespace(
+        state=types.SimpleNamespace(deepspeed_plugin=types.SimpleNamespace(zero_stage=3))
+    )
+    with pytest.raises(UnsupportedTrlSetupError, match="ZeRO-3"):
+        enable_flce(zero3)
+    partitioned = user_class(model=tiny_model(), args=args, train_dataset=dataset, processing_class=tokenizer())
+    partitioned.model.get_output_embeddings().weight.ds_id = 0
+    with pytest.raises(UnsupportedTrlSetupError, match="ZeRO-3"):
+        enable_flce(partitioned)
+    assert not uses_flce_kernel(zero3.model) and not uses_flce_kernel(partitioned.model)
 
     gemma = trl.SFTTrainer(model=tiny_model("gemma2"), args=args, train_dataset=dataset, processing_class=tokenizer())
     with pytest.raises(UnsupportedTrlSetupError, match="soft-caps"):

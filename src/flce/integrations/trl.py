@@ -297,6 +297,16 @@ def refusal_reason(trl_class: type) -> str | None:
     )
 
 
+def _partitions_the_head(trainer, owners) -> bool:
+    """DeepSpeed ZeRO-3: configured on the trainer's accelerator, or already partitioning a
+    head's weight (a ZeRO-3 parameter carries ``ds_id``)."""
+    state = getattr(getattr(trainer, "accelerator", None), "state", None)
+    if getattr(getattr(state, "deepspeed_plugin", None), "zero_stage", None) == 3:
+        return True
+    heads = (owner.get_output_embeddings() for owner in owners)
+    return any(head is not None and hasattr(head.weight, "ds_id") for head in heads)
+
+
 def enable_on_trl_trainer(trainer, trl_class: type, loss_options: dict[str, Any]):
     """``enable_flce`` for a trainer built on TRL (``trl_class``: its most derived TRL class)."""
     reason = refusal_reason(trl_class)
@@ -309,6 +319,12 @@ def enable_on_trl_trainer(trainer, trl_class: type, loss_options: dict[str, Any]
     if getattr(trainer, "ref_model", None) is not None:
         models["ref_model"] = trainer.ref_model
     owners = [fused_head_owner(model, label) for label, model in models.items()]  # all checked before any swap
+    if _partitions_the_head(trainer, owners):
+        raise UnsupportedTrlSetupError(
+            f"{type(trainer).__name__}: DeepSpeed ZeRO-3 partitions the LM head's weight outside TRL's gather "
+            "context, and flce's backward reads the whole weight (dX = G W, and the logits it recomputes), which "
+            "would give the backbone wrong gradients; use ZeRO-1/2 or FSDP, or TRL's own kernel"
+        )
     for owner in owners:
         swap_fused_head_kernel(owner, FlceLogProbKernel(options))
     return trainer
