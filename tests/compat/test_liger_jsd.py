@@ -143,3 +143,12 @@ def test_bad_arguments_raise_clear_exceptions(kwargs, error, message):
         liger.LigerFusedLinearJSD(**kwargs)
     with pytest.raises(error, match=message):
         liger.liger_fused_linear_jsd(*_inputs()[:4], **kwargs)
+
+
+def test_a_bad_jsd_beta_is_named_as_the_caller_spelled_it():
+    from flce.compat.liger import LigerFusedLinearJSD
+
+    with pytest.raises(ValueError, match=r"jsd_beta must be in \[0, 1\]"):
+        LigerFusedLinearJSD(jsd_beta=1.5)
+    with pytest.raises(TypeError, match="jsd_beta must be a finite float"):
+        LigerFusedLinearJSD(jsd_beta=float("nan"))

@@ -255,7 +255,13 @@ def liger_cross_entropy(
 
 
 def _jsd_options(jsd_beta, ignore_index, temperature) -> DistillationOptions:
-    return DistillationOptions(beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean")
+    try:
+        return DistillationOptions(beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean")
+    except (TypeError, ValueError) as error:  # named as the caller spelled it: jsd_beta, not beta
+        message = str(error)
+        if message.startswith("beta "):
+            raise type(error)("jsd_" + message) from None
+        raise
 
 
 def _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options: DistillationOptions):
