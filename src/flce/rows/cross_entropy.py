@@ -39,6 +39,7 @@ whole-row results.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -400,10 +401,17 @@ def rows_from_statistics(
     return token_scale
 
 
+def finite_reference(row_max: torch.Tensor) -> torch.Tensor:
+    """``row_max`` with -inf (a row whose columns are all -inf, a masked part of the
+    vocabulary) replaced by 0: the point to shift by, where -inf - -inf would be NaN. One
+    op (a hot path); NaN and +inf stay as they are."""
+    return torch.nan_to_num(row_max, nan=math.nan, posinf=math.inf, neginf=0.0)
+
+
 @dataclass
 class BlockStatistics:
     """Per-row statistics of one column block of the logits, relative to the block's max of z'
-    (to a finite point, 0 or the lowest float, on a row whose block is all -inf, a masked
+    (to 0, ``finite_reference``, on a row whose block is all -inf, a masked
     part of the vocabulary: its sum is then 0 and its shifted values -inf, which vanish when
     ``rebased`` to a finite max instead of turning the row into NaN)."""
 

@@ -53,6 +53,8 @@ from typing import Protocol
 
 import torch
 
+from flce.rows.cross_entropy import finite_reference
+
 
 class LogprobsForwardKernel(Protocol):
     """Per row: logprob, entropy (when ``entropy_out`` is given) and lse.
@@ -180,7 +182,7 @@ def block_statistics(z: torch.Tensor, with_spread: bool) -> SoftmaxStatistics:
     row_max = z.amax(dim=-1)  # (M,)
     # Relative to 0 on a row whose block is all -inf (a masked part of the vocabulary):
     # -inf - -inf would be NaN; its sum is then 0 and it vanishes when merged.
-    reference = torch.where(row_max == -math.inf, 0.0, row_max)
+    reference = finite_reference(row_max)
     d = z.neg_().add_(reference[:, None])  # (M, V_b) d_i = m - z_i >= 0, in z's storage
     e = torch.neg(d).exp_()  # (M, V_b) e_i in [0, 1]; 0 for a -inf logit
     row_sum = e.sum(dim=-1)
@@ -195,9 +197,7 @@ def merge_statistics(a: SoftmaxStatistics, b: SoftmaxStatistics) -> SoftmaxStati
     row_max = torch.maximum(a.row_max, b.row_max)
     # Relative to 0 while both blocks are all -inf (block_statistics); a block of -inf
     # logits has a sum of 0 and scales to 0 (its max - a finite max is -inf).
-    reference = torch.where(row_max == -math.inf, 0.0, row_max)
-    a_ref = torch.where(a.row_max == -math.inf, 0.0, a.row_max)
-    b_ref = torch.where(b.row_max == -math.inf, 0.0, b.row_max)
+    reference, a_ref, b_ref = (finite_reference(m) for m in (row_max, a.row_max, b.row_max))
     scale_a = torch.where(a.row_sum > 0, torch.exp(a_ref - reference), 0.0)  # (M,) in [0, 1]
     scale_b = torch.where(b.row_sum > 0, torch.exp(b_ref - reference), 0.0)
     row_sum = a.row_sum * scale_a + b.row_sum * scale_b

@@ -10,11 +10,10 @@ from flce.rows.cross_entropy import (
     BlockStatistics,
     ChunkScalars,
     apply_softcap,
+    finite_reference,
     fp32_working_copy,
     gradient_from_softmax,
 )
-
-LOWEST_FLOAT32 = torch.finfo(torch.float32).min
 
 
 class TorchSplitRowKernels:
@@ -30,9 +29,7 @@ class TorchSplitRowKernels:
         # logits (C, V_b); local_target (C,) int64, outside [0, V_b) where the block lacks y
         z, _ = apply_softcap(fp32_working_copy(logits), softcap, False)
         block_max = z.amax(dim=-1)
-        # (C, V_b) z' - block max; relative to the lowest float on a row whose block is all
-        # -inf (BlockStatistics: -inf - -inf would be NaN; its parts vanish once rebased).
-        z.sub_(block_max.clamp(min=LOWEST_FLOAT32)[:, None])
+        z.sub_(finite_reference(block_max)[:, None])  # (C, V_b) z' - block max (0 if all -inf)
         argmax = z.argmax(dim=-1) if with_argmax else None  # first index among ties
         owned = (local_target >= 0) & (local_target < z.shape[1])
         target_shifted = z.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
