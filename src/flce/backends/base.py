@@ -22,8 +22,9 @@ Slots of a ``BackendSpec``:
 - ``scale_unless_one`` (optional): the upstream-gradient scaling of the gradients the
   forward computed, skipped on the device when the scale is 1; ``scaled_copies``
   (optional): the same scaling out of place, into new tensors;
-- ``batch_statistics`` (optional): a call's batch statistics in one launch
-  (``flce.driver.statistics``), instead of a score of small PyTorch ops;
+- ``batch_statistics`` (optional): a call's batch statistics in one launch, a buffer laid
+  out as ``STATISTICS_LAYOUT`` (``flce.driver.statistics``), instead of a score of small
+  PyTorch ops;
 - ``logprobs`` (``LogprobsKernels``, optional): the logprobs head's chunk kernels
   (``flce.rows.logprobs``);
 - ``distillation`` (``DistillationKernels``, optional): the distillation head's chunk
@@ -352,6 +353,25 @@ class DistillationKernels:
     chunk: DistillationKernel
     extra_bytes_per_logit: int
 
+
+# Slots of the fp32 statistics buffer (one launch writes them all: a backend's
+# ``batch_statistics`` slot, or the PyTorch ops of ``flce.driver.statistics``). The checks'
+# counts share it: one allocation, and one copy to the host for the asynchronous checks.
+STATISTICS_LAYOUT = (
+    "n_valid",  # rows whose target is not ignore_index
+    "ce_denominator",  # the mean's divisor of the CE part: sum of w_y, or n_valid
+    "weight_sum",  # sum of ce_weight over the vocabulary (V without weights)
+    "poison",  # 1, or NaN when an input is bad (the call's outputs become NaN)
+    "accuracy_scale",  # 1 / n_valid, 0 when every row is ignored
+    "mean_ce_scale",  # ChunkScalars.scales of reduction="mean": poison / ce_denominator (0 if 0),
+    "mean_z_scale",  # poison / n_valid (0 if 0),
+    "mean_weight_sum",  # weight_sum
+    "sum_ce_scale",  # ... and of "sum" / "none": poison,
+    "sum_z_scale",  # poison,
+    "sum_weight_sum",  # weight_sum
+    "bad_targets",  # the checks' counts: valid rows whose target is outside [0, V),
+    "bad_weights",  # negative or non-finite class weights (fp32: exact up to 2**24)
+)
 
 # The optional per-head slots of ``BackendSpec``, by field name (``flce.dispatch``'s
 # ``needs`` argument takes one of them).

@@ -12,29 +12,12 @@ from functools import lru_cache, partial
 
 import torch
 
+from flce.backends.base import STATISTICS_LAYOUT
 from flce.dispatch import device_helper
 from flce.driver import validation
 from flce.options import LossOptions
 from flce.rows.cross_entropy import ChunkScalars
 
-# Slots of the fp32 statistics buffer (one launch writes them all: the Triton backend's
-# ``batch_statistics`` slot, or the PyTorch ops of ``_statistics_buffer``). The checks'
-# counts share it: one allocation, and one copy to the host for the asynchronous checks.
-STATISTICS_LAYOUT = (
-    "n_valid",  # rows whose target is not ignore_index
-    "ce_denominator",  # the mean's divisor of the CE part: sum of w_y, or n_valid
-    "weight_sum",  # sum of ce_weight over the vocabulary (V without weights)
-    "poison",  # 1, or NaN when an input is bad (the call's outputs become NaN)
-    "accuracy_scale",  # 1 / n_valid, 0 when every row is ignored
-    "mean_ce_scale",  # ChunkScalars.scales of reduction="mean": poison / ce_denominator (0 if 0),
-    "mean_z_scale",  # poison / n_valid (0 if 0),
-    "mean_weight_sum",  # weight_sum
-    "sum_ce_scale",  # ... and of "sum" / "none": poison,
-    "sum_z_scale",  # poison,
-    "sum_weight_sum",  # weight_sum
-    "bad_targets",  # the checks' counts: valid rows whose target is outside [0, V),
-    "bad_weights",  # negative or non-finite class weights (fp32: exact up to 2**24)
-)
 _SLOT = {name: index for index, name in enumerate(STATISTICS_LAYOUT)}
 _COUNTS = slice(_SLOT["bad_targets"], _SLOT["bad_weights"] + 1)
 

@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flce.backends.base import kernel_class_weights, kernel_target
+from flce.backends.base import STATISTICS_LAYOUT, kernel_class_weights, kernel_target
 from flce.backends.triton.launch import launch
-from flce.driver.statistics import STATISTICS_LAYOUT
 
 BLOCK = 1024  # targets (or classes) per loop step of the one program
 
@@ -25,7 +24,7 @@ BLOCK = 1024  # targets (or classes) per loop step of the one program
 def _batch_statistics_kernel(
     target_ptr,  # (N,) integer, contiguous
     weight_ptr,  # (V,) fp32 contiguous class weights (read only if HAS_WEIGHT)
-    out_ptr,  # (13,) fp32, in the order of flce.driver.statistics.STATISTICS_LAYOUT
+    out_ptr,  # (13,) fp32, in the order of flce.backends.base.STATISTICS_LAYOUT
     N,
     V,
     ignore_index,
