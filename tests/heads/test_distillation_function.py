@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import flce
 from flce.dispatch import BackendUnavailableError
-from flce.reference import distillation_from_logits_reference
+from flce.reference import distillation_from_logits_reference, distillation_reference
 
 from .end_to_end import Head, assert_gradients, assert_parity, make_head, make_target
 from .harness import BACKENDS, DEVICE, DTYPES, requires_cuda, requires_triton
@@ -190,6 +190,56 @@ def test_vocabulary_of_one(backend, beta):
     assert loss == 0
     for leaf in student.tensors():
         assert torch.all(leaf.grad == 0)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocabulary_masked_by_both_biases(backend, beta):
+    """Columns both LM heads mask with a -inf bias (padding tokens, a constrained
+    vocabulary) are as absent: the loss and gradients of the vocabulary without them, and
+    exact zeros in the student's weight and bias gradients there (no NaN)."""
+    student, teacher = _heads(10)
+    masked = torch.zeros(VOCAB, dtype=torch.bool, device=DEVICE)
+    masked[:200] = True  # more than a tile
+    masked[250:260] = True
+    with torch.no_grad():
+        student.bias[masked] = -float("inf")
+    teacher_bias = teacher.bias.masked_fill(masked, -float("inf"))
+    target = make_target(student, seed=10)
+    loss = flce.fused_linear_distillation(
+        student.input,
+        student.weight,
+        teacher.input,
+        teacher.weight,
+        target,
+        beta=beta,
+        temperature=0.7,
+        student_bias=student.bias,
+        teacher_bias=teacher_bias,
+        backend=backend,
+        chunk_size=CHUNK,
+    )
+    loss.backward()
+    kept = ~masked
+    truth = Head(*(t.detach().double().requires_grad_() for t in (student.input, student.weight[kept])), None)
+    truth_bias = student.bias.detach()[kept].double().requires_grad_()
+    truth_loss = distillation_reference(
+        truth.input,
+        truth.weight,
+        teacher.input.double(),
+        teacher.weight[kept].double(),
+        target,
+        beta=beta,
+        temperature=0.7,
+        student_bias=truth_bias,
+        teacher_bias=teacher.bias[kept].double(),
+    )
+    truth_loss.backward()
+    torch.testing.assert_close(loss.double(), truth_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(student.input.grad.double(), truth.input.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(student.weight.grad[kept].double(), truth.weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(student.bias.grad[kept].double(), truth_bias.grad, rtol=1e-4, atol=1e-6)
+    assert torch.all(student.weight.grad[masked] == 0) and torch.all(student.bias.grad[masked] == 0)
 
 
 def test_teacher_gets_no_gradient_and_no_grad_path_agrees():
