@@ -8,6 +8,9 @@ the tests marked ``gpu`` need CUDA.
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,6 +150,36 @@ def test_shapes_targets_and_teacher_dtype(backend, leading, chunk_size, with_tar
         teacher_dtype=teacher_dtype,
         seed=2,
     )
+
+
+def _trl_generalized_jsd_loss():
+    """TRL's GKD loss (``GKDTrainer.generalized_jsd_loss``), wherever this TRL keeps it."""
+    pytest.importorskip("trl", reason="trl is not installed")
+    for module in ("trl.experimental.gkd.gkd_trainer", "trl.trainer.gkd_trainer"):
+        try:
+            with warnings.catch_warnings():  # trl.experimental warns that it is experimental
+                warnings.simplefilter("ignore")
+                return importlib.import_module(module).GKDTrainer.generalized_jsd_loss
+        except (ImportError, AttributeError):
+            continue
+    pytest.skip("this trl has no GKDTrainer.generalized_jsd_loss")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_trl_generalized_jsd_loss(backend, beta):
+    """The definition GKD users compare with: TRL's generalized JSD of ``logits /
+    temperature`` (float64 logits here), its "batchmean" over the labels kept being our
+    "mean" and its "sum" our "sum"."""
+    generalized_jsd_loss = _trl_generalized_jsd_loss()
+    student = make_head((2, 5), HIDDEN, 37, torch.float32, seed=13)
+    teacher = make_teacher(student, torch.float32, seed=13)
+    labels = make_target(student, seed=13)  # (2, 5), two of them -100
+    logits = [F.linear(*(t.double() for t in (h.input, h.weight, h.bias))) for h in (student, teacher)]
+    for reduction, trl_reduction in (("mean", "batchmean"), ("sum", "sum")):
+        expected = generalized_jsd_loss(*logits, labels=labels, beta=beta, temperature=0.8, reduction=trl_reduction)
+        loss = _call(student, teacher, labels, beta=beta, temperature=0.8, reduction=reduction, backend=backend)
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def _heads(seed, leading=(6,), vocab=VOCAB):
