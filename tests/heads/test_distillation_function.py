@@ -8,13 +8,16 @@ the tests marked ``gpu`` need CUDA.
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import flce
 from flce.dispatch import BackendUnavailableError
-from flce.reference import distillation_from_logits_reference
+from flce.reference import distillation_from_logits_reference, distillation_reference
 
 from .end_to_end import Head, assert_gradients, assert_parity, make_head, make_target
 from .harness import BACKENDS, DEVICE, DTYPES, requires_cuda, requires_triton
@@ -149,6 +152,36 @@ def test_shapes_targets_and_teacher_dtype(backend, leading, chunk_size, with_tar
     )
 
 
+def _trl_generalized_jsd_loss():
+    """TRL's GKD loss (``GKDTrainer.generalized_jsd_loss``), wherever this TRL keeps it."""
+    pytest.importorskip("trl", reason="trl is not installed")
+    for module in ("trl.experimental.gkd.gkd_trainer", "trl.trainer.gkd_trainer"):
+        try:
+            with warnings.catch_warnings():  # trl.experimental warns that it is experimental
+                warnings.simplefilter("ignore")
+                return importlib.import_module(module).GKDTrainer.generalized_jsd_loss
+        except (ImportError, AttributeError):
+            continue
+    pytest.skip("this trl has no GKDTrainer.generalized_jsd_loss")
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0, 0.2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_trl_generalized_jsd_loss(backend, beta):
+    """The definition GKD users compare with: TRL's generalized JSD of ``logits /
+    temperature`` (float64 logits here), its "batchmean" over the labels kept being our
+    "mean" and its "sum" our "sum"."""
+    generalized_jsd_loss = _trl_generalized_jsd_loss()
+    student = make_head((2, 5), HIDDEN, 37, torch.float32, seed=13)
+    teacher = make_teacher(student, torch.float32, seed=13)
+    labels = make_target(student, seed=13)  # (2, 5), two of them -100
+    logits = [F.linear(*(t.double() for t in (h.input, h.weight, h.bias))) for h in (student, teacher)]
+    for reduction, trl_reduction in (("mean", "batchmean"), ("sum", "sum")):
+        expected = generalized_jsd_loss(*logits, labels=labels, beta=beta, temperature=0.8, reduction=trl_reduction)
+        loss = _call(student, teacher, labels, beta=beta, temperature=0.8, reduction=reduction, backend=backend)
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def _heads(seed, leading=(6,), vocab=VOCAB):
     student = make_head(leading, HIDDEN, vocab, torch.float32, seed)
     return student.leaves(torch.float32), make_teacher(student, torch.float32, seed)
@@ -190,6 +223,56 @@ def test_vocabulary_of_one(backend, beta):
     assert loss == 0
     for leaf in student.tensors():
         assert torch.all(leaf.grad == 0)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vocabulary_masked_by_both_biases(backend, beta):
+    """Columns both LM heads mask with a -inf bias (padding tokens, a constrained
+    vocabulary) are as absent: the loss and gradients of the vocabulary without them, and
+    exact zeros in the student's weight and bias gradients there (no NaN)."""
+    student, teacher = _heads(10)
+    masked = torch.zeros(VOCAB, dtype=torch.bool, device=DEVICE)
+    masked[:200] = True  # more than a tile
+    masked[250:260] = True
+    with torch.no_grad():
+        student.bias[masked] = -float("inf")
+    teacher_bias = teacher.bias.masked_fill(masked, -float("inf"))
+    target = make_target(student, seed=10)
+    loss = flce.fused_linear_distillation(
+        student.input,
+        student.weight,
+        teacher.input,
+        teacher.weight,
+        target,
+        beta=beta,
+        temperature=0.7,
+        student_bias=student.bias,
+        teacher_bias=teacher_bias,
+        backend=backend,
+        chunk_size=CHUNK,
+    )
+    loss.backward()
+    kept = ~masked
+    truth = Head(*(t.detach().double().requires_grad_() for t in (student.input, student.weight[kept])), None)
+    truth_bias = student.bias.detach()[kept].double().requires_grad_()
+    truth_loss = distillation_reference(
+        truth.input,
+        truth.weight,
+        teacher.input.double(),
+        teacher.weight[kept].double(),
+        target,
+        beta=beta,
+        temperature=0.7,
+        student_bias=truth_bias,
+        teacher_bias=teacher.bias[kept].double(),
+    )
+    truth_loss.backward()
+    torch.testing.assert_close(loss.double(), truth_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(student.input.grad.double(), truth.input.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(student.weight.grad[kept].double(), truth.weight.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(student.bias.grad[kept].double(), truth_bias.grad, rtol=1e-4, atol=1e-6)
+    assert torch.all(student.weight.grad[masked] == 0) and torch.all(student.bias.grad[masked] == 0)
 
 
 def test_teacher_gets_no_gradient_and_no_grad_path_agrees():

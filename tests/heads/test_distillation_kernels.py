@@ -157,6 +157,57 @@ def test_identical_distributions_give_zero(backend, beta):
     assert torch.all(grad.abs() <= 4 * torch.finfo(torch.float32).eps)
 
 
+# A part of the vocabulary masked to -inf (a -inf bias) is a zero probability, as in the
+# cross-entropy and the logprobs: its terms are 0 log 0 = 0, never 0 * inf = NaN. Columns
+# masked for both models (every beta), for the teacher alone where the divergence stays
+# finite (p_i = 0 in KL(p || q) and in the mixture) and for the student alone (q_i = 0 in
+# KL(q || p) and in the mixture); the prefix is longer than a tile of 16.
+MASKS = {"both": (slice(0, 40), slice(0, 40)), "teacher": (None, slice(40, 60)), "student": (slice(60, 80), None)}
+MASK_BETAS = {"both": BETAS, "teacher": [0.0, 0.5, 0.1], "student": [1.0, 0.5, 0.1]}
+
+
+@pytest.mark.parametrize("mask,beta", [(mask, beta) for mask in MASKS for beta in MASK_BETAS[mask]])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_masked_part_of_the_vocabulary_is_a_zero_probability(backend, mask, beta):
+    student, teacher, target, row_grad_scale = make_case(NUM_ROWS, 100, torch.float32, seed=33)
+    student_columns, teacher_columns = MASKS[mask]
+    kwargs = {}
+    if backend == "triton":
+        from flce.backends.triton.heuristics import CEKernelConfig
+
+        kwargs["config"] = CEKernelConfig(16, 1)  # whole tiles masked
+    # The reference's limit: a logit of -1e4 has a probability of exactly 0 in float64, and
+    # finite logs (the reference's plain products would give 0 * inf = NaN at -inf).
+    limits = []
+    for logits, columns in ((student, student_columns), (teacher, teacher_columns)):
+        limit = logits.double()
+        if columns is not None:
+            logits[:, columns] = -float("inf")
+            limit[:, columns] = -1e4
+        limits.append(limit)
+    loss, grad = run(backend, student, teacher, target, beta, 0.5, row_grad_scale, **kwargs)
+    truth_loss, truth_grad = reference(*limits, target, beta, 0.5, row_grad_scale, torch.float64)
+    assert torch.isfinite(truth_loss).all() and torch.isfinite(truth_grad).all()
+    torch.testing.assert_close(loss.double(), truth_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), truth_grad, rtol=1e-5, atol=1e-6)
+    if student_columns is not None:
+        assert torch.all(grad[:, student_columns] == 0)
+
+
+@pytest.mark.parametrize("model", ["student", "teacher"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_logits_stay_nan(backend, beta, model):
+    """A NaN logit (a diverged model) makes its row's loss and gradient NaN, never a 0
+    taken for a masked column's; the other rows are untouched."""
+    student, teacher, _, row_grad_scale = make_case(4, 50, torch.float32, seed=35)
+    (student if model == "student" else teacher)[1, 7] = float("nan")
+    loss, grad = run(backend, student, teacher, None, beta, 1.0, row_grad_scale)
+    assert torch.isnan(loss[1]) and torch.isnan(grad[1]).all()
+    others = [0, 2, 3]
+    assert torch.isfinite(loss[others]).all() and torch.isfinite(grad[others]).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_loss_only_leaves_the_student_untouched(backend):
     student, teacher, target, row_grad_scale = make_case(NUM_ROWS, VOCAB, torch.bfloat16, seed=27)

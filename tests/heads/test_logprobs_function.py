@@ -111,6 +111,24 @@ def _call(backend, head, target, **kwargs):
     return flce.fused_linear_logprobs(head.input, head.weight, target, bias=head.bias, backend=backend, **kwargs)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_trl_selective_log_softmax_and_entropy(backend, temperature):
+    """The definition GRPO/PPO users compare with: TRL's per-token logps and entropies of
+    ``logits / temperature`` (float64 logits here: TRL's own rounding out of the way)."""
+    trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed")
+    head = make_head((2, 5), HIDDEN, 37, torch.float32, seed=12)
+    target = make_target(head, seed=12, n_ignored=0)
+    logits = F.linear(*(t.double() for t in (head.input, head.weight, head.bias))) / temperature
+    out = flce.fused_linear_logprobs(
+        head.input, head.weight, target, bias=head.bias, temperature=temperature, return_entropy=True, backend=backend
+    )
+    # fp32 logits against float64 ones: a few fp32 roundings of values of size ~5
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logprobs.double(), trl_utils.selective_log_softmax(logits, target), **close)
+    torch.testing.assert_close(out.entropy.double(), trl_utils.entropy_from_logits(logits), **close)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_all_tokens_ignored(backend):
     head = make_head((6,), HIDDEN, VOCAB, torch.float32, seed=3).leaves(torch.float32)

@@ -32,6 +32,14 @@ constant part the centring removes.
 
 Numerics:
 - ``log p_i = (z_i - m) - log s`` per row, as PyTorch's log-softmax forms it.
+- A -inf logit (a masked part of the vocabulary, e.g. a -inf bias) has probability 0, and
+  every term it weighs is ``0 log 0 = 0``: each product ``p_i * x_i`` or ``q_i * x_i``
+  (loss, ``K``, gradient) is taken as 0 where the probability is, never ``0 * inf = NaN``
+  (``log p_i`` is -inf there, and ``log M_i`` too where both models mask the column), as
+  the cross-entropy and the logprobs do. The divergence then stays finite; it is infinite
+  (+inf, or NaN) only where it is in exact arithmetic: a column one model masks and the
+  other does not, weighed by the other (KL(p || q) with ``q_i = 0 < p_i``, KL(q || p) with
+  ``p_i = 0 < q_i``; the mixture never is, ``M_i > 0`` wherever ``p_i`` or ``q_i`` is).
 - Mixture: ``r`` without forming M or log M: with ``c_i = max(log p_i, log q_i)`` and
   ``L_i = log(beta exp(log p_i - c_i) + (1 - beta) exp(log q_i - c_i))``,
   ``log p_i - log M_i = (log p_i - c_i) - L_i`` and ``log q_i - log M_i = (log q_i - c_i) - L_i``
@@ -141,6 +149,14 @@ def check_arguments(student_logits, teacher_logits, target, beta, inv_temperatur
     check_row_vector(row_grad_scale, "row_grad_scale", student_logits, (torch.float32,))
 
 
+def weighted(probability: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probability * values`` (M, V) in ``probability``'s storage (consumed), 0 where the
+    probability is 0 (a -inf logit, whose value may be infinite or NaN: 0 log 0 = 0). A NaN
+    probability (NaN logits) stays NaN: the test is ``== 0``, not ``> 0``."""
+    vanishing = probability == 0  # (M, V) bool
+    return probability.mul_(values).masked_fill_(vanishing, 0.0)
+
+
 def log_softmax_rows(z: torch.Tensor) -> torch.Tensor:
     """``(z_i - m) - log s`` (M, V) fp32, a new tensor."""
     shifted = z - z.amax(dim=-1, keepdim=True)
@@ -174,7 +190,7 @@ def row_divergence(z_student: torch.Tensor, z_teacher: torch.Tensor, div: Diverg
     log_p = log_softmax_rows(z_teacher)
     if div.kind == FORWARD_KL:
         del z_student, z_teacher
-        return RowDivergence((torch.exp(log_p) * (log_p - log_q)).sum(dim=-1), log_q, log_p, None, None)
+        return RowDivergence(weighted(torch.exp(log_p), log_p - log_q).sum(dim=-1), log_q, log_p, None, None)
     student_max, anchor_column = z_student.max(dim=-1, keepdim=True)  # (M, 1) m_student and j*
     if div.kind == REVERSE_KL:
         teacher_at_anchor = z_teacher.gather(1, anchor_column)  # (M, 1) z_teacher_{j*}
@@ -185,11 +201,11 @@ def row_divergence(z_student: torch.Tensor, z_teacher: torch.Tensor, div: Diverg
     else:
         del z_student, z_teacher
         teacher_ratio, ratio = log_ratios_to_mixture(log_p, log_q, div.beta)
-        teacher_kl = (torch.exp(log_p) * teacher_ratio).sum(dim=-1)  # KL(p || M)
+        teacher_kl = weighted(torch.exp(log_p), teacher_ratio).sum(dim=-1)  # KL(p || M)
         del teacher_ratio
         anchor = ratio.gather(1, anchor_column)  # (M, 1) a = r_{j*}
         ratio.sub_(anchor)  # r - a, exactly 0 at j*
-    centre = (torch.exp(log_q) * ratio).sum(dim=-1)  # K - a
+    centre = weighted(torch.exp(log_q), ratio).sum(dim=-1)  # K - a
     student_kl = anchor.squeeze(1) + centre  # KL(q || M)
     return RowDivergence(div.teacher_weight * teacher_kl + div.student_weight * student_kl, log_q, log_p, ratio, centre)
 
@@ -199,4 +215,4 @@ def student_gradient(rows: RowDivergence, div: Divergence) -> torch.Tensor:
     q = torch.exp(rows.log_q)
     if div.kind == FORWARD_KL:
         return q.sub_(torch.exp(rows.log_p))
-    return q.mul_(rows.ratio - rows.centre[:, None]).mul_(div.student_weight)
+    return weighted(q, rows.ratio - rows.centre[:, None]).mul_(div.student_weight)

@@ -67,12 +67,14 @@ def _divergence_block(
     z_p = tl.where(mask, z_p, m_p)
     log_q = (z_q - m_q) - log_s_q
     q = tl.where(mask, tl.exp2(log_q * LOG2_E), 0.0)
+    # Each product p * x, q * x is 0 where the probability is (masked lanes; a -inf logit,
+    # whose log is -inf: 0 log 0 = 0, not 0 * inf = NaN); a NaN probability stays NaN.
     if DIVERGENCE == 0:
         log_p = (z_p - m_p) - log_s_p
         p = tl.where(mask, tl.exp2(log_p * LOG2_E), 0.0)
         g = q - p
         if ACCUMULATE:
-            teacher_sum += tl.sum(p * (log_p - log_q), axis=0)
+            teacher_sum += tl.sum(tl.where(p == 0.0, 0.0, p * (log_p - log_q)), axis=0)
     else:
         if DIVERGENCE == 1:
             ratio = (z_q - m_q) - (z_p - teacher_at_anchor)  # r - a, straight from the logits
@@ -81,10 +83,11 @@ def _divergence_block(
             ratio_p, ratio_q = _ratios_to_mixture(log_p, log_q, beta, one_minus_beta)
             ratio = ratio_q - anchor  # r - a, exactly 0 at the anchor
             if ACCUMULATE:
-                teacher_sum += tl.sum(tl.where(mask, tl.exp2(log_p * LOG2_E), 0.0) * ratio_p, axis=0)
+                p = tl.where(mask, tl.exp2(log_p * LOG2_E), 0.0)
+                teacher_sum += tl.sum(tl.where(p == 0.0, 0.0, p * ratio_p), axis=0)
         if ACCUMULATE:
-            student_sum += tl.sum(q * ratio, axis=0)
-        g = q * (ratio - centre)
+            student_sum += tl.sum(tl.where(q == 0.0, 0.0, q * ratio), axis=0)
+        g = tl.where(q == 0.0, 0.0, q * (ratio - centre))
     if WRITE_GRADIENT:
         g = grad_coef * g
         if BF16_ROUND_BY_BITS:
