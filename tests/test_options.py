@@ -105,6 +105,25 @@ CASES = [
         "softcap must be a finite float",
     ),
     (
+        # Its reciprocal, which the kernels multiply by in float32, is subnormal here.
+        "softcap beyond float32",
+        lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=1e38),
+        ValueError,
+        "softcap must be in [1.18e-38, 8.51e+37]",
+    ),
+    (
+        "softcap below float32",
+        lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=1e-300),
+        ValueError,
+        "softcap must be in [1.18e-38, 8.51e+37]",
+    ),
+    (
+        "z-loss scale beyond float32",
+        lambda x, w, t: flce.cross_entropy(x @ w.T, t, lse_square_scale=1e39),
+        ValueError,
+        "lse_square_scale must be <= 3.4e+38",
+    ),
+    (
         "negative z-loss scale",
         lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, lse_square_scale=-1.0),
         ValueError,

@@ -25,6 +25,11 @@ from flce.dispatch import backend_name
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# The kernels compute z' = softcap * tanh(z * (1 / softcap)) with both constants in
+# float32: each must be a normal float32 (an Inf or a reciprocal flushed to 0 gives NaN,
+# or every logit 0), so softcap lies in [2^-126, 2^126].
+MIN_SOFTCAP, MAX_SOFTCAP = 2.0**-126, 2.0**126
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,11 @@ class LossOptions:
         self._set("lse_square_scale", as_float("lse_square_scale", self.lse_square_scale))
         if self.lse_square_scale < 0:
             raise ValueError(f"lse_square_scale must be >= 0, got {self.lse_square_scale}")
+        if self.lse_square_scale > FLOAT32_MAX:
+            raise ValueError(
+                f"lse_square_scale must be <= {FLOAT32_MAX:.3g} (the kernels take it as a float32, "
+                f"which would be Inf), got {self.lse_square_scale}"
+            )
         self._set("label_smoothing", as_float("label_smoothing", self.label_smoothing))
         if not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
@@ -66,6 +76,11 @@ class LossOptions:
             self._set("softcap", as_float("softcap", self.softcap))
             if not self.softcap > 0:
                 raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+            if not MIN_SOFTCAP <= self.softcap <= MAX_SOFTCAP:
+                raise ValueError(
+                    f"softcap must be in [{MIN_SOFTCAP:.3g}, {MAX_SOFTCAP:.3g}] or None (the kernels take it and "
+                    f"1 / softcap as normal float32 numbers; beyond them the loss would be NaN), got {self.softcap}"
+                )
         for flag in ("return_z_loss", "use_token_scaling", "return_token_accuracy", "return_predicted_tokens"):
             self._set(flag, as_bool(flag, getattr(self, flag)))
         if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
