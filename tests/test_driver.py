@@ -197,6 +197,43 @@ def test_repeated_backward_does_not_compound(reduction):
         torch.testing.assert_close(p.grad, 3 * g, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scale", [2.0**16, 1 / 3, 1e-3], ids=["loss-scaler", "third", "small"])
+def test_the_upstream_gradient_scales_16_bit_gradients_in_fp32(monkeypatch, dtype, scale):
+    """mean/sum on a device without the one-launch scaling kernel (the CPU without Triton):
+    the forward's gradients times the upstream gradient, the product in fp32 and rounded
+    once. The scale rounded to fp16 first is Inf at a loss scaler's 2^16 (every gradient
+    Inf or NaN) and rounded far from 0 (1e-3 by 4e-4); rounded to bf16, 1/3 biases every
+    gradient."""
+    monkeypatch.setattr("flce.driver.scaling.device_helper", lambda slot, device: None)
+    x, w, b, t = _inputs(dtype=dtype)
+
+    def gradients(upstream):
+        leaves = [p.clone().requires_grad_() for p in (x, w, b)]
+        flce.fused_linear_cross_entropy(*leaves[:2], t, bias=leaves[2]).backward(torch.tensor(upstream))
+        return [p.grad for p in leaves]
+
+    for got, unit in zip(gradients(scale), gradients(1.0), strict=True):
+        assert torch.equal(got, (unit.float() * scale).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_strided_and_copied_gradients_are_scaled_in_fp32(dtype):
+    """The scaling's paths without the one-launch kernels (a strided gradient; the custom
+    op's out-of-place copies): the product in fp32, rounded once, as the kernels'."""
+    from flce.driver.scaling import scale_gradients_, scaled_gradients
+
+    gradient = (torch.randn(7, 10) * 1e-2).to(dtype)
+    scale = torch.tensor(2.0**16)
+    expected = (gradient.float() * scale).to(dtype)
+    assert torch.isfinite(expected).all()
+    copied, transposed = scaled_gradients([gradient, gradient.t()], scale)
+    assert torch.equal(copied, expected) and torch.equal(transposed, expected.t())
+    strided = gradient.t().contiguous().t()  # the same values, column-major
+    scale_gradients_([strided], scale)
+    assert not strided.is_contiguous() and torch.equal(strided, expected)
+
+
 def test_first_backward_of_a_scalar_loss_scales_the_forwards_gradients_without_the_operands():
     """mean/sum: the forward computed the gradients, the first backward only scales them, so
     it does not unpack the saved operands (host time per step): an operand modified in place

@@ -105,6 +105,25 @@ CASES = [
         "softcap must be a finite float",
     ),
     (
+        # Its reciprocal, which the kernels multiply by in float32, is subnormal here.
+        "softcap beyond float32",
+        lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=1e38),
+        ValueError,
+        "softcap must be in [1.18e-38, 8.51e+37]",
+    ),
+    (
+        "softcap below float32",
+        lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, softcap=1e-300),
+        ValueError,
+        "softcap must be in [1.18e-38, 8.51e+37]",
+    ),
+    (
+        "z-loss scale beyond float32",
+        lambda x, w, t: flce.cross_entropy(x @ w.T, t, lse_square_scale=1e39),
+        ValueError,
+        "lse_square_scale must be <= 3.4e+38",
+    ),
+    (
         "negative z-loss scale",
         lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, lse_square_scale=-1.0),
         ValueError,
@@ -229,6 +248,47 @@ def test_bad_input_is_refused_with_a_clear_message(call, exc, fragment):
     with pytest.raises(exc) as info:
         call(x, w, t)
     assert fragment in str(info.value)
+
+
+SPARSE_CASES = [
+    # (description, call); each operand sparse or nested in turn, after a dense call of the
+    # same shapes (its checked layout must not let the sparse one through)
+    ("sparse input", lambda x, w, t: flce.fused_linear_cross_entropy(x.to_sparse(), w, t), "input"),
+    ("sparse weight", lambda x, w, t: flce.fused_linear_cross_entropy(x, w.to_sparse_csr(), t), "weight"),
+    ("sparse bias", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, bias=w[:, 0].to_sparse()), "bias"),
+    ("sparse target", lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t.to_sparse()), "target"),
+    (
+        "sparse ce_weight",
+        lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t, ce_weight=torch.ones(11).to_sparse()),
+        "ce_weight",
+    ),
+    ("sparse logits", lambda x, w, t: flce.cross_entropy((x @ w.T).to_sparse(), t), "logits"),
+    (
+        "sparse class weight",
+        lambda x, w, t: flce.cross_entropy(x @ w.T, t, weight=torch.ones(11).to_sparse()),
+        "weight",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,name", [c[1:] for c in SPARSE_CASES], ids=[c[0] for c in SPARSE_CASES])
+def test_a_sparse_operand_is_refused_by_name(call, name):
+    x, w, t = _ok()
+    dense = {"input": x, "weight": w, "bias": w[:, 0], "target": t, "ce_weight": torch.ones(11), "logits": x @ w.T}
+    flce.fused_linear_cross_entropy(x, w, t, bias=dense["bias"], ce_weight=dense["ce_weight"])
+    flce.cross_entropy(dense["logits"], t, weight=dense["ce_weight"])
+    with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor, got layout torch\.sparse"):
+        call(x, w, t)
+
+
+def test_a_nested_input_is_refused_by_name():
+    from flce.compat.liger import liger_fused_linear_cross_entropy
+
+    x, w, t = _ok()
+    nested = torch.nested.nested_tensor([x, x[:2]])
+    for call in (flce.fused_linear_cross_entropy, liger_fused_linear_cross_entropy):
+        with pytest.raises(TypeError, match="input is a nested tensor"):
+            call(nested, w, t)
 
 
 def test_env_var_backend_is_validated(monkeypatch):

@@ -25,6 +25,11 @@ from flce.dispatch import backend_name
 REDUCTIONS = ("mean", "sum", "none")
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = torch.finfo(torch.float32).max
+# The kernels compute z' = softcap * tanh(z * (1 / softcap)) with both constants in
+# float32: each must be a normal float32 (an Inf or a reciprocal flushed to 0 gives NaN,
+# or every logit 0), so softcap lies in [2^-126, 2^126].
+MIN_SOFTCAP, MAX_SOFTCAP = 2.0**-126, 2.0**126
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,11 @@ class LossOptions:
         self._set("lse_square_scale", as_float("lse_square_scale", self.lse_square_scale))
         if self.lse_square_scale < 0:
             raise ValueError(f"lse_square_scale must be >= 0, got {self.lse_square_scale}")
+        if self.lse_square_scale > FLOAT32_MAX:
+            raise ValueError(
+                f"lse_square_scale must be <= {FLOAT32_MAX:.3g} (the kernels take it as a float32, "
+                f"which would be Inf), got {self.lse_square_scale}"
+            )
         self._set("label_smoothing", as_float("label_smoothing", self.label_smoothing))
         if not 0.0 <= self.label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {self.label_smoothing}")
@@ -66,6 +76,11 @@ class LossOptions:
             self._set("softcap", as_float("softcap", self.softcap))
             if not self.softcap > 0:
                 raise ValueError(f"softcap must be > 0 or None, got {self.softcap}")
+            if not MIN_SOFTCAP <= self.softcap <= MAX_SOFTCAP:
+                raise ValueError(
+                    f"softcap must be in [{MIN_SOFTCAP:.3g}, {MAX_SOFTCAP:.3g}] or None (the kernels take it and "
+                    f"1 / softcap as normal float32 numbers; beyond them the loss would be NaN), got {self.softcap}"
+                )
         for flag in ("return_z_loss", "use_token_scaling", "return_token_accuracy", "return_predicted_tokens"):
             self._set(flag, as_bool(flag, getattr(self, flag)))
         if self.accum_dtype is not None and self.accum_dtype not in FLOAT_DTYPES:
@@ -332,6 +347,7 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
     order; a 2-D target of ``N`` values against a 2-D tensor likewise)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    refuse_non_dense("target", target)
     if target.dtype not in TARGET_DTYPES:
         raise TypeError(f"target must be an integer tensor (int64, int32, int16, int8 or uint8), got {target.dtype}")
     if len(leading_shape) == 2 and target.dim() == 2 and tuple(target.shape) != tuple(leading_shape):
@@ -351,6 +367,7 @@ def validate_ce_weight(ce_weight: torch.Tensor | None, vocab: int, device: torch
         return
     if not isinstance(ce_weight, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape ({vocab},) or None, got {type(ce_weight).__name__}")
+    refuse_non_dense(name, ce_weight)
     if not ce_weight.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {ce_weight.dtype}")
     if ce_weight.shape != (vocab,):
@@ -374,6 +391,18 @@ def refuse_meta(name: str, tensor: torch.Tensor) -> None:
             f"{name} is on the meta device, which holds no data; flce computes real values: "
             "materialize the tensors on a real device first (e.g. load the model's weights)"
         )
+
+
+def refuse_non_dense(name: str, tensor: torch.Tensor | None) -> None:
+    """The kernels and GEMMs read a tensor through its strides: a sparse (COO, CSR, ...) or
+    nested one is refused here rather than by an operator deep inside that has no kernel
+    for its layout."""
+    if tensor is None:
+        return
+    if tensor.is_nested:
+        raise TypeError(f"{name} is a nested tensor; flce takes dense tensors: pad or concatenate the sequences")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {tensor.layout}; pass {name}.to_dense()")
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -423,6 +452,7 @@ def validate_linear_head(
         raise TypeError(f"{names.bias} must be a tensor of shape (V,) or None, got {type(bias).__name__}")
     for name, t in ((names.input, input), (names.weight, weight), (names.bias, bias)):
         _refuse_dtensor(name, t)
+        refuse_non_dense(name, t)
     if input.dim() not in (2, 3):
         raise ValueError(f"{names.input} must be (N, H) or (B, T, H), got shape {tuple(input.shape)}")
     if weight.dim() != 2:
@@ -502,12 +532,13 @@ _checked_layouts = KeptAnswers()
 
 def _layout_key(tensors: tuple) -> tuple | None:
     """(shape, dtype, device) of each tensor (None where absent), or None when one is not
-    a plain tensor (the full checks then run, and name what is wrong)."""
+    a plain dense tensor (the full checks then run, and name what is wrong: a sparse
+    tensor has the shape, dtype and device of a dense one checked before)."""
     key = []
     for tensor in tensors:
         if tensor is None:
             key.append(None)
-        elif type(tensor) in PLAIN_TENSOR_TYPES:
+        elif type(tensor) in PLAIN_TENSOR_TYPES and tensor.layout == torch.strided and not tensor.is_nested:
             key.append((tensor.shape, tensor.dtype, tensor.device))
         else:
             return None
@@ -610,6 +641,7 @@ def _validate_logits_inputs(
 ) -> None:
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError("logits and target must be torch.Tensors")
+    refuse_non_dense("logits", logits)
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be (N, V) or (B, T, V), got shape {tuple(logits.shape)}")
     check_compute_dtype("logits", logits)

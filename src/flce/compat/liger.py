@@ -74,7 +74,11 @@ def _chunk_size_for(input, weight, chunk_mem_const) -> int | None:
     Shapes the boundary check will refuse are left to it, for its message (the value of
     ``chunk_mem_const`` is checked all the same)."""
     shapes_known = (
-        isinstance(input, torch.Tensor) and isinstance(weight, torch.Tensor) and input.dim() >= 1 and weight.dim() == 2
+        isinstance(input, torch.Tensor)
+        and isinstance(weight, torch.Tensor)
+        and not input.is_nested  # (its shape raises: the boundary check names it)
+        and input.dim() >= 1
+        and weight.dim() == 2
     )
     if not shapes_known:
         return _liger_chunk_size(0, 0, 0, chunk_mem_const)

@@ -17,7 +17,7 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     under its interpreter) the contiguous gradients (dX, dW, db: all the driver makes)
     are scaled in one launch, which skips the pass on the device when ``grad_loss`` is
     exactly 1, as it is for ``loss.backward()``, without reading it on the host; a
-    strided gradient, or a device without the kernel, gets a plain ``mul_``. On the
+    strided gradient, or a device without the kernel, gets ``_multiply_in_fp32_``. On the
     CPU the scale is read on the host and a scale of exactly 1 skips every pass
     (multiplying by 1 changes no value, NaN included).
     """
@@ -35,7 +35,27 @@ def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     if in_one_launch:
         scale_unless_one_(in_one_launch, grad_loss)
     for gradient in multiplied:
-        gradient.mul_(grad_loss.to(gradient.dtype))
+        _multiply_in_fp32_(gradient, grad_loss)
+
+
+# Elements of a 16-bit gradient scaled per fp32 temporary (64 MiB of it).
+FP32_SCALING_ELEMENTS = 2**24
+
+
+def _multiply_in_fp32_(gradient: torch.Tensor, grad_loss: torch.Tensor) -> None:
+    """``gradient *= grad_loss`` with the product in fp32, rounded once, as the kernels do.
+    Not ``gradient.mul_(grad_loss.to(gradient.dtype))``: the scale rounded to a 16-bit
+    dtype is Inf from 65520 on in fp16 (a loss scaler's 2^16 made every gradient Inf or
+    NaN), subnormal or 0 below 6e-5 (the gradients flushed to 0), and 3 digits in bf16 (a
+    bias of every gradient). A 16-bit gradient is scaled through an fp32 copy of at most
+    ``FP32_SCALING_ELEMENTS`` elements at a time."""
+    if gradient.dtype == grad_loss.dtype or gradient.numel() == 0:
+        gradient.mul_(grad_loss)
+        return
+    flat = gradient.view(-1) if gradient.is_contiguous() else gradient
+    row_elements = max(flat[0].numel(), 1)
+    for part in flat.split(max(1, FP32_SCALING_ELEMENTS // row_elements)):
+        part.copy_(part.float().mul_(grad_loss))
 
 
 def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> list[torch.Tensor | None]:
@@ -43,7 +63,8 @@ def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     must not modify the gradients they hold: a custom op's saved outputs, a CUDA graph's).
     Where a backend registers the ``scaled_copies`` kernel for the device, the contiguous
     gradients are scaled in one launch (the product in fp32, rounded once, as in place);
-    the others (strided, or traced by ``torch.compile``) get a plain product."""
+    the others (strided, or traced by ``torch.compile``) get a plain product, in fp32 and
+    rounded once (as ``_multiply_in_fp32_``, and fused under ``torch.compile``)."""
     present = [g for g in gradients if g is not None]
     scaled_copies = device_helper("scaled_copies", present[0].device) if present else None
     # Plain tensors only: a traced call (torch.compile's fake and functional tensors) has no data.
@@ -53,6 +74,6 @@ def scaled_gradients(gradients: Sequence[torch.Tensor | None], grad_loss: torch.
     taken = [g for g, kernel_takes_it in zip(gradients, in_one_launch, strict=True) if kernel_takes_it]
     copies = iter(scaled_copies(taken, grad_loss) if taken else ())
     return [
-        next(copies) if kernel_takes_it else None if g is None else g * grad_loss.to(g.dtype)
+        next(copies) if kernel_takes_it else None if g is None else (g.float() * grad_loss).to(g.dtype)
         for g, kernel_takes_it in zip(gradients, in_one_launch, strict=True)
     ]

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flce.backends.triton.common import fp32_to_bf16_rtne
 from flce.backends.triton.launch import launch
 
 BLOCK = 4096  # elements per program step: 8 KiB of bf16, 16 B per thread at 4 warps x 32 x 4
@@ -40,15 +41,22 @@ def _scale_into(
     n,
     scale,  # fp32
     BLOCK: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,  # interpreter only: see fp32_to_bf16_rtne
 ):
-    """This program's blocks of ``out = source * scale`` (every ``num_programs``-th)."""
+    """This program's blocks of ``out = source * scale`` (every ``num_programs``-th), the
+    product in fp32 rounded once to nearest even."""
     step = tl.num_programs(0).to(tl.int64) * BLOCK
     start = tl.program_id(0).to(tl.int64) * BLOCK
     for block_start in tl.range(start, n, step):
         offsets = block_start + tl.arange(0, BLOCK)
         mask = offsets < n
         values = tl.load(source_ptr + offsets, mask=mask)
-        tl.store(out_ptr + offsets, (values.to(tl.float32) * scale).to(values.dtype), mask=mask)
+        product = values.to(tl.float32) * scale
+        scaled = product.to(values.dtype)
+        if BF16_ROUND_BY_BITS:
+            if values.dtype == tl.bfloat16:
+                scaled = fp32_to_bf16_rtne(product)
+        tl.store(out_ptr + offsets, scaled, mask=mask)
 
 
 @triton.jit
@@ -61,14 +69,15 @@ def _scale_unless_one_kernel(
     c_n,
     scale_ptr,  # () fp32 upstream gradient
     BLOCK: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
 ):
     scale = tl.load(scale_ptr)
     if scale != 1.0:  # NaN and Inf scales are applied (NaN != 1.0)
         # Each program strides over every tensor in turn: at most one block more than
         # another program per tensor, with no table of where each tensor's blocks start.
-        _scale_into(a_ptr, a_ptr, a_n, scale, BLOCK)
-        _scale_into(b_ptr, b_ptr, b_n, scale, BLOCK)
-        _scale_into(c_ptr, c_ptr, c_n, scale, BLOCK)
+        _scale_into(a_ptr, a_ptr, a_n, scale, BLOCK, BF16_ROUND_BY_BITS)
+        _scale_into(b_ptr, b_ptr, b_n, scale, BLOCK, BF16_ROUND_BY_BITS)
+        _scale_into(c_ptr, c_ptr, c_n, scale, BLOCK, BF16_ROUND_BY_BITS)
 
 
 @triton.jit
@@ -84,11 +93,12 @@ def _scaled_copies_kernel(
     c_n,
     scale_ptr,  # () fp32 upstream gradient
     BLOCK: tl.constexpr,
+    BF16_ROUND_BY_BITS: tl.constexpr,
 ):
     scale = tl.load(scale_ptr)  # applied even when it is 1: the outputs are new tensors
-    _scale_into(a_ptr, a_out_ptr, a_n, scale, BLOCK)
-    _scale_into(b_ptr, b_out_ptr, b_n, scale, BLOCK)
-    _scale_into(c_ptr, c_out_ptr, c_n, scale, BLOCK)
+    _scale_into(a_ptr, a_out_ptr, a_n, scale, BLOCK, BF16_ROUND_BY_BITS)
+    _scale_into(b_ptr, b_out_ptr, b_n, scale, BLOCK, BF16_ROUND_BY_BITS)
+    _scale_into(c_ptr, c_out_ptr, c_n, scale, BLOCK, BF16_ROUND_BY_BITS)
 
 
 @cache
@@ -137,7 +147,7 @@ def scaled_copies(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> list[
             _scaled_copies_kernel,
             (_program_count(device, blocks),),
             (*_flat_slots(group), scale32),
-            dict(BLOCK=BLOCK),
+            dict(BLOCK=BLOCK, BF16_ROUND_BY_BITS=device.type == "cpu"),
             num_warps=4,
             device=device,
         )
@@ -178,7 +188,7 @@ def scale_unless_one_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> N
             _scale_unless_one_kernel,
             (_program_count(device, blocks),),
             (a, a_n, b, b_n, c, c_n, scale32),
-            dict(BLOCK=BLOCK),
+            dict(BLOCK=BLOCK, BF16_ROUND_BY_BITS=device.type == "cpu"),
             num_warps=4,
             device=device,
         )
