@@ -217,7 +217,7 @@ def _llama(cls=transformers.LlamaForCausalLM):
     "make,reason",
     [
         (lambda: _llama(ZLossLlama), "uses the logits outside loss_function"),
-        (lambda: _llama(ShiftedLogitsLlama), "neither a scale nor the config's soft-cap"),
+        (lambda: _llama(ShiftedLogitsLlama), "neither a scale nor a soft-cap"),
     ],
     ids=["z_loss_on_logits", "unknown_logit_transform"],
 )

@@ -167,6 +167,82 @@ def test_config_changed_after_patching_is_followed(model_type, key, before, afte
     assert recipe(patched).softcap == (after if "softcap" in key else None)
 
 
+class AttributeSoftcapLlama(transformers.LlamaForCausalLM):
+    """Soft-caps its logits by an attribute of its own that is not in its config (nor named
+    like a soft-cap), as Mistral Large 4 keeps final_logit_softcapping on the model."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.cap = 5.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = self.cap * torch.tanh(logits / self.cap)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class ConditionalScaleLlama(transformers.LlamaForCausalLM):
+    """Scales its logits by an attribute of its own only when it is not 1."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.logit_multiplier = 1.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        if self.logit_multiplier != 1.0:
+            logits = logits * self.logit_multiplier
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize(
+    "model_type,model_class,attribute,value",
+    [
+        ("mistral_large4", "MistralLarge4ForConditionalGeneration", "final_logit_softcapping", 2.0),
+        ("inkling2_text", "Inkling2ForCausalLM", "logit_softcap.softcap", 2.0),
+        ("llama", AttributeSoftcapLlama, "cap", 2.0),
+        ("llama", ConditionalScaleLlama, "logit_multiplier", 0.25),
+    ],
+    ids=["mistral_large4", "inkling2_text", "softcap_attribute", "conditional_scale_attribute"],
+)
+def test_logit_transform_kept_on_a_module_is_followed(model_type, model_class, attribute, value):
+    """A soft-cap or scale the forward reads from a module attribute (copied from the config
+    at init, or not in it at all): followed when probed, and when the attribute changes
+    after patching (the config does not)."""
+    if isinstance(model_class, str):
+        model_class = getattr(transformers, model_class)
+    stock = build(model_type, model_class)
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    owner_path, _, name = attribute.rpartition(".")
+    for model in (stock, patched):
+        setattr(model.get_submodule(owner_path), name, value)
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    # Set before patching, away from the config's value: followed too.
+    fresh = flce_hf.apply_flce(hf_tiny.clone(stock))
+    hf_tiny.compare_with_stock(stock, fresh, batch)
+
+
+class ConstantSoftcapLlama(transformers.LlamaForCausalLM):
+    """Soft-caps its logits by a constant written in its code: nothing flce could watch."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = 7.25 * torch.tanh(logits / 7.25)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_softcap_by_a_constant_in_the_code_is_refused():
+    model = build("llama", ConstantSoftcapLlama)
+    with pytest.raises(flce_hf.UnsupportedModelError, match="config entry or a module attribute"):
+        flce_hf.apply_flce(model)
+    assert not flce_hf.is_patched(model)
+
+
 # --------------------------------------------------------------------------- encoder-decoders, labels
 
 

@@ -16,7 +16,8 @@ output type are all its own). Two things are intercepted on the instance
 
 Whether this reproduces a model's loss is established once per instance by ``probe.py``
 (``attach`` installs the interceptor and probes; a failure uninstalls it and raises
-``UnsupportedModelError``), and again when a config entry it depends on changes
+``UnsupportedModelError``), and again when a config entry or module attribute it depends on
+changes
 (``interceptor_for``). Models that compute their cross-entropy inline instead (BART-style
 decoders, route ``inline``) are called without labels, flce adding the loss with the label
 convention the probe found (shifted or not, the targets their ``attention_mask`` hides
@@ -489,7 +490,7 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
     interceptor = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
     changed = None
     if interceptor is not None and interceptor.head is model.get_output_embeddings():
-        changed = interceptor.recipe.changed_config_entry(model.config)
+        changed = interceptor.recipe.changed_entry(model)
         if changed is None:
             if interceptor.settings is not settings:
                 interceptor.settings = settings
@@ -498,7 +499,7 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
         if changed is not None:
             entry, before, now = changed
             raise RuntimeError(
-                f"flce: config.{entry} of {type(model).__name__} changed since it was probed ({before!r} -> "
+                f"flce: {entry} of {type(model).__name__} changed since it was probed ({before!r} -> "
                 f"{now!r}); call it once with labels outside torch.compile (or apply_flce(model) again) to probe it"
             )
         raise RuntimeError(
