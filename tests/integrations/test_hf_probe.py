@@ -246,6 +246,37 @@ def test_softcap_by_a_constant_in_the_code_is_refused():
 # --------------------------------------------------------------------------- encoder-decoders, labels
 
 
+def test_inline_loss_whose_forward_expands_the_sequence_says_why():
+    """Qwen2-Audio's legacy input format (one audio token per audio) expands the sequence and
+    realigns the labels inside its forward, which flce calls without labels: a clear error.
+    Its current format (the audio tokens expanded in input_ids) matches stock."""
+    config = hf_tiny.tiny_config("qwen2_audio")
+    config.audio_config.max_source_positions = 8
+    config.ignore_index = -100  # read by the legacy path of transformers 5.25
+    torch.manual_seed(0)
+    stock = transformers.Qwen2AudioForConditionalGeneration(config).float().eval()
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    frames = 2 * config.audio_config.max_source_positions
+    audio = {
+        "input_features": torch.randn(
+            2, config.audio_config.num_mel_bins, frames, generator=torch.Generator().manual_seed(0)
+        ),
+        "feature_attention_mask": torch.ones(2, frames, dtype=torch.long),
+    }
+    _, tokens = stock.model.audio_tower._get_feat_extract_output_lengths(audio["feature_attention_mask"].sum(-1))
+    for audio_tokens in (1, int(tokens[0])):  # legacy, then expanded
+        batch = hf_tiny.inputs(stock, length=audio_tokens + 8)
+        batch["input_ids"][:, 2 : 2 + audio_tokens] = config.audio_token_id
+        batch["labels"][:, 2 : 2 + audio_tokens] = -100
+        batch = {**batch, **audio, "attention_mask": torch.ones_like(batch["input_ids"])}
+        if audio_tokens == 1:
+            assert stock(**batch).loss.isfinite()
+            with pytest.raises(ValueError, match="Qwen2AudioForConditionalGeneration computes its loss inline.*legacy"):
+                patched(**batch)
+        else:
+            hf_tiny.compare_with_stock(stock, patched, batch)
+
+
 @pytest.mark.parametrize("model_type", ["bart", "t5"])
 def test_encoder_decoders_with_an_inline_loss_are_refused(model_type):
     """flce calls inline-loss models without labels, from which these build the decoder's inputs."""

@@ -406,6 +406,7 @@ class Interceptor:
                 ignore_index = self.settings.options.ignore_index
                 targets = shifted_labels(inline_labels, ignore_index) if recipe.shift else inline_labels
                 logits = output.logits if materialize else self.placeholder
+                _check_inline_positions(type(model).__name__, logits.shape[:-1].numel(), inline_labels)
                 inline_loss = self.loss(logits, targets, ignore_index, None)
         finally:
             self.end()
@@ -436,6 +437,20 @@ def _check_target_count(targets: torch.Tensor, rows: int) -> None:
         raise ValueError(
             f"the labels give {targets.numel()} targets but the logits have {rows} positions "
             "(with logits_to_keep the labels must match the kept positions, as for the stock loss)"
+        )
+
+
+def _check_inline_positions(name: str, positions: int, labels: torch.Tensor) -> None:
+    """A model that computes its loss inline is called without labels, flce scoring them
+    itself: its forward must give one position per label."""
+    if positions != labels.numel():
+        raise ValueError(
+            f"flce: {name} computes its loss inline, so flce calls it without labels and scores them itself, one "
+            f"per position, but its forward gave {positions} positions for labels of shape {tuple(labels.shape)}: "
+            "it changed the sequence length and would realign the labels inside (e.g. Qwen2-Audio's legacy input "
+            "format, one audio token per audio in input_ids, expanded to the audio's frames in the forward); flce "
+            "cannot follow that: expand the audio tokens in input_ids beforehand (as the model's processor does), "
+            "or call the model without flce (remove_flce)"
         )
 
 
