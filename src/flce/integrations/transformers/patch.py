@@ -345,7 +345,10 @@ class Interceptor:
                 "float16, bfloat16 or float32"
             )
         if self.recipe.scale:  # g(z) = a * z: fold a (the processed point 1.0) into the input, differentiably
-            features = features * placeholder[..., :1].to(device=device, dtype=features.dtype)
+            # In fp32, rounded once to the input's dtype: a bf16 copy of a (0.3 -> 0.30078125) would
+            # bias every logit by the same relative error, which the stock model's rounding does not.
+            scale = placeholder[..., :1].to(device=device, dtype=torch.float32)
+            features = (features.float() * scale).to(features.dtype)
         vocab_rows = self.recipe.vocab_rows
         if vocab_rows is not None:  # the forward keeps the first vocab_rows logits: a padded vocabulary
             weight = weight[:vocab_rows]
