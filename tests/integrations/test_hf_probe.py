@@ -277,6 +277,21 @@ def test_inline_loss_whose_forward_expands_the_sequence_says_why():
             hf_tiny.compare_with_stock(stock, patched, batch)
 
 
+def test_inline_loss_with_logits_to_keep_names_it():
+    """Labels that do not match the kept positions: the stock loss's rule, said as such."""
+    stock = build("bart")
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    with pytest.raises(ValueError, match="with logits_to_keep the labels must match the kept positions"):
+        patched(**batch, logits_to_keep=4)
+    kept = batch["labels"][:, -4:]
+    out = patched(**{**batch, "labels": kept}, logits_to_keep=4)
+    # The stock forward's own .view fails on the kept logits: its cross-entropy (unshifted) by hand.
+    logits = stock(input_ids=batch["input_ids"], logits_to_keep=4).logits
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), kept.reshape(-1))
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("model_type", ["bart", "t5"])
 def test_encoder_decoders_with_an_inline_loss_are_refused(model_type):
     """flce calls inline-loss models without labels, from which these build the decoder's inputs."""

@@ -409,7 +409,8 @@ class Interceptor:
                 ignore_index = self.settings.options.ignore_index
                 targets = shifted_labels(inline_labels, ignore_index) if recipe.shift else inline_labels
                 logits = output.logits if materialize else self.placeholder
-                _check_inline_positions(type(model).__name__, logits.shape[:-1].numel(), inline_labels)
+                positions = logits.shape[:-1].numel()
+                _check_inline_positions(type(model).__name__, positions, inline_labels, kwargs.get("logits_to_keep"))
                 inline_loss = self.loss(logits, targets, ignore_index, None)
         finally:
             self.end()
@@ -443,18 +444,21 @@ def _check_target_count(targets: torch.Tensor, rows: int) -> None:
         )
 
 
-def _check_inline_positions(name: str, positions: int, labels: torch.Tensor) -> None:
+def _check_inline_positions(name: str, positions: int, labels: torch.Tensor, logits_to_keep) -> None:
     """A model that computes its loss inline is called without labels, flce scoring them
     itself: its forward must give one position per label."""
-    if positions != labels.numel():
-        raise ValueError(
-            f"flce: {name} computes its loss inline, so flce calls it without labels and scores them itself, one "
-            f"per position, but its forward gave {positions} positions for labels of shape {tuple(labels.shape)}: "
-            "it changed the sequence length and would realign the labels inside (e.g. Qwen2-Audio's legacy input "
-            "format, one audio token per audio in input_ids, expanded to the audio's frames in the forward); flce "
-            "cannot follow that: expand the audio tokens in input_ids beforehand (as the model's processor does), "
-            "or call the model without flce (remove_flce)"
-        )
+    if positions == labels.numel():
+        return
+    if logits_to_keep is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        _check_target_count(labels, positions)  # the labels must match the kept positions, as for the stock loss
+    raise ValueError(
+        f"flce: {name} computes its loss inline, so flce calls it without labels and scores them itself, one "
+        f"per position, but its forward gave {positions} positions for labels of shape {tuple(labels.shape)}: "
+        "it changed the sequence length and would realign the labels inside (e.g. Qwen2-Audio's legacy input "
+        "format, one audio token per audio in input_ids, expanded to the audio's frames in the forward); flce "
+        "cannot follow that: expand the audio tokens in input_ids beforehand (as the model's processor does), "
+        "or call the model without flce (remove_flce)"
+    )
 
 
 def _without_labels(args: tuple, kwargs: dict, labels_index: int | None):
