@@ -226,6 +226,38 @@ def test_logit_transform_kept_on_a_module_is_followed(model_type, model_class, a
     hf_tiny.compare_with_stock(stock, fresh, batch)
 
 
+class ScaledSoftcapLlama(transformers.LlamaForCausalLM):
+    """Scales its logits, then soft-caps them (MuseSpark's output_multiplier before its
+    final_logit_softcapping: c * tanh(a * z / c))."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.output_multiplier = 0.3
+        self.final_logit_softcapping = 2.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state) * self.output_multiplier
+        logits = self.final_logit_softcapping * torch.tanh(logits / self.final_logit_softcapping)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_scale_before_a_softcap_is_followed_and_learnable():
+    stock = build("llama", ScaledSoftcapLlama)
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    assert recipe(patched).scale and recipe(patched).softcap == 2.0
+    batch = hf_tiny.inputs(stock)
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    for model in (stock, patched):  # changed after patching: read again at the call
+        model.output_multiplier = 1.0
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    for model in (stock, patched):  # a learnable one, at 1.0 when probed
+        model.output_multiplier = torch.nn.Parameter(torch.tensor(1.0))
+    fresh = flce_hf.apply_flce(hf_tiny.clone(stock))
+    hf_tiny.compare_with_stock(stock, fresh, batch)
+    assert fresh.output_multiplier.grad is not None and fresh.output_multiplier.grad.abs() > 0
+
+
 class ConstantSoftcapLlama(transformers.LlamaForCausalLM):
     """Soft-caps its logits by a constant written in its code: nothing flce could watch."""
 

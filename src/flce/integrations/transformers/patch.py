@@ -55,6 +55,7 @@ from flce.integrations.transformers.probe import (
     known_loss_functions,
     masked_labels,
     probe,
+    scale_before_softcap,
     shifted_labels,
     vocabulary_points,
 )
@@ -348,6 +349,8 @@ class Interceptor:
             # In fp32, rounded once to the input's dtype: a bf16 copy of a (0.3 -> 0.30078125) would
             # bias every logit by the same relative error, which the stock model's rounding does not.
             scale = placeholder[..., :1].to(device=device, dtype=torch.float32)
+            if self.recipe.softcap is not None:  # g(z) = c * tanh(a * z / c): a from g(1)
+                scale = scale_before_softcap(scale, self.recipe.softcap)
             features = (features.float() * scale).to(features.dtype)
         vocab_rows = self.recipe.vocab_rows
         if vocab_rows is not None:  # the forward keeps the first vocab_rows logits: a padded vocabulary

@@ -8,9 +8,9 @@ Forwards on a ``PROBE_LENGTH``-token input, in training and eval mode, with the 
   touch the logits (the leaf enters with weight 1, the placeholder not at all), that no other
   output field is computed from the logits, and the values ``loss_function`` receives show
   the post-processing (none, a scale, or a soft-cap whose value a config entry or a module
-  attribute holds: one written as a constant in the code is refused). A forward that transforms
-  the logits at all gets its scale read at every call, even one that is 1.0 when probed (a
-  learnable scale gets its gradient, a scale set later is followed);
+  attribute holds, possibly after a scale: one written as a constant in the code is refused).
+  A forward that transforms the logits at all gets its scale read at every call, even one
+  that is 1.0 when probed (a learnable scale gets its gradient, a scale set later is followed);
 - once more with a placeholder as wide as the vocabulary: a forward that keeps only the first
   columns (a padded vocabulary, e.g. ``config.unpadded_vocab_size``) is scored over those rows
   of the weight; any other change to particular columns is refused;
@@ -87,9 +87,10 @@ class Recipe:
     route: str  # ROUTE_LOSS_FUNCTION or ROUTE_INLINE
     shift: bool  # position t is scored against labels[t + 1]
     # The forward transforms the head's output by a scale, read at every call from the
-    # processed placeholder (the point 1.0), so it may be 1.0 when probed, learnable or changed.
+    # processed placeholder (the point 1.0; through the soft-cap where there is one), so it
+    # may be 1.0 when probed, learnable or changed.
     scale: bool
-    softcap: float | None  # then soft-capped: z -> c * tanh(z / c)
+    softcap: float | None  # then soft-capped: z -> c * tanh(z / c), after the scale
     output_fields: tuple[str, ...]  # the output dataclass's fields, to rebuild it without the logits
     vocab_rows: int | None = None  # the forward keeps the logits of the first vocab_rows tokens only
     mask_drops_targets: bool = False  # inline route: targets at positions attention_mask hides are not scored
@@ -307,11 +308,16 @@ def _other_leaves(tensor: torch.Tensor, known: torch.Tensor, limit: int = 10_000
 # --------------------------------------------------------------------------- transforms
 
 
-def _fit_transform(name: str, received: torch.Tensor, model, transformed: bool) -> tuple[bool, float | None]:
-    """(scale, softcap) such that the model's post-processing g is ``softcap(scale * z)``.
-    ``transformed``: the forward handed ``loss_function`` another tensor than the head's
-    output, so its scale is read at every call even where it is 1.0 now. A soft-cap must be
-    the value of a config entry or module attribute (``_softcap_candidates``)."""
+def _fit_transform(
+    name: str, received: torch.Tensor, model, transformed: bool, learnable: bool
+) -> tuple[bool, float | None]:
+    """(scale, softcap) such that the model's post-processing g is ``softcap(a * z)``, ``a``
+    read at every call where ``scale``. ``transformed``: the forward handed ``loss_function``
+    another tensor than the head's output, so its scale is read at every call even where it
+    is 1.0 now; ``learnable``: that tensor reads a parameter (a learnable scale). A soft-cap
+    must be the value of a config entry or module attribute (``_softcap_candidates``); a scale
+    before it (MuseSpark's ``output_multiplier``) is read back at every call through the
+    soft-cap (``scale_before_softcap``)."""
     rows = received.detach().double().reshape(-1, len(PLACEHOLDER_POINTS))
     if not bool((rows == rows[:1]).all()):
         raise UnsupportedModelError(name, "its post-processing of the logits differs between positions")
@@ -322,24 +328,36 @@ def _fit_transform(name: str, received: torch.Tensor, model, transformed: bool) 
     if scale != 0 and torch.allclose(observed, scale * points, rtol=rtol, atol=0):
         # Identity included: a transform that gives 1.0 now (a learnable scale at its initial
         # value, a config scale of 1) may not later.
-        return transformed, None
+        return transformed or bool(scale != 1), None
     for cap in _softcap_candidates(model):
-        if torch.allclose(observed, cap * torch.tanh(points / cap), rtol=max(rtol, 1e-6), atol=0):
-            return False, cap
+        if not abs(float(scale)) < cap:
+            continue
+        before = scale_before_softcap(scale, cap)
+        if torch.allclose(observed, cap * torch.tanh(before * points / cap), rtol=max(rtol, 1e-6), atol=0):
+            return learnable or not math.isclose(float(before), 1.0, rel_tol=max(rtol, 1e-6)), cap
     seen = ", ".join(f"{p:g} -> {v:.6g}" for p, v in zip(PLACEHOLDER_POINTS, observed.tolist(), strict=True))
     raise UnsupportedModelError(
         name,
         f"its forward transforms the head's output by a function that is neither a scale nor a soft-cap "
-        f"c * tanh(z / c) whose c is a config entry or a module attribute ({seen}); flce cannot fold it into the "
-        "loss (nor follow a soft-cap written as a constant in the code)",
+        f"c * tanh(a * z / c) whose c is a config entry or a module attribute ({seen}); flce cannot fold it into "
+        "the loss (nor follow a soft-cap written as a constant in the code)",
     )
 
 
-def _expected_transform(recipe: Recipe, points: torch.Tensor, scale: float) -> torch.Tensor:
-    """The recipe's post-processing of ``points`` (float64)."""
+def scale_before_softcap(processed_one, softcap: float):
+    """``a`` of a post-processing ``softcap * tanh(a * z / softcap)``, from its value at z = 1
+    (a float, or a tensor: differentiably, so a learnable ``a`` gets its gradient)."""
+    if isinstance(processed_one, torch.Tensor):
+        return softcap * torch.atanh(processed_one / softcap)
+    return softcap * math.atanh(processed_one / softcap)
+
+
+def _expected_transform(recipe: Recipe, points: torch.Tensor, processed_one: float) -> torch.Tensor:
+    """The recipe's post-processing of ``points`` (float64), ``processed_one`` its value at 1.0."""
     if recipe.softcap is not None:
-        return recipe.softcap * torch.tanh(points / recipe.softcap)
-    return scale * points if recipe.scale else points
+        before = scale_before_softcap(processed_one, recipe.softcap) if recipe.scale else 1.0
+        return recipe.softcap * torch.tanh(before * points / recipe.softcap)
+    return processed_one * points if recipe.scale else points
 
 
 # --------------------------------------------------------------------------- checks
@@ -435,8 +453,9 @@ def _probe_loss_function(name, interceptor, model, output, error) -> Recipe:
         )
     if _depends(weight_of_logits):
         raise UnsupportedModelError(name, "its loss uses the logits outside loss_function (e.g. a z-loss on them)")
-    scale, softcap = _fit_transform(name, received, model, transformed=received is not placeholder)
-    if received.requires_grad and _other_leaves(received, placeholder) and not scale:
+    learnable = received.requires_grad and _other_leaves(received, placeholder)
+    scale, softcap = _fit_transform(name, received, model, transformed=received is not placeholder, learnable=learnable)
+    if learnable and not scale:
         raise UnsupportedModelError(
             name, "its post-processing of the logits reads a learnable tensor in a way that is not a plain scale"
         )
