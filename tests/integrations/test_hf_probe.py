@@ -202,10 +202,11 @@ class ConditionalScaleLlama(transformers.LlamaForCausalLM):
     [
         ("mistral_large4", "MistralLarge4ForConditionalGeneration", "final_logit_softcapping", 2.0),
         ("inkling2_text", "Inkling2ForCausalLM", "logit_softcap.softcap", 2.0),
+        ("inkling2_text", "Inkling2ForCausalLM", "logit_softcap", "a new Inkling2Softcap(2.0)"),
         ("llama", AttributeSoftcapLlama, "cap", 2.0),
         ("llama", ConditionalScaleLlama, "logit_multiplier", 0.25),
     ],
-    ids=["mistral_large4", "inkling2_text", "softcap_attribute", "conditional_scale_attribute"],
+    ids=["mistral_large4", "inkling2_text", "inkling2_text_module_replaced", "softcap_attribute", "conditional_scale"],
 )
 def test_logit_transform_kept_on_a_module_is_followed(model_type, model_class, attribute, value):
     """A soft-cap or scale the forward reads from a module attribute (copied from the config
@@ -219,7 +220,8 @@ def test_logit_transform_kept_on_a_module_is_followed(model_type, model_class, a
     hf_tiny.compare_with_stock(stock, patched, batch)
     owner_path, _, name = attribute.rpartition(".")
     for model in (stock, patched):
-        setattr(model.get_submodule(owner_path), name, value)
+        owner = model.get_submodule(owner_path)
+        setattr(owner, name, type(getattr(owner, name))(2.0) if isinstance(value, str) else value)
     hf_tiny.compare_with_stock(stock, patched, batch)
     # Set before patching, away from the config's value: followed too.
     fresh = flce_hf.apply_flce(hf_tiny.clone(stock))

@@ -75,8 +75,9 @@ READ_MARKERS = ("softcap", "soft_cap", "logit", "vocab", "multiplier")
 # --------------------------------------------------------------------------- recipe
 
 ConfigPath = tuple[str, ...]
-# (the module's name in ``model.named_modules()``, "" for the model itself; the attribute)
-ModuleAttribute = tuple[str, str]
+# (the module's path from the model, its name in ``model.named_modules()`` split at the
+# dots, () for the model itself; the attribute)
+ModuleAttribute = tuple[tuple[str, ...], str]
 _MISSING = object()
 
 
@@ -110,14 +111,13 @@ class Recipe:
                 current = getattr(current, key, _MISSING)
             if not _same_value(current, value):
                 return "config." + ".".join(path), value, None if current is _MISSING else current
-        for (module_name, attribute), value in self.module_reads:
-            try:
-                current = getattr(model.get_submodule(module_name), attribute, _MISSING)
-            except AttributeError:  # the module was replaced or removed (e.g. PEFT wrapping it)
-                current = _MISSING
+        for (path, attribute), value in self.module_reads:
+            module = model
+            for key in path:  # the module now at that path (children may be replaced, e.g. by PEFT)
+                module = module._modules.get(key) if module is not None else None
+            current = _MISSING if module is None else getattr(module, attribute, _MISSING)
             if not _same_value(current, value):
-                where = f"{module_name}.{attribute}" if module_name else attribute
-                return f"the attribute {where}", value, None if current is _MISSING else current
+                return f"the attribute {'.'.join((*path, attribute))}", value, None if current is _MISSING else current
         return None
 
 
@@ -208,9 +208,10 @@ def _module_attributes(model) -> Iterator[tuple[ModuleAttribute, Any]]:
     (the model's own included) that hold a number or None: where a forward may keep a
     soft-cap or a scale instead of reading its config."""
     for module_name, module in model.named_modules():
+        path = tuple(module_name.split(".")) if module_name else ()
         for attribute, value in vars(module).items():
             if not attribute.startswith("_") and (value is None or _is_number(value)):
-                yield (module_name, attribute), value
+                yield (path, attribute), value
 
 
 def _softcap_candidates(model) -> list[float]:
