@@ -126,7 +126,8 @@ def _same_value(current, recorded) -> bool:
         return True
     if type(current) is not type(recorded):
         return False
-    return current == recorded or (isinstance(current, float) and math.isnan(current) and math.isnan(recorded))
+    # NaN is the one value unequal to itself (not math.isnan: torch.compile traces this, per call)
+    return current == recorded or (current != current and recorded != recorded)
 
 
 def known_loss_functions() -> dict[Any, bool]:
