@@ -512,6 +512,26 @@ def test_peft_per_row_adapters_on_the_head_are_refused_at_the_call():
     torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=1e-5, atol=1e-6)
 
 
+def test_loss_function_replaced_after_patching_is_probed_again():
+    """model.loss_type picks the stock loss function at every call, model.loss_function = f
+    replaces it: either is probed again (followed or refused), not scored by the function
+    found when patched, nor handed the head's placeholder."""
+    stock = build("llama")
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    for model in (stock, patched):
+        model.loss_type = "ForMaskedLM"  # unshifted labels
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    assert recipe(patched).shift is False
+
+    def own_loss(logits, labels, vocab_size, **kwargs):
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten().clamp(min=0, max=3))
+
+    patched.loss_function = own_loss
+    with pytest.raises(flce_hf.UnsupportedModelError, match="its loss_function is '.*own_loss'"):
+        patched(**batch)
+
+
 def test_float64_model_is_refused_at_patch_time():
     model = build("llama").double()
     with pytest.raises(flce_hf.UnsupportedModelError, match="float64"):

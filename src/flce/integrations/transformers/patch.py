@@ -226,6 +226,7 @@ class Interceptor:
         self.loss_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # probe: (logits received, result leaf)
         self.handles: list[Any] = []
         self.previous_loss_function = None
+        self.loss_type = None  # the model's loss_type when installed: the stock loss_function follows it
 
     # -- installation
 
@@ -235,8 +236,15 @@ class Interceptor:
             self.head.register_forward_hook(_HeadOutputHook(self)),
         ]
         self.previous_loss_function = model.__dict__.get("_loss_function")
+        self.loss_type = getattr(model, "loss_type", None)
         model._loss_function = self  # the `loss_function` property returns it
         setattr(model, INTERCEPTOR_ATTRIBUTE, self)
+
+    def owns_loss_function(self, model: torch.nn.Module) -> bool:
+        """Whether the model's ``loss_function`` is still this interceptor over the function
+        the model had when it was installed: not replaced since (``model.loss_function = f``),
+        nor its ``loss_type`` changed (which picks the stock function)."""
+        return model.__dict__.get("_loss_function") is self and getattr(model, "loss_type", None) == self.loss_type
 
     def uninstall(self, model: torch.nn.Module) -> None:
         for handle in self.handles:
@@ -511,10 +519,15 @@ def attach(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
 
 def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
     """The instance's interceptor, attached (and probed) on first use or when its head was
-    replaced (``resize_token_embeddings``, PEFT wrapping the head after patching)."""
+    replaced (``resize_token_embeddings``, PEFT wrapping the head after patching) or its loss
+    function (``model.loss_function = f``, ``model.loss_type = ...``)."""
     interceptor = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
     changed = None
-    if interceptor is not None and interceptor.head is model.get_output_embeddings():
+    if (
+        interceptor is not None
+        and interceptor.head is model.get_output_embeddings()
+        and interceptor.owns_loss_function(model)
+    ):
         changed = interceptor.recipe.changed_entry(model)
         if changed is None:
             if interceptor.settings is not settings:
@@ -528,8 +541,8 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
                 "outside torch.compile (or apply_flce(model) again) to probe it"
             )
         raise RuntimeError(
-            f"flce: {type(model).__name__} has not been probed yet (or its head was replaced); call it once with "
-            "labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
+            f"flce: {type(model).__name__} has not been probed yet (or its head or loss_function was replaced); call "
+            "it once with labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
         )
     return attach(model, settings, call)
 
