@@ -26,6 +26,7 @@ LAYERS = 2
 SIZES = {
     "vocab_size": VOCAB,
     "vocab_size_per_layer_input": VOCAB,
+    "unpadded_vocab_size": VOCAB,
     "hidden_size_per_layer_input": 8,
     "hidden_size": HIDDEN,
     "n_embd": HIDDEN,

@@ -167,7 +167,163 @@ def test_config_changed_after_patching_is_followed(model_type, key, before, afte
     assert recipe(patched).softcap == (after if "softcap" in key else None)
 
 
+class AttributeSoftcapLlama(transformers.LlamaForCausalLM):
+    """Soft-caps its logits by an attribute of its own that is not in its config (nor named
+    like a soft-cap), as Mistral Large 4 keeps final_logit_softcapping on the model."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.cap = 5.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = self.cap * torch.tanh(logits / self.cap)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class ConditionalScaleLlama(transformers.LlamaForCausalLM):
+    """Scales its logits by an attribute of its own only when it is not 1."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.logit_multiplier = 1.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        if self.logit_multiplier != 1.0:
+            logits = logits * self.logit_multiplier
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize(
+    "model_type,model_class,attribute,value",
+    [
+        ("mistral_large4", "MistralLarge4ForConditionalGeneration", "final_logit_softcapping", 2.0),
+        ("inkling2_text", "Inkling2ForCausalLM", "logit_softcap.softcap", 2.0),
+        ("inkling2_text", "Inkling2ForCausalLM", "logit_softcap", "a new Inkling2Softcap(2.0)"),
+        ("llama", AttributeSoftcapLlama, "cap", 2.0),
+        ("llama", ConditionalScaleLlama, "logit_multiplier", 0.25),
+    ],
+    ids=["mistral_large4", "inkling2_text", "inkling2_text_module_replaced", "softcap_attribute", "conditional_scale"],
+)
+def test_logit_transform_kept_on_a_module_is_followed(model_type, model_class, attribute, value):
+    """A soft-cap or scale the forward reads from a module attribute (copied from the config
+    at init, or not in it at all): followed when probed, and when the attribute changes
+    after patching (the config does not)."""
+    if isinstance(model_class, str):
+        model_class = getattr(transformers, model_class)
+    stock = build(model_type, model_class)
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    owner_path, _, name = attribute.rpartition(".")
+    for model in (stock, patched):
+        owner = model.get_submodule(owner_path)
+        setattr(owner, name, type(getattr(owner, name))(2.0) if isinstance(value, str) else value)
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    # Set before patching, away from the config's value: followed too.
+    fresh = flce_hf.apply_flce(hf_tiny.clone(stock))
+    hf_tiny.compare_with_stock(stock, fresh, batch)
+
+
+class ScaledSoftcapLlama(transformers.LlamaForCausalLM):
+    """Scales its logits, then soft-caps them (MuseSpark's output_multiplier before its
+    final_logit_softcapping: c * tanh(a * z / c))."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.output_multiplier = 0.3
+        self.final_logit_softcapping = 2.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state) * self.output_multiplier
+        logits = self.final_logit_softcapping * torch.tanh(logits / self.final_logit_softcapping)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_scale_before_a_softcap_is_followed_and_learnable():
+    stock = build("llama", ScaledSoftcapLlama)
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    assert recipe(patched).scale and recipe(patched).softcap == 2.0
+    batch = hf_tiny.inputs(stock)
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    for model in (stock, patched):  # changed after patching: read again at the call
+        model.output_multiplier = 1.0
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    for model in (stock, patched):  # a learnable one, at 1.0 when probed
+        model.output_multiplier = torch.nn.Parameter(torch.tensor(1.0))
+    fresh = flce_hf.apply_flce(hf_tiny.clone(stock))
+    hf_tiny.compare_with_stock(stock, fresh, batch)
+    assert fresh.output_multiplier.grad is not None and fresh.output_multiplier.grad.abs() > 0
+
+
+class ConstantSoftcapLlama(transformers.LlamaForCausalLM):
+    """Soft-caps its logits by a constant written in its code: nothing flce could watch."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = 7.25 * torch.tanh(logits / 7.25)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_softcap_by_a_constant_in_the_code_is_refused():
+    model = build("llama", ConstantSoftcapLlama)
+    with pytest.raises(flce_hf.UnsupportedModelError, match="config entry or a module attribute"):
+        flce_hf.apply_flce(model)
+    assert not flce_hf.is_patched(model)
+
+
 # --------------------------------------------------------------------------- encoder-decoders, labels
+
+
+def test_inline_loss_whose_forward_expands_the_sequence_says_why():
+    """Qwen2-Audio's legacy input format (one audio token per audio) expands the sequence and
+    realigns the labels inside its forward, which flce calls without labels: a clear error.
+    Its current format (the audio tokens expanded in input_ids) matches stock."""
+    config = hf_tiny.tiny_config("qwen2_audio")
+    config.audio_config.max_source_positions = 8
+    config.ignore_index = -100  # read by the legacy path of transformers 5.25
+    torch.manual_seed(0)
+    stock = transformers.Qwen2AudioForConditionalGeneration(config).float().eval()
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    frames = 2 * config.audio_config.max_source_positions
+    audio = {
+        "input_features": torch.randn(
+            2, config.audio_config.num_mel_bins, frames, generator=torch.Generator().manual_seed(0)
+        ),
+        "feature_attention_mask": torch.ones(2, frames, dtype=torch.long),
+    }
+    _, tokens = stock.model.audio_tower._get_feat_extract_output_lengths(audio["feature_attention_mask"].sum(-1))
+    for audio_tokens in (1, int(tokens[0])):  # legacy, then expanded
+        batch = hf_tiny.inputs(stock, length=audio_tokens + 8)
+        batch["input_ids"][:, 2 : 2 + audio_tokens] = config.audio_token_id
+        batch["labels"][:, 2 : 2 + audio_tokens] = -100
+        batch = {**batch, **audio, "attention_mask": torch.ones_like(batch["input_ids"])}
+        if audio_tokens == 1:
+            assert stock(**batch).loss.isfinite()
+            with pytest.raises(ValueError, match="Qwen2AudioForConditionalGeneration computes its loss inline.*legacy"):
+                patched(**batch)
+        else:
+            hf_tiny.compare_with_stock(stock, patched, batch)
+
+
+def test_inline_loss_with_logits_to_keep_names_it():
+    """Labels that do not match the kept positions: the stock loss's rule, said as such."""
+    stock = build("bart")
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    with pytest.raises(ValueError, match="with logits_to_keep the labels must match the kept positions"):
+        patched(**batch, logits_to_keep=4)
+    kept = batch["labels"][:, -4:]
+    out = patched(**{**batch, "labels": kept}, logits_to_keep=4)
+    # The stock forward's own .view fails on the kept logits: its cross-entropy (unshifted) by hand.
+    logits = stock(input_ids=batch["input_ids"], logits_to_keep=4).logits
+    expected = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), kept.reshape(-1))
+    torch.testing.assert_close(out.loss, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("model_type", ["bart", "t5"])
@@ -354,6 +510,26 @@ def test_peft_per_row_adapters_on_the_head_are_refused_at_the_call():
         patched(**batch)
     out = patched(**batch, skip_logits=False)  # the model's own logits, one adapter per row
     torch.testing.assert_close(out.loss, stock(**batch).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_function_replaced_after_patching_is_probed_again():
+    """model.loss_type picks the stock loss function at every call, model.loss_function = f
+    replaces it: either is probed again (followed or refused), not scored by the function
+    found when patched, nor handed the head's placeholder."""
+    stock = build("llama")
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    for model in (stock, patched):
+        model.loss_type = "ForMaskedLM"  # unshifted labels
+    hf_tiny.compare_with_stock(stock, patched, batch)
+    assert recipe(patched).shift is False
+
+    def own_loss(logits, labels, vocab_size, **kwargs):
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten().clamp(min=0, max=3))
+
+    patched.loss_function = own_loss
+    with pytest.raises(flce_hf.UnsupportedModelError, match="its loss_function is '.*own_loss'"):
+        patched(**batch)
 
 
 def test_float64_model_is_refused_at_patch_time():

@@ -52,6 +52,46 @@ def test_compile_of_class_patched_model_says_to_probe_first():
         flce_hf.unpatch_model_type(transformers.LlamaForCausalLM)
 
 
+class AttributeSoftcapLlama(transformers.LlamaForCausalLM):
+    """Soft-caps its logits by an attribute of its own, not in its config."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.cap = 5.0
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        logits = self.cap * torch.tanh(logits / self.cap)
+        loss = self.loss_function(logits, labels, self.vocab_size) if labels is not None else None
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("where", ["config", "module attribute"])
+def test_compiled_model_whose_softcap_changes_says_to_probe_again(where):
+    """A soft-cap changed after compiling: a clear error naming it (not a trace failure on
+    the new value), then one eager call with labels probes again and compiling matches stock."""
+    if where == "config":
+        stock = hf_tiny.build(hf_tiny.tiny_config("gemma2"))
+        owner, name, expected = stock.config, "final_logit_softcapping", "config.final_logit_softcapping"
+    else:
+        torch.manual_seed(0)
+        stock = AttributeSoftcapLlama(hf_tiny.tiny_config("llama")).eval()
+        owner, name, expected = stock, "cap", "the attribute cap"
+    patched = flce_hf.apply_flce(hf_tiny.clone(stock))
+    batch = hf_tiny.inputs(stock)
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="eager")
+    compiled(**batch)
+    for model_owner in (owner, patched.config if where == "config" else patched):
+        setattr(model_owner, name, 2.0)
+    with pytest.raises(Exception, match=f"{expected} of {type(stock).__name__} changed since it was probed"):
+        compiled(**batch)
+    patched(**batch)  # one eager call with labels probes again
+    torch._dynamo.reset()
+    compiled = torch.compile(patched, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(**batch).loss, stock(**batch).loss, rtol=1e-5, atol=1e-6)
+
+
 def test_gradient_checkpointing():
     stock, patched = llama()
     for model in (stock, patched):

@@ -106,6 +106,28 @@ def test_loss_and_grads_match_hf(arch, use_num_items):
     assert_grads_close(ref, patched)
 
 
+@pytest.mark.parametrize("arch", ["llama", "bart"])
+def test_every_target_ignored_gives_zero_loss_and_gradients(arch):
+    """flce's rule (CONTRACT: no NaN) where the stock mean is 0/0 = NaN; with num_items_in_batch
+    both are 0. bart: the inline route."""
+    if arch == "bart":
+        from tests.integrations import hf_tiny
+
+        ref = hf_tiny.build(hf_tiny.tiny_config("bart"))
+        patched = flce_hf.apply_flce(copy.deepcopy(ref))
+    else:
+        ref, patched = pair(arch)
+    input_ids, attention_mask, labels = make_batch()
+    ignored = torch.full_like(labels, -100)
+    assert ref(input_ids=input_ids, labels=ignored).loss.isnan()
+    out = patched(input_ids=input_ids, labels=ignored)
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+    assert all(bool((g == 0).all()) for g in grads(patched).values())
+    out = patched(input_ids=input_ids, labels=ignored, num_items_in_batch=torch.tensor(5))
+    assert out.loss.item() == 0.0
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_shift_labels_kwarg(arch):
     ref, patched = pair(arch)

@@ -13,8 +13,8 @@ shift the model uses (or not), its logit scale (Cohere, Granite; a learnable one
 gradient) and soft-cap (Gemma), a padded vocabulary (the first rows of the weight), MoE
 auxiliary losses, LoRA on the head, PEFT ``modules_to_save`` and accelerate offloading of the
 head. Each model instance is probed once (a few forwards on a 6-token input, leaving the
-random generators and the grad mode as they were; again when a config entry the result
-depends on changes) to establish this; what cannot be established is refused with
+random generators and the grad mode as they were; again when a config entry or module
+attribute the result depends on changes) to establish this; what cannot be established is refused with
 ``UnsupportedModelError``, leaving the model as it was (e.g. encoder-decoder models that
 compute their loss inline, heads in float64).
 

@@ -16,7 +16,8 @@ output type are all its own). Two things are intercepted on the instance
 
 Whether this reproduces a model's loss is established once per instance by ``probe.py``
 (``attach`` installs the interceptor and probes; a failure uninstalls it and raises
-``UnsupportedModelError``), and again when a config entry it depends on changes
+``UnsupportedModelError``), and again when a config entry or module attribute it depends on
+changes
 (``interceptor_for``). Models that compute their cross-entropy inline instead (BART-style
 decoders, route ``inline``) are called without labels, flce adding the loss with the label
 convention the probe found (shifted or not, the targets their ``attention_mask`` hides
@@ -54,6 +55,7 @@ from flce.integrations.transformers.probe import (
     known_loss_functions,
     masked_labels,
     probe,
+    scale_before_softcap,
     shifted_labels,
     vocabulary_points,
 )
@@ -224,6 +226,7 @@ class Interceptor:
         self.loss_calls: list[tuple[torch.Tensor, torch.Tensor]] = []  # probe: (logits received, result leaf)
         self.handles: list[Any] = []
         self.previous_loss_function = None
+        self.loss_type = None  # the model's loss_type when installed: the stock loss_function follows it
 
     # -- installation
 
@@ -233,8 +236,15 @@ class Interceptor:
             self.head.register_forward_hook(_HeadOutputHook(self)),
         ]
         self.previous_loss_function = model.__dict__.get("_loss_function")
+        self.loss_type = getattr(model, "loss_type", None)
         model._loss_function = self  # the `loss_function` property returns it
         setattr(model, INTERCEPTOR_ATTRIBUTE, self)
+
+    def owns_loss_function(self, model: torch.nn.Module) -> bool:
+        """Whether the model's ``loss_function`` is still this interceptor over the function
+        the model had when it was installed: not replaced since (``model.loss_function = f``),
+        nor its ``loss_type`` changed (which picks the stock function)."""
+        return model.__dict__.get("_loss_function") is self and getattr(model, "loss_type", None) == self.loss_type
 
     def uninstall(self, model: torch.nn.Module) -> None:
         for handle in self.handles:
@@ -344,7 +354,12 @@ class Interceptor:
                 "float16, bfloat16 or float32"
             )
         if self.recipe.scale:  # g(z) = a * z: fold a (the processed point 1.0) into the input, differentiably
-            features = features * placeholder[..., :1].to(device=device, dtype=features.dtype)
+            # In fp32, rounded once to the input's dtype: a bf16 copy of a (0.3 -> 0.30078125) would
+            # bias every logit by the same relative error, which the stock model's rounding does not.
+            scale = placeholder[..., :1].to(device=device, dtype=torch.float32)
+            if self.recipe.softcap is not None:  # g(z) = c * tanh(a * z / c): a from g(1)
+                scale = scale_before_softcap(scale, self.recipe.softcap)
+            features = (features.float() * scale).to(features.dtype)
         vocab_rows = self.recipe.vocab_rows
         if vocab_rows is not None:  # the forward keeps the first vocab_rows logits: a padded vocabulary
             weight = weight[:vocab_rows]
@@ -405,6 +420,8 @@ class Interceptor:
                 ignore_index = self.settings.options.ignore_index
                 targets = shifted_labels(inline_labels, ignore_index) if recipe.shift else inline_labels
                 logits = output.logits if materialize else self.placeholder
+                positions = logits.shape[:-1].numel()
+                _check_inline_positions(type(model).__name__, positions, inline_labels, kwargs.get("logits_to_keep"))
                 inline_loss = self.loss(logits, targets, ignore_index, None)
         finally:
             self.end()
@@ -436,6 +453,23 @@ def _check_target_count(targets: torch.Tensor, rows: int) -> None:
             f"the labels give {targets.numel()} targets but the logits have {rows} positions "
             "(with logits_to_keep the labels must match the kept positions, as for the stock loss)"
         )
+
+
+def _check_inline_positions(name: str, positions: int, labels: torch.Tensor, logits_to_keep) -> None:
+    """A model that computes its loss inline is called without labels, flce scoring them
+    itself: its forward must give one position per label."""
+    if positions == labels.numel():
+        return
+    if logits_to_keep is not None and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        _check_target_count(labels, positions)  # the labels must match the kept positions, as for the stock loss
+    raise ValueError(
+        f"flce: {name} computes its loss inline, so flce calls it without labels and scores them itself, one "
+        f"per position, but its forward gave {positions} positions for labels of shape {tuple(labels.shape)}: "
+        "it changed the sequence length and would realign the labels inside (e.g. Qwen2-Audio's legacy input "
+        "format, one audio token per audio in input_ids, expanded to the audio's frames in the forward); flce "
+        "cannot follow that: expand the audio tokens in input_ids beforehand (as the model's processor does), "
+        "or call the model without flce (remove_flce)"
+    )
 
 
 def _without_labels(args: tuple, kwargs: dict, labels_index: int | None):
@@ -485,25 +519,30 @@ def attach(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
 
 def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interceptor:
     """The instance's interceptor, attached (and probed) on first use or when its head was
-    replaced (``resize_token_embeddings``, PEFT wrapping the head after patching)."""
+    replaced (``resize_token_embeddings``, PEFT wrapping the head after patching) or its loss
+    function (``model.loss_function = f``, ``model.loss_type = ...``)."""
     interceptor = model.__dict__.get(INTERCEPTOR_ATTRIBUTE)
     changed = None
-    if interceptor is not None and interceptor.head is model.get_output_embeddings():
-        changed = interceptor.recipe.changed_config_entry(model.config)
+    if (
+        interceptor is not None
+        and interceptor.head is model.get_output_embeddings()
+        and interceptor.owns_loss_function(model)
+    ):
+        changed = interceptor.recipe.changed_entry(model)
         if changed is None:
             if interceptor.settings is not settings:
                 interceptor.settings = settings
             return interceptor
     if torch.compiler.is_compiling():
         if changed is not None:
-            entry, before, now = changed
+            entry = changed[0]  # not the values: torch.compile may trace the new one as a symbol
             raise RuntimeError(
-                f"flce: config.{entry} of {type(model).__name__} changed since it was probed ({before!r} -> "
-                f"{now!r}); call it once with labels outside torch.compile (or apply_flce(model) again) to probe it"
+                f"flce: {entry} of {type(model).__name__} changed since it was probed; call it once with labels "
+                "outside torch.compile (or apply_flce(model) again) to probe it"
             )
         raise RuntimeError(
-            f"flce: {type(model).__name__} has not been probed yet (or its head was replaced); call it once with "
-            "labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
+            f"flce: {type(model).__name__} has not been probed yet (or its head or loss_function was replaced); call "
+            "it once with labels outside torch.compile, or patch the instance with apply_flce(model) before compiling"
         )
     return attach(model, settings, call)
 

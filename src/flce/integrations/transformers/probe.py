@@ -7,9 +7,10 @@ Forwards on a ``PROBE_LENGTH``-token input, in training and eval mode, with the 
   a leaf; autograd then shows that the loss is ``loss_function(...)`` plus terms that never
   touch the logits (the leaf enters with weight 1, the placeholder not at all), that no other
   output field is computed from the logits, and the values ``loss_function`` receives show
-  the post-processing (none, a scale, or a soft-cap of the config). A forward that transforms
-  the logits at all gets its scale read at every call, even one that is 1.0 when probed (a
-  learnable scale gets its gradient, a scale set later is followed);
+  the post-processing (none, a scale, or a soft-cap whose value a config entry or a module
+  attribute holds, possibly after a scale: one written as a constant in the code is refused).
+  A forward that transforms the logits at all gets its scale read at every call, even one
+  that is 1.0 when probed (a learnable scale gets its gradient, a scale set later is followed);
 - once more with a placeholder as wide as the vocabulary: a forward that keeps only the first
   columns (a padded vocabulary, e.g. ``config.unpadded_vocab_size``) is scored over those rows
   of the weight; any other change to particular columns is refused;
@@ -23,8 +24,9 @@ Forwards on a ``PROBE_LENGTH``-token input, in training and eval mode, with the 
 
 The probe leaves the model as it found it: its training flag, and every random generator it
 could draw from (dropout in training mode). It runs under autograd whatever the caller's
-grad mode. The config entries the result depends on (soft-caps, logit scales, vocabulary
-sizes) are recorded; a call that finds one changed probes again (``patch.interceptor_for``).
+grad mode. The config entries and module attributes the result depends on (soft-caps, logit
+scales, vocabulary sizes: ``READ_MARKERS``) are recorded; a call that finds one changed probes
+again (``patch.interceptor_for``).
 
 Whatever cannot be established raises ``UnsupportedModelError`` with the reason.
 """
@@ -63,15 +65,19 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROUTE_LOSS_FUNCTION = "loss_function"  # the forward calls self.loss_function(logits, labels, ...)
 ROUTE_INLINE = "inline"  # the forward computes a plain cross-entropy itself
 
-# Config entries whose names contain one of these may steer the logits' post-processing or
-# width (a soft-cap, a logit scale, a vocabulary size); their values are recorded with the
-# recipe and a call that finds one changed probes again.
-CONFIG_READ_MARKERS = ("softcap", "soft_cap", "logit", "vocab")
+# Config entries and module attributes whose names contain one of these may steer the
+# logits' post-processing or width (a soft-cap, a logit scale or multiplier, a vocabulary
+# size); their values are recorded with the recipe and a call that finds one changed probes
+# again. So are those equal to the soft-cap the probe found, whatever their names.
+READ_MARKERS = ("softcap", "soft_cap", "logit", "vocab", "multiplier")
 
 
 # --------------------------------------------------------------------------- recipe
 
 ConfigPath = tuple[str, ...]
+# (the module's path from the model, its name in ``model.named_modules()`` split at the
+# dots, () for the model itself; the attribute)
+ModuleAttribute = tuple[tuple[str, ...], str]
 _MISSING = object()
 
 
@@ -82,24 +88,36 @@ class Recipe:
     route: str  # ROUTE_LOSS_FUNCTION or ROUTE_INLINE
     shift: bool  # position t is scored against labels[t + 1]
     # The forward transforms the head's output by a scale, read at every call from the
-    # processed placeholder (the point 1.0), so it may be 1.0 when probed, learnable or changed.
+    # processed placeholder (the point 1.0; through the soft-cap where there is one), so it
+    # may be 1.0 when probed, learnable or changed.
     scale: bool
-    softcap: float | None  # then soft-capped: z -> c * tanh(z / c)
+    softcap: float | None  # then soft-capped: z -> c * tanh(z / c), after the scale
     output_fields: tuple[str, ...]  # the output dataclass's fields, to rebuild it without the logits
     vocab_rows: int | None = None  # the forward keeps the logits of the first vocab_rows tokens only
     mask_drops_targets: bool = False  # inline route: targets at positions attention_mask hides are not scored
-    # (path, value) of the config entries the recipe was found with (CONFIG_READ_MARKERS).
+    # (path, value) of the config entries the recipe was found with (READ_MARKERS).
     config_reads: tuple[tuple[ConfigPath, Any], ...] = ()
+    # The same for the attributes of the model's modules: a soft-cap or scale a forward reads
+    # from ``self`` (Mistral Large 4's ``final_logit_softcapping``, Inkling 2's
+    # ``logit_softcap.softcap``) is copied from the config at init and may change without it.
+    module_reads: tuple[tuple[ModuleAttribute, Any], ...] = ()
 
-    def changed_config_entry(self, config) -> tuple[str, Any, Any] | None:
-        """``(dotted path, value when probed, value now)`` of the first recorded config entry
-        that changed since the probe, or None."""
+    def changed_entry(self, model) -> tuple[str, Any, Any] | None:
+        """``(what, value when probed, value now)`` of the first recorded config entry or
+        module attribute of ``model`` that changed since the probe, or None."""
         for path, value in self.config_reads:
-            current = config
+            current = model.config
             for key in path:
                 current = getattr(current, key, _MISSING)
             if not _same_value(current, value):
-                return ".".join(path), value, None if current is _MISSING else current
+                return "config." + ".".join(path), value, None if current is _MISSING else current
+        for (path, attribute), value in self.module_reads:
+            module = model
+            for key in path:  # the module now at that path (children may be replaced, e.g. by PEFT)
+                module = module._modules.get(key) if module is not None else None
+            current = _MISSING if module is None else getattr(module, attribute, _MISSING)
+            if not _same_value(current, value):
+                return f"the attribute {'.'.join((*path, attribute))}", value, None if current is _MISSING else current
         return None
 
 
@@ -108,7 +126,8 @@ def _same_value(current, recorded) -> bool:
         return True
     if type(current) is not type(recorded):
         return False
-    return current == recorded or (isinstance(current, float) and math.isnan(current) and math.isnan(recorded))
+    # NaN is the one value unequal to itself (not math.isnan: torch.compile traces this, per call)
+    return current == recorded or (current != current and recorded != recorded)
 
 
 def known_loss_functions() -> dict[Any, bool]:
@@ -185,27 +204,44 @@ def special_token_ids(config) -> set[int]:
     return found
 
 
-def _softcap_candidates(config) -> list[float]:
-    return [
-        float(value)
-        for key, value in _config_items(config)
-        if ("softcap" in key or "soft_cap" in key) and _is_number(value) and value > 0
-    ]
+def _module_attributes(model) -> Iterator[tuple[ModuleAttribute, Any]]:
+    """``((module name, attribute), value)`` of the public attributes of the model's modules
+    (the model's own included) that hold a number or None: where a forward may keep a
+    soft-cap or a scale instead of reading its config."""
+    for module_name, module in model.named_modules():
+        path = tuple(module_name.split(".")) if module_name else ()
+        for attribute, value in vars(module).items():
+            if not attribute.startswith("_") and (value is None or _is_number(value)):
+                yield (path, attribute), value
+
+
+def _softcap_candidates(model) -> list[float]:
+    """The positive numbers of the config and of the modules' attributes, whatever their
+    names: the soft-cap a forward applies must be one of them for flce to follow it (a
+    change of where it is read from then probes again; a constant in the code is refused)."""
+    values = (value for _, value in (*_config_items(model.config), *_module_attributes(model)))
+    return sorted({float(value) for value in values if _is_number(value) and value > 0})
+
+
+def _is_read(name: str, value, recipe: Recipe) -> bool:
+    """Whether a config entry or module attribute called ``name`` holding ``value`` may change
+    the recipe: named like a soft-cap, a logit scale or a vocabulary size (READ_MARKERS), or
+    equal to the kept vocabulary width or to the soft-cap."""
+    if value is not None and not _is_number(value):
+        return False
+    if any(marker in name.lower() for marker in READ_MARKERS):
+        return True
+    return value is not None and value in (recipe.vocab_rows, recipe.softcap)
 
 
 def _config_reads(config, recipe: Recipe) -> tuple[tuple[ConfigPath, Any], ...]:
-    """The config entries a later change of which may change the recipe: those named like a
-    soft-cap, a logit scale or a vocabulary size, and those equal to the kept vocabulary width."""
-    reads = []
-    for path, value in _config_entries(config):
-        if value is not None and not _is_number(value):
-            continue
-        key = path[-1].lower()
-        if any(marker in key for marker in CONFIG_READ_MARKERS) or (
-            recipe.vocab_rows is not None and value == recipe.vocab_rows
-        ):
-            reads.append((path, value))
-    return tuple(reads)
+    """The config entries a later change of which may change the recipe (``_is_read``)."""
+    return tuple((path, value) for path, value in _config_entries(config) if _is_read(path[-1], value, recipe))
+
+
+def _module_reads(model, recipe: Recipe) -> tuple[tuple[ModuleAttribute, Any], ...]:
+    """The module attributes a later change of which may change the recipe (``_is_read``)."""
+    return tuple((where, value) for where, value in _module_attributes(model) if _is_read(where[1], value, recipe))
 
 
 # --------------------------------------------------------------------------- inputs
@@ -274,10 +310,16 @@ def _other_leaves(tensor: torch.Tensor, known: torch.Tensor, limit: int = 10_000
 # --------------------------------------------------------------------------- transforms
 
 
-def _fit_transform(name: str, received: torch.Tensor, config, transformed: bool) -> tuple[bool, float | None]:
-    """(scale, softcap) such that the model's post-processing g is ``softcap(scale * z)``.
-    ``transformed``: the forward handed ``loss_function`` another tensor than the head's
-    output, so its scale is read at every call even where it is 1.0 now."""
+def _fit_transform(
+    name: str, received: torch.Tensor, model, transformed: bool, learnable: bool
+) -> tuple[bool, float | None]:
+    """(scale, softcap) such that the model's post-processing g is ``softcap(a * z)``, ``a``
+    read at every call where ``scale``. ``transformed``: the forward handed ``loss_function``
+    another tensor than the head's output, so its scale is read at every call even where it
+    is 1.0 now; ``learnable``: that tensor reads a parameter (a learnable scale). A soft-cap
+    must be the value of a config entry or module attribute (``_softcap_candidates``); a scale
+    before it (MuseSpark's ``output_multiplier``) is read back at every call through the
+    soft-cap (``scale_before_softcap``)."""
     rows = received.detach().double().reshape(-1, len(PLACEHOLDER_POINTS))
     if not bool((rows == rows[:1]).all()):
         raise UnsupportedModelError(name, "its post-processing of the logits differs between positions")
@@ -288,23 +330,36 @@ def _fit_transform(name: str, received: torch.Tensor, config, transformed: bool)
     if scale != 0 and torch.allclose(observed, scale * points, rtol=rtol, atol=0):
         # Identity included: a transform that gives 1.0 now (a learnable scale at its initial
         # value, a config scale of 1) may not later.
-        return transformed, None
-    for cap in _softcap_candidates(config):
-        if torch.allclose(observed, cap * torch.tanh(points / cap), rtol=max(rtol, 1e-6), atol=0):
-            return False, cap
+        return transformed or bool(scale != 1), None
+    for cap in _softcap_candidates(model):
+        if not abs(float(scale)) < cap:
+            continue
+        before = scale_before_softcap(scale, cap)
+        if torch.allclose(observed, cap * torch.tanh(before * points / cap), rtol=max(rtol, 1e-6), atol=0):
+            return learnable or not math.isclose(float(before), 1.0, rel_tol=max(rtol, 1e-6)), cap
     seen = ", ".join(f"{p:g} -> {v:.6g}" for p, v in zip(PLACEHOLDER_POINTS, observed.tolist(), strict=True))
     raise UnsupportedModelError(
         name,
-        f"its forward transforms the head's output by a function that is neither a scale nor the config's "
-        f"soft-cap ({seen}); flce cannot fold it into the loss",
+        f"its forward transforms the head's output by a function that is neither a scale nor a soft-cap "
+        f"c * tanh(a * z / c) whose c is a config entry or a module attribute ({seen}); flce cannot fold it into "
+        "the loss (nor follow a soft-cap written as a constant in the code)",
     )
 
 
-def _expected_transform(recipe: Recipe, points: torch.Tensor, scale: float) -> torch.Tensor:
-    """The recipe's post-processing of ``points`` (float64)."""
+def scale_before_softcap(processed_one, softcap: float):
+    """``a`` of a post-processing ``softcap * tanh(a * z / softcap)``, from its value at z = 1
+    (a float, or a tensor: differentiably, so a learnable ``a`` gets its gradient)."""
+    if isinstance(processed_one, torch.Tensor):
+        return softcap * torch.atanh(processed_one / softcap)
+    return softcap * math.atanh(processed_one / softcap)
+
+
+def _expected_transform(recipe: Recipe, points: torch.Tensor, processed_one: float) -> torch.Tensor:
+    """The recipe's post-processing of ``points`` (float64), ``processed_one`` its value at 1.0."""
     if recipe.softcap is not None:
-        return recipe.softcap * torch.tanh(points / recipe.softcap)
-    return scale * points if recipe.scale else points
+        before = scale_before_softcap(processed_one, recipe.softcap) if recipe.scale else 1.0
+        return recipe.softcap * torch.tanh(before * points / recipe.softcap)
+    return processed_one * points if recipe.scale else points
 
 
 # --------------------------------------------------------------------------- checks
@@ -400,8 +455,9 @@ def _probe_loss_function(name, interceptor, model, output, error) -> Recipe:
         )
     if _depends(weight_of_logits):
         raise UnsupportedModelError(name, "its loss uses the logits outside loss_function (e.g. a z-loss on them)")
-    scale, softcap = _fit_transform(name, received, model.config, transformed=received is not placeholder)
-    if received.requires_grad and _other_leaves(received, placeholder) and not scale:
+    learnable = received.requires_grad and _other_leaves(received, placeholder)
+    scale, softcap = _fit_transform(name, received, model, transformed=received is not placeholder, learnable=learnable)
+    if learnable and not scale:
         raise UnsupportedModelError(
             name, "its post-processing of the logits reads a learnable tensor in a way that is not a plain scale"
         )
@@ -637,4 +693,6 @@ def probe(interceptor: Interceptor, original, model) -> Recipe:
         recipe = _probe_attention_mask(name, interceptor, original, model, batch, recipe)
         if recipe.route == ROUTE_LOSS_FUNCTION:
             recipe = _probe_vocabulary(name, interceptor, original, model, batch, recipe)
-    return dataclasses.replace(recipe, config_reads=_config_reads(model.config, recipe))
+    return dataclasses.replace(
+        recipe, config_reads=_config_reads(model.config, recipe), module_reads=_module_reads(model, recipe)
+    )
