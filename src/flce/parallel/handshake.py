@@ -66,7 +66,9 @@ def gather_class_weights(ce_weight, sizes, starts, vocab, group, world) -> torch
 
 
 def resolve_group(process_group):
-    """The process group to run on (the world group by default)."""
+    """The process group to run on (the world group by default). Refused here, before any
+    collective: a rank outside the group (no other rank waits for it) and an object that
+    is not a process group."""
     if not dist.is_available():
         raise RuntimeError(f"{ENTRY} needs torch.distributed, which this PyTorch build lacks")
     if not dist.is_initialized():
@@ -74,7 +76,19 @@ def resolve_group(process_group):
             f"{ENTRY}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
             "first (a group of size 1 is fine) or pass a DTensor weight_shard"
         )
-    return dist.group.WORLD if process_group is None else process_group
+    if process_group is None:
+        return dist.group.WORLD
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns on the ranks left out
+        raise ValueError(
+            f"{ENTRY}: this rank is not a member of process_group; call the loss only on the ranks of the "
+            "group it is given (dist.new_group(ranks) returns a placeholder on the other ranks)"
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{ENTRY}: process_group must be None or a torch.distributed ProcessGroup (dist.new_group(ranks)), "
+            f"got {type(process_group).__name__}"
+        )
+    return process_group
 
 
 def _comm_device(group, input) -> torch.device:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flce.backends.base import BackendSpec, SplitRowKernels, softcap_tanh_is_approximate
-from flce.dispatch import split_row_kernels
+from flce.dispatch import BackendUnavailableError, split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
@@ -67,7 +67,7 @@ from flce.options import (
     validate_fused_inputs,
 )
 from flce.output import LossResult, package_result
-from flce.parallel.dtensor import unwrap_dtensors
+from flce.parallel.dtensor import mesh_group, unwrap_dtensors
 from flce.parallel.handshake import agree_on_call, gather_class_weights, resolve_group
 from flce.plan import CrossEntropyPlan, LinearOperands, Operands, run_loss
 from flce.rows.cross_entropy import (
@@ -144,29 +144,37 @@ class ParallelPlan(CrossEntropyPlan):
             _all_reduce(grads.input, dist.ReduceOp.SUM, self)  # dX = sum_r G_r @ W_r; dW, db stay local
 
 
+def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, vocab_start):
+    """This rank's own refusals (``ValueError``/``TypeError``) -> (compute dtype, vocab_start as an int or None)."""
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
+        raise ValueError(
+            "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
+            "on every rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
+            "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
+            "of at least one row each"
+        )
+    compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
+    validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
+    if vocab_start is not None:
+        vocab_start = as_int("vocab_start", vocab_start)
+        if vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    return compute_dtype, vocab_start
+
+
 def _plan(
-    input, weight, target, bias, ce_weight, options: LossOptions, group, vocab_start
+    input, weight, target, bias, ce_weight, options: LossOptions | None, group, vocab_start, local_error
 ) -> tuple[ParallelPlan, torch.Tensor | None, torch.Tensor]:
     """Local validation, then the handshake (``flce.parallel.handshake``): the plan, the
-    full class weights and the (N,) target as the kernels read it (``index_target``)."""
-    local_error: Exception | None = None
+    full class weights and the (N,) target as the kernels read it (``index_target``).
+    ``local_error``: a refusal found before (options, backend, DTensor adapter), raised in
+    the handshake as the local validation's are."""
     compute_dtype = None
-    try:
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
-            raise ValueError(
-                "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
-                "on every rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
-                "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
-                "of at least one row each"
-            )
-        compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
-        validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
-        if vocab_start is not None:
-            vocab_start = as_int("vocab_start", vocab_start)
-            if vocab_start < 0:
-                raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    except (TypeError, ValueError) as exc:
-        local_error = exc
+    if local_error is None:
+        try:
+            compute_dtype, vocab_start = _local_checks(input, weight, target, bias, ce_weight, options, vocab_start)
+        except (TypeError, ValueError) as exc:
+            local_error = exc
     agreed = agree_on_call(
         input, weight, target, bias, ce_weight, options, compute_dtype, local_error, group, vocab_start
     )
@@ -329,16 +337,35 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     vocab_start: int | None = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
-    split_row_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
-    input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
-        input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
+    return _vocab_parallel_loss(
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, None, process_group, vocab_start
     )
-    refuse_function_transforms(
-        "flce.parallel.vocab_parallel_fused_linear_cross_entropy", (input, weight_shard, bias_shard)
-    )
-    group = resolve_group(process_group)
+
+
+@torch.compiler.disable
+def _vocab_parallel_loss(
+    input, weight_shard, target, bias_shard, ce_weight_shard, options, options_error, process_group, vocab_start
+) -> LossResult:
+    """The call; ``options_error`` (then ``options`` is None): why this rank's options were
+    refused. Every refusal that may differ between ranks (options, backend, the DTensor
+    adapter's, the local validation) is raised in the handshake, on every rank alike: a
+    rank raising before it would leave the others blocked in its all_gather."""
+    group = mesh_group(weight_shard) or resolve_group(process_group)
+    local_error = options_error
+    if local_error is None:
+        try:
+            split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
+            input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
+                input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
+            )
+        except (TypeError, ValueError, BackendUnavailableError) as exc:
+            local_error = exc
+    if local_error is None:
+        refuse_function_transforms(
+            "flce.parallel.vocab_parallel_fused_linear_cross_entropy", (input, weight_shard, bias_shard)
+        )
     plan, ce_full, target_1d = _plan(
-        input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start, local_error
     )
     input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
     operands = LinearOperands(input_2d, weight_shard, bias_shard, target_1d, ce_full)
@@ -406,29 +433,26 @@ def vocab_parallel_fused_linear_cross_entropy(
     ``(C, 2 or 3)`` fp32 tensor; per call one small all_gather (plus one of the class
     weights if given); backward one SUM all-reduce of dX.
     """
-    options = LossOptions(
-        ignore_index=ignore_index,
-        lse_square_scale=lse_square_scale,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-        softcap=softcap,
-        return_z_loss=return_z_loss,
-        accum_dtype=accum_dtype,
-        use_token_scaling=use_token_scaling,
-        return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens,
-        chunk_size=chunk_size,
-        backend=backend,
-    )
-    return vocab_parallel_fused_linear_cross_entropy_with_options(
-        input,
-        weight_shard,
-        target,
-        bias_shard,
-        ce_weight_shard,
-        options,
-        process_group=process_group,
-        vocab_start=vocab_start,
+    try:
+        options = LossOptions(
+            ignore_index=ignore_index,
+            lse_square_scale=lse_square_scale,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+            softcap=softcap,
+            return_z_loss=return_z_loss,
+            accum_dtype=accum_dtype,
+            use_token_scaling=use_token_scaling,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
+        options_error = None
+    except (TypeError, ValueError, BackendUnavailableError) as exc:  # raised in the handshake, on every rank
+        options, options_error = None, exc
+    return _vocab_parallel_loss(
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, options_error, process_group, vocab_start
     )
 
 
