@@ -759,3 +759,11 @@ def test_group_of_one_repeated_backward_does_not_compound(single_group):
     second = torch.autograd.grad(loss, (x, w))
     for a, b in zip(first, second, strict=False):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("option", [dict(vocab_chunk_size=8), dict(memory_budget=2**20)])
+def test_module_refuses_the_single_device_only_options(option):
+    """The vocab-parallel chunks are whole shard rows sized by chunk_size: the module
+    refuses the single-device sizing options instead of ignoring them."""
+    with pytest.raises(TypeError, match=rf"unsupported option\(s\) \['{next(iter(option))}'\]"):
+        VocabParallelFusedLinearCrossEntropyLoss(**option)

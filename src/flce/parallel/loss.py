@@ -47,7 +47,8 @@ entry point is excluded from compilation and runs eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import inspect
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -456,6 +457,12 @@ def vocab_parallel_fused_linear_cross_entropy(
     )
 
 
+# The loss options the vocab-parallel loss takes: the function's keywords that are LossOptions fields.
+_OPTION_NAMES = frozenset(inspect.signature(vocab_parallel_fused_linear_cross_entropy).parameters) & frozenset(
+    f.name for f in fields(LossOptions)
+)
+
+
 class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
     """``forward(input, weight_shard, target, bias_shard=None)``: the vocab-parallel loss.
 
@@ -473,6 +480,13 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
         **options,
     ) -> None:
         super().__init__()
+        unsupported = sorted(set(options) - _OPTION_NAMES)
+        if unsupported:
+            raise TypeError(
+                f"VocabParallelFusedLinearCrossEntropyLoss got unsupported option(s) {unsupported}: it takes the "
+                f"keyword options of vocab_parallel_fused_linear_cross_entropy, {sorted(_OPTION_NAMES)} (its chunks "
+                "are whole shard rows, sized by chunk_size)"
+            )
         self.options = LossOptions(**options)
         self.process_group = process_group
         self.vocab_start = vocab_start
