@@ -272,3 +272,23 @@ def test_inductor_step_on_transposed_hidden_states():
         grads.append((loss.detach(), x.grad, w.grad))
     for e, g in zip(*grads, strict=True):
         torch.testing.assert_close(g, e)
+
+
+def test_a_backend_argument_compiles_without_warnings(monkeypatch):
+    """backend= is spelled out inside the compiled function (LossOptions): no Dynamo
+    warning about tracing a cached function (Dynamo warns once per process: its record
+    of warnings given is emptied first)."""
+    import warnings
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    x, w, _, t = _inputs("mean")
+
+    def loss_of(x, w, t):
+        return flce.fused_linear_cross_entropy(x, w, t, backend="Torch")
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = torch.compile(loss_of, backend="aot_eager", fullgraph=True)(x, w, t)
+    torch.testing.assert_close(loss, loss_of(x, w, t))
+    assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]
