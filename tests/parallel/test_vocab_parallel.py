@@ -368,6 +368,13 @@ def _error_cases(rank: int, world: int) -> dict:
     out["option_one_rank"] = _capture(lambda: call(x, weight, target, label_smoothing=1.5 if rank == 1 else 0.0))
     out["backend_one_rank"] = _capture(lambda: call(x, weight, target, backend="cutedsl" if rank == 0 else None))
     only_rank0 = dist.new_group([0])  # a placeholder on the other ranks
+
+    def mixed_input_dtypes():  # one compute dtype (autocast), but dX all-reduced in two dtypes
+        leaf = (x if rank == 0 else x.bfloat16()).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            call(leaf, weight, target).backward()
+
+    out["input_dtype"] = _capture(mixed_input_dtypes)
     out["not_a_member"] = _capture(lambda: call(x, weight, target, process_group=only_rank0)) if rank else None
     # The group is still usable after every refusal.
     out["after"] = call(x, weight, target).detach()
@@ -585,6 +592,8 @@ def test_refusals_are_collective(spawned):
             assert kind == "BackendUnavailableError" and "cutedsl" in msg, msg
         else:
             assert kind == "ValueError" and "rank(s) [0]" in msg, msg
+        kind, msg = e["input_dtype"]
+        assert kind == "ValueError" and "the input dtype" in msg and "rank 1: torch.bfloat16" in msg, msg
         if rank:
             kind, msg = e["not_a_member"]
             assert kind == "ValueError" and "not a member of process_group" in msg, msg

@@ -31,6 +31,7 @@ _FIELDS = (
     "grad_bias",
     "options",  # crc32 of the options' repr
     "compute_dtype",
+    "input_dtype",  # the dtype of dX, all-reduced in backward
     "target",  # checksum of the target
 )
 _MUST_AGREE = {
@@ -45,8 +46,11 @@ _MUST_AGREE = {
     "grad_bias": "whether bias_shard requires grad",
     "options": "the loss options (ignore_index, label_smoothing, reduction, ...)",
     "compute_dtype": "the compute dtype (input/weight dtype or autocast dtype)",
+    "input_dtype": "the input dtype (dX, all-reduced in backward, has it)",
     "target": "the target (every rank must pass the same full target)",
 }
+
+_DTYPE_FIELDS = ("compute_dtype", "input_dtype")  # recorded as indices into FLOAT_DTYPES
 
 
 def gather_class_weights(ce_weight, sizes, starts, vocab, group, world) -> torch.Tensor:
@@ -161,6 +165,7 @@ def agree_on_call(
             grad_bias=int(grad_enabled and bias is not None and bias.requires_grad),
             options=_options_fingerprint(options),
             compute_dtype=FLOAT_DTYPES.index(compute_dtype),
+            input_dtype=FLOAT_DTYPES.index(input.dtype),
             target=0,
         )
         mine = torch.tensor([record[f] for f in _FIELDS], dtype=torch.int64, device=device)
@@ -188,7 +193,8 @@ def agree_on_call(
     for field, what in _MUST_AGREE.items():
         values = columns[field]
         if any(v != values[0] for v in values):
-            raise ValueError(f"{ENTRY}: {what} must be the same on every rank, got {_describe(values)}")
+            shown = [FLOAT_DTYPES[v] for v in values] if field in _DTYPE_FIELDS else values
+            raise ValueError(f"{ENTRY}: {what} must be the same on every rank, got {_describe(shown)}")
 
     sizes = columns["shard_size"]
     starts = [sum(sizes[:r]) for r in range(world)] if vocab_start is None else columns["vocab_start"]
