@@ -367,6 +367,7 @@ def _error_cases(rank: int, world: int) -> dict:
     # Refusals found before the handshake (the options, the backend) on one rank only.
     out["option_one_rank"] = _capture(lambda: call(x, weight, target, label_smoothing=1.5 if rank == 1 else 0.0))
     out["backend_one_rank"] = _capture(lambda: call(x, weight, target, backend="cutedsl" if rank == 0 else None))
+    out["input_none_one_rank"] = _capture(lambda: call(None if rank == 1 else x, weight, target))
     only_rank0 = dist.new_group([0])  # a placeholder on the other ranks
 
     def mixed_input_dtypes():  # one compute dtype (autocast), but dX all-reduced in two dtypes
@@ -592,6 +593,8 @@ def test_refusals_are_collective(spawned):
             assert kind == "BackendUnavailableError" and "cutedsl" in msg, msg
         else:
             assert kind == "ValueError" and "rank(s) [0]" in msg, msg
+        kind, msg = e["input_none_one_rank"]  # whatever the exception, every rank raises
+        assert kind is not None and (rank == 1 or (kind == "ValueError" and "rank(s) [1]" in msg)), (kind, msg)
         kind, msg = e["input_dtype"]
         assert kind == "ValueError" and "the input dtype" in msg and "rank 1: torch.bfloat16" in msg, msg
         if rank:

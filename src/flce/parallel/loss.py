@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flce.backends.base import BackendSpec, SplitRowKernels, softcap_tanh_is_approximate
-from flce.dispatch import BackendUnavailableError, split_row_kernels
+from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
@@ -81,6 +81,13 @@ from flce.rows.cross_entropy import (
 
 __all__ = ["VocabParallelFusedLinearCrossEntropyLoss", "vocab_parallel_fused_linear_cross_entropy"]
 
+
+# What a rank's own checks may raise before the handshake: any error (a refusal of the
+# options, the backend, the DTensor adapter or the tensors, or PyTorch's own for an
+# argument of the wrong kind) travels in the handshake's record and is raised there, on
+# every rank alike, instead of leaving the other ranks in its all_gather (or pairing it
+# with their next call's).
+_LOCAL_ERRORS = (Exception,)
 
 # --------------------------------------------------------------------------- plan
 
@@ -146,7 +153,8 @@ class ParallelPlan(CrossEntropyPlan):
 
 
 def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, vocab_start):
-    """This rank's own refusals (``ValueError``/``TypeError``) -> (compute dtype, vocab_start as an int or None)."""
+    """This rank's own checks of its tensors and backend -> (compute dtype, vocab_start as
+    an int or None)."""
     if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
         raise ValueError(
             "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
@@ -156,6 +164,7 @@ def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, 
         )
     compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
     validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
+    split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
     if vocab_start is not None:
         vocab_start = as_int("vocab_start", vocab_start)
         if vocab_start < 0:
@@ -174,7 +183,7 @@ def _plan(
     if local_error is None:
         try:
             compute_dtype, vocab_start = _local_checks(input, weight, target, bias, ce_weight, options, vocab_start)
-        except (TypeError, ValueError) as exc:
+        except _LOCAL_ERRORS as exc:
             local_error = exc
     agreed = agree_on_call(
         input, weight, target, bias, ce_weight, options, compute_dtype, local_error, group, vocab_start
@@ -355,11 +364,10 @@ def _vocab_parallel_loss(
     local_error = options_error
     if local_error is None:
         try:
-            split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
             input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
                 input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
             )
-        except (TypeError, ValueError, BackendUnavailableError) as exc:
+        except _LOCAL_ERRORS as exc:
             local_error = exc
     if local_error is None:
         refuse_function_transforms(
@@ -450,7 +458,7 @@ def vocab_parallel_fused_linear_cross_entropy(
             backend=backend,
         )
         options_error = None
-    except (TypeError, ValueError, BackendUnavailableError) as exc:  # raised in the handshake, on every rank
+    except _LOCAL_ERRORS as exc:
         options, options_error = None, exc
     return _vocab_parallel_loss(
         input, weight_shard, target, bias_shard, ce_weight_shard, options, options_error, process_group, vocab_start
