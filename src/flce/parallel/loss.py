@@ -177,8 +177,8 @@ def _plan(
 ) -> tuple[ParallelPlan, torch.Tensor | None, torch.Tensor]:
     """Local validation, then the handshake (``flce.parallel.handshake``): the plan, the
     full class weights and the (N,) target as the kernels read it (``index_target``).
-    ``local_error``: a refusal found before (options, backend, DTensor adapter), raised in
-    the handshake as the local validation's are."""
+    ``local_error``: a refusal found before (the options, the DTensor adapter's), raised in
+    the handshake as the local checks' are."""
     compute_dtype = None
     if local_error is None:
         try:
@@ -360,7 +360,9 @@ def _vocab_parallel_loss(
     refused. Every refusal that may differ between ranks (options, backend, the DTensor
     adapter's, the local validation) is raised in the handshake, on every rank alike: a
     rank raising before it would leave the others blocked in its all_gather."""
-    group = mesh_group(weight_shard) or resolve_group(process_group)
+    group = mesh_group(weight_shard)
+    if group is None:
+        group = resolve_group(process_group)
     local_error = options_error
     if local_error is None:
         try:
