@@ -163,3 +163,132 @@ def test_a_liger_loss_module_built_inside_the_compiled_function():
     torch._dynamo.reset()
     compiled = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x, w, t), loss_of(x, w, t))
+
+
+# ------------------------------------------------------------------ the custom ops
+
+# Hidden states as a compiled model may hand them over: contiguous, transposed (a
+# sequence-first activation seen batch-first), a column slice of a wider tensor.
+LAYOUTS = {
+    "contiguous": lambda x: x,
+    "transposed": lambda x: x.t().contiguous().t(),
+    "column_slice": lambda x: torch.cat([x, x], dim=1)[:, 3 : 3 + x.shape[1]],
+}
+
+
+def _op_calls(layout):
+    """(name, op, arguments) of every flce custom op, on inputs laid out by ``layout``."""
+    from flce import ops
+    from flce.options import DistillationOptions, LogprobsOptions, LossOptions, option_values
+
+    torch.manual_seed(0)
+    n, v, h = 6, 11, 8
+    x = LAYOUTS[layout](torch.randn(n, h)).requires_grad_()
+    w = LAYOUTS[layout](torch.randn(v, h)).requires_grad_()
+    b = torch.randn(v, requires_grad=True)
+    logits = LAYOUTS[layout](torch.randn(n, v)).requires_grad_()
+    consts = (x.detach(), w.detach())  # the backward ops' inputs
+    t = torch.randint(0, v, (n,))
+    t[0] = -100
+    weights = torch.rand(v) + 0.1
+    calls = []
+    for reduction in ("mean", "none"):
+        values = option_values(LossOptions(reduction=reduction, label_smoothing=0.1, return_token_accuracy=True))
+        upstream = torch.randn(n) if reduction == "none" else torch.tensor(1.5)
+        flags = (torch.float32, True, True, True)
+        calls += [
+            (f"fused_fwd_{reduction}", ops.fused_linear_cross_entropy_fwd, (x, w, t, b, weights, *values, *flags)),
+            (
+                f"fused_bwd_{reduction}",
+                ops.fused_linear_cross_entropy_bwd,
+                (upstream, *consts, t, b.detach(), weights, *values, *flags),
+            ),
+            (f"ce_fwd_{reduction}", ops.cross_entropy_fwd, (logits, t, weights, *values, True)),
+            (f"ce_bwd_{reduction}", ops.cross_entropy_bwd, (upstream, logits.detach(), t, weights, *values)),
+        ]
+    values = option_values(LogprobsOptions(return_entropy=True, return_predicted_tokens=True))
+    kept = t.clamp(min=0)
+    lse = torch.logsumexp((x @ w.T + b).double(), dim=1).detach()
+    upstreams = (torch.randn(n), torch.randn(n))
+    calls += [
+        ("logprobs_fwd", ops.fused_linear_logprobs_fwd, (x, w, b, kept, *values, torch.float32)),
+        (
+            "logprobs_bwd",
+            ops.fused_linear_logprobs_bwd,
+            (*upstreams, *consts, b.detach(), kept, lse, torch.rand(n), *values, torch.float32, True, True, True),
+        ),
+    ]
+    teacher = (x.detach().flip(0), w.detach().flip(0), None)
+    for reduction in ("mean", "none"):
+        values = option_values(DistillationOptions(reduction=reduction, beta=0.3))
+        flags = (torch.float32, torch.float32, True, True, True)
+        upstream = torch.randn(n) if reduction == "none" else torch.tensor(0.5)
+        calls += [
+            (
+                f"distillation_fwd_{reduction}",
+                ops.fused_linear_distillation_fwd,
+                (x, w, b, *teacher, t, *values, *flags),
+            ),
+            (
+                f"distillation_bwd_{reduction}",
+                ops.fused_linear_distillation_bwd,
+                (upstream, *consts, b.detach(), *teacher, t, *values, *flags),
+            ),
+        ]
+    return calls
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_custom_ops_pass_opcheck(layout):
+    """Schema, registered autograd, and fake implementations whose outputs have the real
+    ones' shapes, dtypes and strides (what the compiled graph is built from), whatever
+    the inputs' strides."""
+    failures = {}
+    for name, op, arguments in _op_calls(layout):
+        report = torch.library.opcheck(op, arguments, raise_exception=False)
+        bad = {test: str(result)[:300] for test, result in report.items() if result != "SUCCESS"}
+        if bad:
+            failures[name] = bad
+    assert not failures, failures
+
+
+def test_inductor_step_on_transposed_hidden_states():
+    """A 2-D input with transposed strides: inductor checks each custom op's outputs
+    against the fake's strides (it raised here when dX came back transposed)."""
+
+    def step(x, w, t):
+        return flce.fused_linear_cross_entropy(x, w, t, label_smoothing=0.1)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")
+    grads = []
+    for fn in (step, compiled):
+        torch.manual_seed(0)
+        x = torch.randn(16, 9).t().requires_grad_()
+        w = torch.randn(23, 16, requires_grad=True)
+        t = torch.randint(0, 23, (9,))
+        loss = fn(x, w, t)
+        loss.backward()
+        grads.append((loss.detach(), x.grad, w.grad))
+    for e, g in zip(*grads, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_a_backend_argument_compiles_without_warnings(monkeypatch):
+    """backend= is spelled out inside the compiled function (LossOptions): no Dynamo
+    warning about tracing a cached function (Dynamo warns once per process: its record
+    of warnings given is emptied first)."""
+    import warnings
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())
+    x, w, _, t = _inputs("mean")
+
+    def loss_of(x, w, t):
+        return flce.fused_linear_cross_entropy(x, w, t, backend="Torch")
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = torch.compile(loss_of, backend="aot_eager", fullgraph=True)(x, w, t)
+    torch.testing.assert_close(loss, loss_of(x, w, t))
+    assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]

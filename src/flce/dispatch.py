@@ -57,6 +57,10 @@ def backend_name(value, source: str = "backend") -> str | None:
         return None
     if not isinstance(value, str):
         raise TypeError(f"{source} must be a str or None, got {value!r}")
+    if torch.compiler.is_compiling():
+        # Traced (LossOptions(backend=...) in a compiled function): Dynamo traces through a
+        # cached function anyway and warns that it does; the function itself, then.
+        return _spelled_name.__wrapped__(value, source)
     return _spelled_name(value, source)
 
 

@@ -76,7 +76,11 @@ def _backward_gradients(ctx, grad_loss: Tensor, backward_op) -> tuple:
 
 
 def _or_empty(t: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
-    return like.new_empty(_EMPTY, dtype=dtype) if t is None else t
+    """``t`` contiguous, as the fake implementations describe every output; an empty (0,)
+    tensor when absent. (The driver allocates dX like the input, ``torch.empty_like``: a
+    transposed input would give a transposed dX, whose strides the compiled graph, built
+    from the fake's, would misread; the copy happens only then.)"""
+    return like.new_empty(_EMPTY, dtype=dtype) if t is None else t.contiguous()
 
 
 def _reduced_outputs(reduced: Reduced, like: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -238,7 +242,8 @@ def _logits_backward(*args):
     (grad_loss, logits, target, ce_weight), options, () = _split(args, 4)
     operands = LogitsOperands(logits, target, ce_weight)
     plan = _plan_for(operands, options, logits.dtype)
-    return backward(plan, operands, GradRequest(input=True), (grad_loss,), (), None, owned=False).input
+    grads = backward(plan, operands, GradRequest(input=True), (grad_loss,), (), None, owned=False)
+    return grads.input.contiguous()  # as the fake describes it (_or_empty)
 
 
 def _logits_backward_fake(*args):

@@ -364,6 +364,19 @@ def _error_cases(rank: int, world: int) -> dict:
     cw_negative = -torch.ones(split[rank]) if rank == 1 else torch.ones(split[rank])
     out["negative_ce_weight"] = _capture(lambda: call(x, weight, target, ce_weight_shard=cw_negative))
     out["dtype"] = _capture(lambda: call(x.double(), weight.double(), target))
+    # Refusals found before the handshake (the options, the backend) on one rank only.
+    out["option_one_rank"] = _capture(lambda: call(x, weight, target, label_smoothing=1.5 if rank == 1 else 0.0))
+    out["backend_one_rank"] = _capture(lambda: call(x, weight, target, backend="cutedsl" if rank == 0 else None))
+    out["input_none_one_rank"] = _capture(lambda: call(None if rank == 1 else x, weight, target))
+    only_rank0 = dist.new_group([0])  # a placeholder on the other ranks
+
+    def mixed_input_dtypes():  # one compute dtype (autocast), but dX all-reduced in two dtypes
+        leaf = (x if rank == 0 else x.bfloat16()).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            call(leaf, weight, target).backward()
+
+    out["input_dtype"] = _capture(mixed_input_dtypes)
+    out["not_a_member"] = _capture(lambda: call(x, weight, target, process_group=only_rank0)) if rank else None
     # The group is still usable after every refusal.
     out["after"] = call(x, weight, target).detach()
     return out
@@ -371,7 +384,7 @@ def _error_cases(rank: int, world: int) -> dict:
 
 def _dtensor_case(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     t = make_tensors(Spec("dtensor", 77, FIXED_SPLITS[world], (13,), 8, bias=True, ce_weight=True))
@@ -390,7 +403,26 @@ def _dtensor_case(rank: int, world: int) -> dict:
     )
     out.loss.backward()
     replicated = distribute_tensor(t["weight"], mesh, [Replicate()])
+    # The adapter's refusals on some ranks only: raised in the handshake, on every rank.
+    vocab_start_on_rank1 = _capture(
+        lambda: vocab_parallel_fused_linear_cross_entropy(x, weight, t["target"], vocab_start=0 if rank == 1 else None)
+    )
+    # A Shard(0) DTensor built from local shards that do not split like torch.chunk: the
+    # first and last ranks' sizes differ from torch.chunk's, the middle ones' do not.
+    sizes = [2] + [3] * (world - 2) + [2] if world > 2 else [1, 3]
+    start = sum(sizes[:rank])
+    uneven = DTensor.from_local(
+        t["weight"][start : start + sizes[rank]],
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([sum(sizes), t["weight"].shape[1]]),
+        stride=(t["weight"].shape[1], 1),
+    )
+    uneven_target = t["target"].clamp(max=sum(sizes) - 1)
     return dict(
+        vocab_start_on_rank1=vocab_start_on_rank1,
+        uneven_error=_capture(lambda: vocab_parallel_fused_linear_cross_entropy(x, uneven, uneven_target)),
         loss=out.loss.detach(),
         predicted=out.predicted_tokens,
         dx=x.grad,
@@ -553,6 +585,21 @@ def test_refusals_are_collective(spawned):
         assert kind == "ValueError" and "finite and non-negative" in msg, msg
         kind, msg = e["dtype"]
         assert kind == "TypeError" and "float16, bfloat16 or float32" in msg, msg
+        kind, msg = e["option_one_rank"]
+        assert kind == "ValueError", msg
+        assert ("label_smoothing must be in [0, 1]" in msg) if rank == 1 else ("rank(s) [1]" in msg), msg
+        kind, msg = e["backend_one_rank"]
+        if rank == 0:
+            assert kind == "BackendUnavailableError" and "cutedsl" in msg, msg
+        else:
+            assert kind == "ValueError" and "rank(s) [0]" in msg, msg
+        kind, msg = e["input_none_one_rank"]  # whatever the exception, every rank raises
+        assert kind is not None and (rank == 1 or (kind == "ValueError" and "rank(s) [1]" in msg)), (kind, msg)
+        kind, msg = e["input_dtype"]
+        assert kind == "ValueError" and "the input dtype" in msg and "rank 1: torch.bfloat16" in msg, msg
+        if rank:
+            kind, msg = e["not_a_member"]
+            assert kind == "ValueError" and "not a member of process_group" in msg, msg
         assert torch.isfinite(e["after"]), rank
         torch.testing.assert_close(e["after"], errors[0]["after"])
 
@@ -577,6 +624,16 @@ def test_dtensor_adapter(spawned):
         assert d["dw_is_dtensor"] == "DTensor"
         kind, msg = d["replicate_error"]
         assert kind == "ValueError" and "Shard(0)" in msg and "to_local()" in msg, msg
+        kind, msg = d["vocab_start_on_rank1"]
+        assert kind == "ValueError", msg
+        assert ("vocab_start is inferred" in msg) if rank == 1 else ("rank(s) [1]" in msg), msg
+        kind, msg = d["uneven_error"]
+        last = world - 1
+        assert kind == "ValueError", msg
+        if rank in (0, last):
+            assert "cannot infer the vocabulary range" in msg, msg
+        else:
+            assert f"rank(s) [0, {last}]" in msg, msg
 
 
 # ------------------------------------------------------------- process group of size 1
@@ -714,3 +771,11 @@ def test_group_of_one_repeated_backward_does_not_compound(single_group):
     second = torch.autograd.grad(loss, (x, w))
     for a, b in zip(first, second, strict=False):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("option", [dict(vocab_chunk_size=8), dict(memory_budget=2**20)])
+def test_module_refuses_the_single_device_only_options(option):
+    """The vocab-parallel chunks are whole shard rows sized by chunk_size: the module
+    refuses the single-device sizing options instead of ignoring them."""
+    with pytest.raises(TypeError, match=rf"unsupported option\(s\) \['{next(iter(option))}'\]"):
+        VocabParallelFusedLinearCrossEntropyLoss(**option)

@@ -31,6 +31,7 @@ _FIELDS = (
     "grad_bias",
     "options",  # crc32 of the options' repr
     "compute_dtype",
+    "input_dtype",  # the dtype of dX, all-reduced in backward
     "target",  # checksum of the target
 )
 _MUST_AGREE = {
@@ -45,8 +46,11 @@ _MUST_AGREE = {
     "grad_bias": "whether bias_shard requires grad",
     "options": "the loss options (ignore_index, label_smoothing, reduction, ...)",
     "compute_dtype": "the compute dtype (input/weight dtype or autocast dtype)",
+    "input_dtype": "the input dtype (dX, all-reduced in backward, has it)",
     "target": "the target (every rank must pass the same full target)",
 }
+
+_DTYPE_FIELDS = ("compute_dtype", "input_dtype")  # recorded as indices into FLOAT_DTYPES
 
 
 def gather_class_weights(ce_weight, sizes, starts, vocab, group, world) -> torch.Tensor:
@@ -66,7 +70,9 @@ def gather_class_weights(ce_weight, sizes, starts, vocab, group, world) -> torch
 
 
 def resolve_group(process_group):
-    """The process group to run on (the world group by default)."""
+    """The process group to run on (the world group by default). Refused here, before any
+    collective: a rank outside the group (no other rank waits for it) and an object that
+    is not a process group."""
     if not dist.is_available():
         raise RuntimeError(f"{ENTRY} needs torch.distributed, which this PyTorch build lacks")
     if not dist.is_initialized():
@@ -74,7 +80,19 @@ def resolve_group(process_group):
             f"{ENTRY}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
             "first (a group of size 1 is fine) or pass a DTensor weight_shard"
         )
-    return dist.group.WORLD if process_group is None else process_group
+    if process_group is None:
+        return dist.group.WORLD
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what dist.new_group returns on the ranks left out
+        raise ValueError(
+            f"{ENTRY}: this rank is not a member of process_group; call the loss only on the ranks of the "
+            "group it is given (dist.new_group(ranks) returns a placeholder on the other ranks)"
+        )
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"{ENTRY}: process_group must be None or a torch.distributed ProcessGroup (dist.new_group(ranks)), "
+            f"got {type(process_group).__name__}"
+        )
+    return process_group
 
 
 def _comm_device(group, input) -> torch.device:
@@ -147,6 +165,7 @@ def agree_on_call(
             grad_bias=int(grad_enabled and bias is not None and bias.requires_grad),
             options=_options_fingerprint(options),
             compute_dtype=FLOAT_DTYPES.index(compute_dtype),
+            input_dtype=FLOAT_DTYPES.index(input.dtype),
             target=0,
         )
         mine = torch.tensor([record[f] for f in _FIELDS], dtype=torch.int64, device=device)
@@ -174,7 +193,8 @@ def agree_on_call(
     for field, what in _MUST_AGREE.items():
         values = columns[field]
         if any(v != values[0] for v in values):
-            raise ValueError(f"{ENTRY}: {what} must be the same on every rank, got {_describe(values)}")
+            shown = [FLOAT_DTYPES[v] for v in values] if field in _DTYPE_FIELDS else values
+            raise ValueError(f"{ENTRY}: {what} must be the same on every rank, got {_describe(shown)}")
 
     sizes = columns["shard_size"]
     starts = [sum(sizes[:r]) for r in range(world)] if vocab_start is None else columns["vocab_start"]

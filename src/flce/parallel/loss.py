@@ -47,7 +47,8 @@ entry point is excluded from compilation and runs eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import inspect
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,7 @@ from flce.options import (
     validate_fused_inputs,
 )
 from flce.output import LossResult, package_result
-from flce.parallel.dtensor import unwrap_dtensors
+from flce.parallel.dtensor import mesh_group, unwrap_dtensors
 from flce.parallel.handshake import agree_on_call, gather_class_weights, resolve_group
 from flce.plan import CrossEntropyPlan, LinearOperands, Operands, run_loss
 from flce.rows.cross_entropy import (
@@ -80,6 +81,13 @@ from flce.rows.cross_entropy import (
 
 __all__ = ["VocabParallelFusedLinearCrossEntropyLoss", "vocab_parallel_fused_linear_cross_entropy"]
 
+
+# What a rank's own checks may raise before the handshake: any error (a refusal of the
+# options, the backend, the DTensor adapter or the tensors, or PyTorch's own for an
+# argument of the wrong kind) travels in the handshake's record and is raised there, on
+# every rank alike, instead of leaving the other ranks in its all_gather (or pairing it
+# with their next call's).
+_LOCAL_ERRORS = (Exception,)
 
 # --------------------------------------------------------------------------- plan
 
@@ -144,29 +152,39 @@ class ParallelPlan(CrossEntropyPlan):
             _all_reduce(grads.input, dist.ReduceOp.SUM, self)  # dX = sum_r G_r @ W_r; dW, db stay local
 
 
+def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, vocab_start):
+    """This rank's own checks of its tensors and backend -> (compute dtype, vocab_start as
+    an int or None)."""
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
+        raise ValueError(
+            "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
+            "on every rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
+            "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
+            "of at least one row each"
+        )
+    compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
+    validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
+    split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
+    if vocab_start is not None:
+        vocab_start = as_int("vocab_start", vocab_start)
+        if vocab_start < 0:
+            raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    return compute_dtype, vocab_start
+
+
 def _plan(
-    input, weight, target, bias, ce_weight, options: LossOptions, group, vocab_start
+    input, weight, target, bias, ce_weight, options: LossOptions | None, group, vocab_start, local_error
 ) -> tuple[ParallelPlan, torch.Tensor | None, torch.Tensor]:
     """Local validation, then the handshake (``flce.parallel.handshake``): the plan, the
-    full class weights and the (N,) target as the kernels read it (``index_target``)."""
-    local_error: Exception | None = None
+    full class weights and the (N,) target as the kernels read it (``index_target``).
+    ``local_error``: a refusal found before (the options, the DTensor adapter's), raised in
+    the handshake as the local checks' are."""
     compute_dtype = None
-    try:
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
-            raise ValueError(
-                "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
-                "on every rank (a Shard(0) DTensor of V rows over more than V ranks, or a split such as "
-                "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
-                "of at least one row each"
-            )
-        compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
-        validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
-        if vocab_start is not None:
-            vocab_start = as_int("vocab_start", vocab_start)
-            if vocab_start < 0:
-                raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    except (TypeError, ValueError) as exc:
-        local_error = exc
+    if local_error is None:
+        try:
+            compute_dtype, vocab_start = _local_checks(input, weight, target, bias, ce_weight, options, vocab_start)
+        except _LOCAL_ERRORS as exc:
+            local_error = exc
     agreed = agree_on_call(
         input, weight, target, bias, ce_weight, options, compute_dtype, local_error, group, vocab_start
     )
@@ -329,16 +347,36 @@ def vocab_parallel_fused_linear_cross_entropy_with_options(
     vocab_start: int | None = None,
 ) -> LossResult:
     """``vocab_parallel_fused_linear_cross_entropy`` with prebuilt options (the module uses this)."""
-    split_row_kernels(options.backend, input.device)  # refuse an unusable backend before any collective
-    input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
-        input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
+    return _vocab_parallel_loss(
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, None, process_group, vocab_start
     )
-    refuse_function_transforms(
-        "flce.parallel.vocab_parallel_fused_linear_cross_entropy", (input, weight_shard, bias_shard)
-    )
-    group = resolve_group(process_group)
+
+
+@torch.compiler.disable
+def _vocab_parallel_loss(
+    input, weight_shard, target, bias_shard, ce_weight_shard, options, options_error, process_group, vocab_start
+) -> LossResult:
+    """The call; ``options_error`` (then ``options`` is None): why this rank's options were
+    refused. Every refusal that may differ between ranks (options, backend, the DTensor
+    adapter's, the local validation) is raised in the handshake, on every rank alike: a
+    rank raising before it would leave the others blocked in its all_gather."""
+    group = mesh_group(weight_shard)
+    if group is None:
+        group = resolve_group(process_group)
+    local_error = options_error
+    if local_error is None:
+        try:
+            input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start = unwrap_dtensors(
+                input, target, weight_shard, bias_shard, ce_weight_shard, process_group, vocab_start
+            )
+        except _LOCAL_ERRORS as exc:
+            local_error = exc
+    if local_error is None:
+        refuse_function_transforms(
+            "flce.parallel.vocab_parallel_fused_linear_cross_entropy", (input, weight_shard, bias_shard)
+        )
     plan, ce_full, target_1d = _plan(
-        input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start, local_error
     )
     input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
     operands = LinearOperands(input_2d, weight_shard, bias_shard, target_1d, ce_full)
@@ -406,30 +444,33 @@ def vocab_parallel_fused_linear_cross_entropy(
     ``(C, 2 or 3)`` fp32 tensor; per call one small all_gather (plus one of the class
     weights if given); backward one SUM all-reduce of dX.
     """
-    options = LossOptions(
-        ignore_index=ignore_index,
-        lse_square_scale=lse_square_scale,
-        label_smoothing=label_smoothing,
-        reduction=reduction,
-        softcap=softcap,
-        return_z_loss=return_z_loss,
-        accum_dtype=accum_dtype,
-        use_token_scaling=use_token_scaling,
-        return_token_accuracy=return_token_accuracy,
-        return_predicted_tokens=return_predicted_tokens,
-        chunk_size=chunk_size,
-        backend=backend,
+    try:
+        options = LossOptions(
+            ignore_index=ignore_index,
+            lse_square_scale=lse_square_scale,
+            label_smoothing=label_smoothing,
+            reduction=reduction,
+            softcap=softcap,
+            return_z_loss=return_z_loss,
+            accum_dtype=accum_dtype,
+            use_token_scaling=use_token_scaling,
+            return_token_accuracy=return_token_accuracy,
+            return_predicted_tokens=return_predicted_tokens,
+            chunk_size=chunk_size,
+            backend=backend,
+        )
+        options_error = None
+    except _LOCAL_ERRORS as exc:
+        options, options_error = None, exc
+    return _vocab_parallel_loss(
+        input, weight_shard, target, bias_shard, ce_weight_shard, options, options_error, process_group, vocab_start
     )
-    return vocab_parallel_fused_linear_cross_entropy_with_options(
-        input,
-        weight_shard,
-        target,
-        bias_shard,
-        ce_weight_shard,
-        options,
-        process_group=process_group,
-        vocab_start=vocab_start,
-    )
+
+
+# The loss options the vocab-parallel loss takes: the function's keywords that are LossOptions fields.
+_OPTION_NAMES = frozenset(inspect.signature(vocab_parallel_fused_linear_cross_entropy).parameters) & frozenset(
+    f.name for f in fields(LossOptions)
+)
 
 
 class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
@@ -449,6 +490,13 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
         **options,
     ) -> None:
         super().__init__()
+        unsupported = sorted(set(options) - _OPTION_NAMES)
+        if unsupported:
+            raise TypeError(
+                f"VocabParallelFusedLinearCrossEntropyLoss got unsupported option(s) {unsupported}: it takes the "
+                f"keyword options of vocab_parallel_fused_linear_cross_entropy, {sorted(_OPTION_NAMES)} (its chunks "
+                "are whole shard rows, sized by chunk_size)"
+            )
         self.options = LossOptions(**options)
         self.process_group = process_group
         self.vocab_start = vocab_start
