@@ -221,7 +221,7 @@ def _fused_forward_function(owner: torch.nn.Module) -> types.FunctionType | None
 def fused_head_owner(model: torch.nn.Module, label: str = "model") -> torch.nn.Module:
     """The transformers model inside ``model`` (PEFT, compiled, DDP) that carries TRL's fused
     head, checked to be one flce can run."""
-    from flce.integrations.transformers import unwrap_model
+    from flce.integrations.transformers.install import unwrap_model
 
     owner = unwrap_model(model)
     fused = _fused_forward_function(owner)
@@ -275,7 +275,7 @@ def swap_fused_head_kernel(owner: torch.nn.Module, kernel) -> None:
 
 def uses_flce_kernel(model: torch.nn.Module) -> bool:
     """Whether ``model``'s TRL fused head runs flce's kernel."""
-    from flce.integrations.transformers import unwrap_model
+    from flce.integrations.transformers.install import unwrap_model
 
     fused = _fused_forward_function(unwrap_model(model))
     return fused is not None and isinstance(fused.__globals__.get(KERNEL_NAME), FlceLogProbKernel)

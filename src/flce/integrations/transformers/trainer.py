@@ -32,7 +32,7 @@ def enable_flce(trainer, **loss_options: Any):
     ``enable_flce(Trainer(model=model, args=args, ...)).train()``. On TRL's SFT, GRPO and DPO
     trainers it takes only ``backend`` and ``chunk_size`` (``flce.integrations.trl``).
     """
-    from flce.integrations.transformers import apply_flce
+    from flce.integrations.transformers.install import apply_flce
 
     trl_class = _trl_class(trainer)
     if trl_class is not None:
