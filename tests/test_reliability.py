@@ -993,3 +993,32 @@ def test_a_default_dtype_changes_no_bit(backend, default_dtype, entry):
     assert grads.keys() == expected_grads.keys()
     for name, grad in grads.items():
         assert grad.dtype == expected_grads[name].dtype and torch.equal(grad, expected_grads[name]), name
+
+
+def test_fp16_under_a_loss_scaler_is_exact_through_reduction_none():
+    """The README's fp16 rule: with mean/sum the forward computes the gradients at an upstream
+    of 1, so a scaler's factor arrives after (p - y)/N has left fp16's normal range; with
+    reduction="none" the backward folds it into each row in fp32, as eager PyTorch does."""
+    torch.manual_seed(0)
+    n, vocab, hidden, scale = 4096, 2000, 64, 65536.0
+    x0, w0 = torch.randn(n, hidden) * 0.5, torch.randn(vocab, hidden) * 0.05
+    target = torch.randint(0, vocab, (n,))
+
+    def grad_weight(loss_of, dtype):
+        x, w = x0.to(dtype).requires_grad_(), w0.to(dtype).requires_grad_()
+        (loss_of(x, w) * scale).backward()
+        return w.grad.double() / scale
+
+    exact = grad_weight(lambda x, w: torch.nn.functional.cross_entropy(x @ w.T, target), torch.float64)
+
+    def error(grad):
+        return ((grad - exact).norm() / exact.norm()).item()
+
+    eager = error(grad_weight(lambda x, w: torch.nn.functional.cross_entropy((x @ w.T).float(), target), torch.half))
+    rows = error(
+        grad_weight(
+            lambda x, w: flce.fused_linear_cross_entropy(x, w, target, backend="torch", reduction="none").sum() / n,
+            torch.half,
+        )
+    )
+    assert rows <= 1.5 * eager
