@@ -19,6 +19,7 @@ from flce.options import (
     LogprobsOptions,
     LossOptions,
     cached_options,
+    check_tensor_type,
     index_target,
     refuse_function_transforms,
     validate_fused_inputs,
@@ -210,11 +211,6 @@ def cross_entropy(
 # ------------------------------------------------------------ RL and distillation
 
 
-def _check_target_type(target) -> None:
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-
-
 def fused_linear_logprobs_with_options(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -223,7 +219,7 @@ def fused_linear_logprobs_with_options(
     options: LogprobsOptions,
 ) -> LogprobsOutput:
     """``fused_linear_logprobs`` with prebuilt options."""
-    _check_target_type(target)
+    check_tensor_type("target", target)
     compute_dtype = validate_linear_head(input, weight, bias)
     validate_head_target(target, input)
     operands = LogprobsOperands(
@@ -330,7 +326,7 @@ def _validate_distillation_inputs(
             f"{teacher_weight.shape[0]} rows, student_weight has {student_weight.shape[0]}"
         )
     if target is not None:
-        _check_target_type(target)
+        check_tensor_type("target", target)
         validate_head_target(target, student_input, "student_input")
     return compute_dtype, teacher_dtype
 

@@ -761,6 +761,37 @@ def test_group_of_one_local_refusals(single_group):
         call(x, distribute_tensor(w, mesh, [Replicate()]), t)
 
 
+@pytest.mark.parametrize("value", [None, [[1.0]], 1.5, "numpy"], ids=["None", "list", "float", "numpy"])
+@pytest.mark.parametrize("name", ["input", "weight_shard", "target", "bias_shard", "ce_weight_shard", "module"])
+def test_group_of_one_a_tensor_argument_given_as_something_else_is_refused_by_name(single_group, name, value):
+    """None, a list, a number or a NumPy array where a tensor belongs: a TypeError naming
+    the argument, raised in the handshake (not an AttributeError from the layout cache)."""
+    if value == "numpy":
+        value = pytest.importorskip("numpy").zeros((3, 4), dtype="float32")
+    tensors = dict(input=torch.randn(3, 4), weight_shard=torch.randn(5, 4), target=torch.tensor([0, 1, 2]))
+    vocab_parallel_fused_linear_cross_entropy(*tensors.values())  # a checked layout must not let it through
+    if name == "module":  # its input, and its class weights (refused at construction)
+        with pytest.raises(TypeError, match=r"^input must be a torch\.Tensor"):
+            VocabParallelFusedLinearCrossEntropyLoss()(value, tensors["weight_shard"], tensors["target"])
+        if value is not None:
+            with pytest.raises(TypeError, match=r"^ce_weight_shard must be a torch\.Tensor"):
+                VocabParallelFusedLinearCrossEntropyLoss(value)
+        return
+    if value is None and name in ("bias_shard", "ce_weight_shard"):
+        return  # their default
+    arguments = {**tensors, name: value}
+    # The shards' checks are the single-device loss's, whose messages say weight and bias.
+    message_name = {"weight_shard": "weight", "bias_shard": "bias"}.get(name, name)
+    with pytest.raises(TypeError, match=rf"\b{message_name} must be a (torch\.Tensor|tensor)"):
+        vocab_parallel_fused_linear_cross_entropy(
+            arguments["input"],
+            arguments["weight_shard"],
+            arguments["target"],
+            bias_shard=arguments.get("bias_shard"),
+            ce_weight_shard=arguments.get("ce_weight_shard"),
+        )
+
+
 def test_group_of_one_repeated_backward_does_not_compound(single_group):
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(7, 8, generator=gen, requires_grad=True)

@@ -27,7 +27,7 @@ from flce.functional import (
     fused_linear_cross_entropy_with_options,
     fused_linear_distillation_with_options,
 )
-from flce.options import OPTION_FIELDS, DistillationOptions, LossOptions, as_int
+from flce.options import OPTION_FIELDS, DistillationOptions, LossOptions, as_int, check_tensor_type
 from flce.output import CrossEntropyOutput
 
 __all__ = [
@@ -202,6 +202,7 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
 
 
 def _ce(input, target, weight, arguments: dict):
+    check_tensor_type("input", input)  # Liger's name for the logits
     return cross_entropy_with_options(input, target, weight, _options(arguments))
 
 

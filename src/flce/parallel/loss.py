@@ -62,6 +62,7 @@ from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scal
 from flce.options import (
     LossOptions,
     as_int,
+    check_optional_tensor_type,
     index_target,
     refuse_function_transforms,
     validate_ce_weight,
@@ -500,6 +501,7 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
         self.options = LossOptions(**options)
         self.process_group = process_group
         self.vocab_start = vocab_start
+        check_optional_tensor_type("ce_weight_shard", ce_weight_shard)
         self.register_buffer("ce_weight_shard", ce_weight_shard, persistent=False)
 
     def forward(
