@@ -224,11 +224,17 @@ def _plan(
 _LOW32 = 0xFFFFFFFF
 
 
+_NAN_ORDERED = 0x7FFFFFFF  # above +inf's 0x7F800000: the bits of a NaN, decoded as one
+
+
 def _argmax_key(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """int64 keys whose maximum is the largest fp32 ``value`` and, among equal values,
-    the smallest ``index`` (< 2**32). ``value`` maps to its order-preserving bits."""
+    the smallest ``index`` (< 2**32). ``value`` maps to its order-preserving bits; a NaN
+    (of either sign) above every number, as ``torch.argmax`` ranks it: the shard's first
+    NaN column is its argmax, and the first rank's such column wins across ranks."""
     bits = (value + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = torch.where(value.isnan(), _NAN_ORDERED, ordered)
     return ordered * (2**32) + (_LOW32 - index)
 
 
