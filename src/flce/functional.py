@@ -22,6 +22,7 @@ from flce.options import (
     check_tensor_type,
     index_target,
     refuse_function_transforms,
+    row_count,
     validate_fused_inputs,
     validate_head_target,
     validate_linear_head,
@@ -34,7 +35,7 @@ from flce.plan import LinearOperands, LogitsOperands, make_plan, run_loss
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """``(..., D)`` -> ``(N, D)``: a 2-D tensor as it is (no view op per call), else flattened
     with an explicit N (D may be 0)."""
-    return tensor if tensor.dim() == 2 else tensor.reshape(tensor.shape[:-1].numel(), tensor.shape[-1])
+    return tensor if tensor.dim() == 2 else tensor.reshape(row_count(tensor), tensor.shape[-1])
 
 
 def prepare_ce_weight(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -349,7 +350,7 @@ def fused_linear_distillation_with_options(
     compute_dtype, teacher_dtype = _validate_distillation_inputs(
         student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target
     )
-    n_rows = student_input.shape[:-1].numel()
+    n_rows = row_count(student_input)
     operands = DistillationOperands(
         input=student_input.reshape(n_rows, student_input.shape[-1]),
         weight=student_weight,

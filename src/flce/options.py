@@ -317,6 +317,13 @@ def _environment_mode(variable: str, value: str | None, modes: tuple[str, ...]) 
     return mode
 
 
+def row_count(tensor: torch.Tensor) -> int:
+    """The rows of a ``(..., D)`` tensor: the product of its leading dimensions. Not
+    ``shape[:-1].numel()``, which turns a symbolic size into a constant (``torch.export``
+    with a dynamic batch would refuse the export as specialised)."""
+    return math.prod(tensor.shape[:-1])
+
+
 def check_tensor_type(name: str, value) -> None:
     """A tensor argument given as something else (None, a list, a NumPy array, a number)
     is refused by name, before any attribute of it is read."""
@@ -367,7 +374,7 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
         raise ValueError(f"target must be (B, T) = {tuple(leading_shape)}, got {tuple(target.shape)}")
     if target.dim() not in (1, 2):
         raise ValueError(f"target must be (N,) or (B, T), got shape {tuple(target.shape)}")
-    expected_rows = leading_shape.numel()
+    expected_rows = math.prod(leading_shape)  # not Size.numel(), which fixes a symbolic size (row_count)
     if target.numel() != expected_rows:
         raise ValueError(
             f"target must have one class index per row of {rows_name} ({expected_rows} values), "

@@ -65,6 +65,7 @@ from flce.options import (
     check_optional_tensor_type,
     index_target,
     refuse_function_transforms,
+    row_count,
     validate_ce_weight,
     validate_fused_inputs,
 )
@@ -385,7 +386,7 @@ def _vocab_parallel_loss(
     plan, ce_full, target_1d = _plan(
         input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start, local_error
     )
-    input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
+    input_2d = input.reshape(row_count(input), input.shape[-1])  # explicit N: H may be 0
     operands = LinearOperands(input_2d, weight_shard, bias_shard, target_1d, ce_full)
     # run_loss raises an earlier call's bad input after this call's collectives, on every rank.
     return package_result(options, tuple(target.shape), *run_loss(plan, operands))
