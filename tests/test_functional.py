@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import flce
 from flce.dispatch import availability
 from flce.testing import FEATURES, Case, run_case
 
@@ -226,3 +227,41 @@ def test_predicted_tokens_of_given_logits_and_logprobs_with_a_nan_follow_torch_a
     assert out.predicted_tokens.tolist() == eager.tolist()
     lp = flce.fused_linear_logprobs(x, w, target, return_predicted_tokens=True, backend=backend)
     assert lp.predicted_tokens.tolist() == (x @ w.T).argmax(dim=-1).tolist()
+
+
+# ------------------------------------------------ constants made under torch.inference_mode()
+
+INFERENCE_CALLS = {
+    "fused": lambda x, w, t, cw, **o: flce.fused_linear_cross_entropy(x, w, t, ce_weight=cw, **o),
+    "vocab-blocks": lambda x, w, t, cw, **o: flce.fused_linear_cross_entropy(
+        x, w, t, ce_weight=cw, vocab_chunk_size=5, **o
+    ),
+    "logits": lambda x, w, t, cw, **o: flce.cross_entropy(x @ w.T, t, weight=cw, **o),
+    "logprobs": lambda x, w, t, cw, backend, reduction: (
+        flce.fused_linear_logprobs(x, w, t, backend=backend, chunk_size=3).logprobs
+    ),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("entry", list(INFERENCE_CALLS))
+@pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
+def test_a_target_and_class_weights_made_under_inference_mode_are_constants(backend, entry, reduction):
+    """A target or class weights made under torch.inference_mode() are inference tensors,
+    which save_for_backward refuses ("Inference tensors cannot be saved for backward"):
+    they are constants of the loss, and give the results of the same values made normally,
+    a repeated backward (which recomputes from the operands) included."""
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(7, 8, generator=gen), torch.randn(13, 8, generator=gen)
+    target, class_weights = torch.randint(0, 13, (7,), generator=gen), torch.rand(13, generator=gen) + 0.5
+    target[1] = -100
+    with torch.inference_mode():
+        inference_target, inference_weights = target.clone(), class_weights.clone()
+
+    def run(t, cw):
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss = INFERENCE_CALLS[entry](*leaves, t, cw, backend=backend, reduction=reduction)
+        grads = torch.autograd.grad(loss.sum(), leaves, retain_graph=True)
+        return loss.detach(), grads, torch.autograd.grad(loss.sum(), leaves)
+
+    torch.testing.assert_close(run(inference_target, inference_weights), run(target, class_weights), rtol=0, atol=0)
