@@ -273,6 +273,23 @@ def test_vocabulary_masked_by_both_biases(backend, beta):
     torch.testing.assert_close(student.weight.grad[kept].double(), truth.weight.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(student.bias.grad[kept].double(), truth_bias.grad, rtol=1e-4, atol=1e-6)
     assert torch.all(student.weight.grad[masked] == 0) and torch.all(student.bias.grad[masked] == 0)
+    # The reference on the whole vocabulary, -inf columns included (their terms are 0).
+    whole = student.leaves(torch.float64)
+    whole_loss = distillation_reference(
+        whole.input,
+        whole.weight,
+        teacher.input.double(),
+        teacher.weight.double(),
+        target,
+        beta=beta,
+        temperature=0.7,
+        student_bias=whole.bias,
+        teacher_bias=teacher_bias.double(),
+    )
+    whole_loss.backward()
+    torch.testing.assert_close(whole_loss.detach(), truth_loss.detach(), rtol=1e-12, atol=1e-12)
+    for leaf, reference_leaf in zip(student.tensors(), whole.tensors(), strict=True):
+        torch.testing.assert_close(leaf.grad.double(), reference_leaf.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_teacher_gets_no_gradient_and_no_grad_path_agrees():
