@@ -292,3 +292,45 @@ def test_a_backend_argument_compiles_without_warnings(monkeypatch):
         loss = torch.compile(loss_of, backend="aot_eager", fullgraph=True)(x, w, t)
     torch.testing.assert_close(loss, loss_of(x, w, t))
     assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]
+
+
+class _ExportedHead(torch.nn.Module):
+    """A model's loss head as ``torch.export`` sees it: hidden states and targets in, the
+    fused loss (or a head's output) out."""
+
+    def __init__(self, head: str) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.head = head
+        self.weight = torch.nn.Parameter(torch.randn(37, 16, generator=gen) * 0.5)
+        self.register_buffer("teacher_weight", torch.randn(37, 16, generator=gen) * 0.5)
+
+    def forward(self, x, t):
+        if self.head == "cross_entropy":
+            return flce.fused_linear_cross_entropy(x, self.weight, t, reduction="none", label_smoothing=0.1)
+        if self.head == "logits":
+            return flce.cross_entropy(x @ self.weight.T, t, reduction="none")
+        if self.head == "logprobs":
+            return flce.fused_linear_logprobs(x, self.weight, t).logprobs
+        if self.head == "liger":
+            from flce.compat.liger import liger_fused_linear_cross_entropy
+
+            return liger_fused_linear_cross_entropy(x, self.weight, t, reduction="none")
+        return flce.fused_linear_distillation(x, self.weight, x, self.teacher_weight, t, reduction="none")
+
+
+@pytest.mark.parametrize("head", ["cross_entropy", "logits", "logprobs", "distillation", "liger"])
+@pytest.mark.parametrize("leading", [(9,), (3, 5)], ids=["N", "B,T"])
+def test_non_strict_export_keeps_a_dynamic_batch(head, leading):
+    """torch.export(strict=False) with dynamic leading sizes: the boundary checks must not
+    fix a symbolic size (``torch.Size.numel()`` did: "specialized it to be a constant (9)"),
+    and the exported program gives the eager result at other sizes."""
+    model = _ExportedHead(head)
+    dims = [torch.export.Dim(f"d{i}", min=2, max=64) for i in range(len(leading))]
+    dynamic = dict(enumerate(dims))
+    x, t = torch.randn(*leading, 16), torch.randint(0, 37, leading)
+    exported = torch.export.export(model, (x, t), strict=False, dynamic_shapes=(dynamic, dynamic))
+    other = tuple(size + 2 for size in leading)
+    x, t = torch.randn(*other, 16), torch.randint(0, 37, other)
+    t.view(-1)[0] = -100
+    torch.testing.assert_close(exported.module()(x, t), model(x, t))

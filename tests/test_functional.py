@@ -2,9 +2,13 @@
 reference, with tolerances tied to eager PyTorch's own error in the same dtype
 (``flce.testing``: err <= 3 x err_torch + eps)."""
 
+import itertools
+import math
+
 import pytest
 import torch
 
+import flce
 from flce.dispatch import availability
 from flce.testing import FEATURES, Case, run_case
 
@@ -148,3 +152,116 @@ def test_split_row_kernels_of_each_backend():
         kernels = get_backend(name).split_rows()
         assert kernels.name == name
         assert kernels.extra_bytes_per_logit == (0 if name != "torch" else get_backend("torch").extra_bytes_per_logit)
+
+
+# ------------------------------------------------ predicted tokens of rows with a NaN logit
+
+# Columns whose weight row holds one +-inf: their logit is NaN where the row's hidden
+# value there is 0 (inf * 0), +-inf elsewhere, so the rows below hold NaN and +inf logits
+# in various columns of every vocabulary block (V = 300: the Triton interpreter's blocks of
+# 256 leave three steps, [0, 256), [256, 288) and the last 12 columns).
+NAN_VOCAB, NAN_HIDDEN = 300, 4
+INF_COLUMNS = {5: (0, math.inf), 140: (0, -math.inf), 260: (1, math.inf), 290: (2, math.inf), 299: (2, -math.inf)}
+
+
+def nan_logit_problem():
+    """``x, w, target``: every sign pattern of the first three hidden values (27 rows, each
+    with NaN and/or +-inf logits), and a row of NaN only; targets at the eager argmax on
+    every other row (so token accuracy is 1 there exactly when the NaN's index agrees)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(NAN_VOCAB, NAN_HIDDEN, generator=gen)
+    for column, (k, value) in INF_COLUMNS.items():
+        w[column] = 0.0
+        w[column, k] = value
+    signs = torch.tensor(list(itertools.product((0.0, 1.0, -1.0), repeat=3)))
+    x = torch.cat([signs, torch.randn(len(signs), 1, generator=gen)], dim=1)
+    x = torch.cat([x, torch.full((1, NAN_HIDDEN), math.nan)])
+    eager = (x @ w.T).argmax(dim=-1)
+    target = torch.randint(0, NAN_VOCAB, (len(x),), generator=gen)
+    target[::2] = eager[::2]
+    return x, w, target, eager
+
+
+NAN_SCHEMES = {
+    "whole-rows": dict(),
+    "row-chunks": dict(chunk_size=4),
+    "vocab-blocks-64": dict(chunk_size=8, vocab_chunk_size=64),
+    "vocab-blocks-100": dict(vocab_chunk_size=100),
+}
+
+
+@pytest.mark.parametrize("scheme", list(NAN_SCHEMES))
+@pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
+def test_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backend, scheme):
+    """torch.argmax ranks a NaN above every number (the first NaN's index wins; among
+    numbers the first maximum): every scheme and backend must agree with it, the vocabulary
+    blocks' combination included (a block's max shifted away its NaN, or a NaN block max
+    never compared equal to the row's, gave column 0 or another block's argmax)."""
+    import flce
+
+    x, w, target, eager = nan_logit_problem()
+    assert (x @ w.T).isnan().any(dim=-1).sum() >= 19, "most rows should hold a NaN logit"
+    out = flce.fused_linear_cross_entropy(
+        x,
+        w,
+        target,
+        reduction="none",
+        return_predicted_tokens=True,
+        return_token_accuracy=True,
+        backend=backend,
+        **NAN_SCHEMES[scheme],
+    )
+    assert out.predicted_tokens.tolist() == eager.tolist()
+    assert out.token_accuracy.tolist() == (eager == target).float().tolist()
+
+
+@pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
+def test_predicted_tokens_of_given_logits_and_logprobs_with_a_nan_follow_torch_argmax(backend):
+    import flce
+
+    x, w, target, eager = nan_logit_problem()
+    logits = x @ w.T
+    logits[3, [17, 280]] = math.nan  # a positive NaN (inf * 0 gives a negative one here)
+    eager = logits.argmax(dim=-1)
+    out = flce.cross_entropy(logits, target, return_predicted_tokens=True, return_token_accuracy=True, backend=backend)
+    assert out.predicted_tokens.tolist() == eager.tolist()
+    lp = flce.fused_linear_logprobs(x, w, target, return_predicted_tokens=True, backend=backend)
+    assert lp.predicted_tokens.tolist() == (x @ w.T).argmax(dim=-1).tolist()
+
+
+# ------------------------------------------------ constants made under torch.inference_mode()
+
+INFERENCE_CALLS = {
+    "fused": lambda x, w, t, cw, **o: flce.fused_linear_cross_entropy(x, w, t, ce_weight=cw, **o),
+    "vocab-blocks": lambda x, w, t, cw, **o: flce.fused_linear_cross_entropy(
+        x, w, t, ce_weight=cw, vocab_chunk_size=5, **o
+    ),
+    "logits": lambda x, w, t, cw, **o: flce.cross_entropy(x @ w.T, t, weight=cw, **o),
+    "logprobs": lambda x, w, t, cw, backend, reduction: (
+        flce.fused_linear_logprobs(x, w, t, backend=backend, chunk_size=3).logprobs
+    ),
+}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("entry", list(INFERENCE_CALLS))
+@pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
+def test_a_target_and_class_weights_made_under_inference_mode_are_constants(backend, entry, reduction):
+    """A target or class weights made under torch.inference_mode() are inference tensors,
+    which save_for_backward refuses ("Inference tensors cannot be saved for backward"):
+    they are constants of the loss, and give the results of the same values made normally,
+    a repeated backward (which recomputes from the operands) included."""
+    gen = torch.Generator().manual_seed(8)
+    x, w = torch.randn(7, 8, generator=gen), torch.randn(13, 8, generator=gen)
+    target, class_weights = torch.randint(0, 13, (7,), generator=gen), torch.rand(13, generator=gen) + 0.5
+    target[1] = -100
+    with torch.inference_mode():
+        inference_target, inference_weights = target.clone(), class_weights.clone()
+
+    def run(t, cw):
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss = INFERENCE_CALLS[entry](*leaves, t, cw, backend=backend, reduction=reduction)
+        grads = torch.autograd.grad(loss.sum(), leaves, retain_graph=True)
+        return loss.detach(), grads, torch.autograd.grad(loss.sum(), leaves)
+
+    torch.testing.assert_close(run(inference_target, inference_weights), run(target, class_weights), rtol=0, atol=0)

@@ -318,3 +318,88 @@ def test_validation_runs_before_any_kernel(monkeypatch):
     x, w, t = _ok()
     with pytest.raises(ValueError):
         flce.fused_linear_cross_entropy(x, w, t.clone().fill_(99))
+
+
+def _not_tensor_calls():
+    """(entry, argument name, call(value)) for every tensor argument of every public
+    single-process entry point (the vocab-parallel ones: tests/parallel)."""
+    from flce.compat import liger
+
+    x, w, t = _ok()
+    z, tx, tw = x @ w.T, torch.randn(6, 5), torch.randn(11, 5)
+    F, C, L = flce.fused_linear_cross_entropy, flce.cross_entropy, flce.fused_linear_logprobs
+    D = flce.fused_linear_distillation
+    jsd = liger.liger_fused_linear_jsd
+    return [
+        ("fused", "input", False, lambda v: F(v, w, t)),
+        ("fused", "weight", False, lambda v: F(x, v, t)),
+        ("fused", "target", False, lambda v: F(x, w, v)),
+        ("fused", "bias", True, lambda v: F(x, w, t, bias=v)),
+        ("fused", "ce_weight", True, lambda v: F(x, w, t, ce_weight=v)),
+        ("module", "input", False, lambda v: flce.FusedLinearCrossEntropyLoss()(v, w, t)),
+        ("module", "weight", False, lambda v: flce.FusedLinearCrossEntropyLoss()(x, v, t)),
+        ("module", "target", False, lambda v: flce.FusedLinearCrossEntropyLoss()(x, w, v)),
+        ("module", "bias", True, lambda v: flce.FusedLinearCrossEntropyLoss()(x, w, t, v)),
+        ("module", "ce_weight", True, lambda v: flce.FusedLinearCrossEntropyLoss(ce_weight=v)(x, w, t)),
+        ("cross_entropy", "logits", False, lambda v: C(v, t)),
+        ("cross_entropy", "target", False, lambda v: C(z, v)),
+        ("cross_entropy", "weight", True, lambda v: C(z, t, weight=v)),
+        ("ce_module", "logits", False, lambda v: flce.CrossEntropyLoss()(v, t)),
+        ("ce_module", "target", False, lambda v: flce.CrossEntropyLoss()(z, v)),
+        ("ce_module", "weight", True, lambda v: flce.CrossEntropyLoss(weight=v)(z, t)),
+        ("logprobs", "input", False, lambda v: L(v, w, t)),
+        ("logprobs", "weight", False, lambda v: L(x, v, t)),
+        ("logprobs", "target", False, lambda v: L(x, w, v)),
+        ("logprobs", "bias", True, lambda v: L(x, w, t, bias=v)),
+        ("distillation", "student_input", False, lambda v: D(v, w, tx, tw)),
+        ("distillation", "student_weight", False, lambda v: D(x, v, tx, tw)),
+        ("distillation", "teacher_input", False, lambda v: D(x, w, v, tw)),
+        ("distillation", "teacher_weight", False, lambda v: D(x, w, tx, v)),
+        ("distillation", "target", True, lambda v: D(x, w, tx, tw, v)),
+        ("distillation", "student_bias", True, lambda v: D(x, w, tx, tw, student_bias=v)),
+        ("distillation", "teacher_bias", True, lambda v: D(x, w, tx, tw, teacher_bias=v)),
+        ("liger", "input", False, lambda v: liger.liger_fused_linear_cross_entropy(v, w, t)),
+        ("liger", "weight", False, lambda v: liger.liger_fused_linear_cross_entropy(x, v, t)),
+        ("liger", "target", False, lambda v: liger.liger_fused_linear_cross_entropy(x, w, v)),
+        ("liger", "bias", True, lambda v: liger.liger_fused_linear_cross_entropy(x, w, t, v)),
+        ("liger", "ce_weight", True, lambda v: liger.liger_fused_linear_cross_entropy(x, w, t, None, v)),
+        ("liger_function", "input", False, lambda v: liger.LigerFusedLinearCrossEntropyFunction.apply(v, w, t)),
+        ("liger_module", "input", False, lambda v: liger.LigerFusedLinearCrossEntropyLoss()(w, v, t)),
+        ("liger_module", "weight", False, lambda v: liger.LigerFusedLinearCrossEntropyLoss()(v, x, t)),
+        ("liger_module", "target", False, lambda v: liger.LigerFusedLinearCrossEntropyLoss()(w, x, v)),
+        ("liger_ce", "input", False, lambda v: liger.liger_cross_entropy(v, t)),
+        ("liger_ce", "target", False, lambda v: liger.liger_cross_entropy(z, v)),
+        ("liger_ce", "weight", True, lambda v: liger.liger_cross_entropy(z, t, v)),
+        ("liger_ce_function", "input", False, lambda v: liger.LigerCrossEntropyFunction.apply(v, t, None)),
+        ("liger_jsd", "student_input", False, lambda v: jsd(v, w, tx, tw)),
+        ("liger_jsd", "student_weight", False, lambda v: jsd(x, v, tx, tw)),
+        ("liger_jsd", "teacher_input", False, lambda v: jsd(x, w, v, tw)),
+        ("liger_jsd", "teacher_weight", False, lambda v: jsd(x, w, tx, v)),
+        ("liger_jsd", "target", True, lambda v: jsd(x, w, tx, tw, v)),
+        ("liger_jsd_module", "teacher_input", False, lambda v: liger.LigerFusedLinearJSD()(x, w, v, tw, None)),
+    ]
+
+
+NOT_TENSORS = {"None": None, "list": [[1.0, 2.0]], "numpy": "numpy", "float": 1.5}
+NOT_TENSOR_CASES = [
+    (index, kind)
+    for index, (_, _, optional, _) in enumerate(_not_tensor_calls())
+    for kind in NOT_TENSORS
+    if not (optional and kind == "None")  # None is an optional tensor's default
+]
+
+
+@pytest.mark.parametrize(
+    "index,kind", NOT_TENSOR_CASES, ids=["-".join((*_not_tensor_calls()[i][:2], k)) for i, k in NOT_TENSOR_CASES]
+)
+def test_a_tensor_argument_given_as_something_else_is_refused_by_name(index, kind):
+    """None, a list, a NumPy array or a number where a tensor belongs: a TypeError naming
+    the argument (not an AttributeError from the layout cache, which read None.device)."""
+    entry, name, optional, call = _not_tensor_calls()[index]
+    value = NOT_TENSORS[kind]
+    if value == "numpy":
+        value = pytest.importorskip("numpy").zeros((6, 8), dtype="float32")
+    x, w, t = _ok()
+    flce.fused_linear_cross_entropy(x, w, t)  # a checked layout must not let the bad call through
+    with pytest.raises(TypeError, match=rf"\b{name} must be a (torch\.Tensor|tensor)"):
+        call(value)

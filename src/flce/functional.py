@@ -19,8 +19,10 @@ from flce.options import (
     LogprobsOptions,
     LossOptions,
     cached_options,
+    check_tensor_type,
     index_target,
     refuse_function_transforms,
+    row_count,
     validate_fused_inputs,
     validate_head_target,
     validate_linear_head,
@@ -33,7 +35,7 @@ from flce.plan import LinearOperands, LogitsOperands, make_plan, run_loss
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """``(..., D)`` -> ``(N, D)``: a 2-D tensor as it is (no view op per call), else flattened
     with an explicit N (D may be 0)."""
-    return tensor if tensor.dim() == 2 else tensor.reshape(tensor.shape[:-1].numel(), tensor.shape[-1])
+    return tensor if tensor.dim() == 2 else tensor.reshape(row_count(tensor), tensor.shape[-1])
 
 
 def prepare_ce_weight(ce_weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -210,11 +212,6 @@ def cross_entropy(
 # ------------------------------------------------------------ RL and distillation
 
 
-def _check_target_type(target) -> None:
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-
-
 def fused_linear_logprobs_with_options(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -223,7 +220,7 @@ def fused_linear_logprobs_with_options(
     options: LogprobsOptions,
 ) -> LogprobsOutput:
     """``fused_linear_logprobs`` with prebuilt options."""
-    _check_target_type(target)
+    check_tensor_type("target", target)
     compute_dtype = validate_linear_head(input, weight, bias)
     validate_head_target(target, input)
     operands = LogprobsOperands(
@@ -330,7 +327,7 @@ def _validate_distillation_inputs(
             f"{teacher_weight.shape[0]} rows, student_weight has {student_weight.shape[0]}"
         )
     if target is not None:
-        _check_target_type(target)
+        check_tensor_type("target", target)
         validate_head_target(target, student_input, "student_input")
     return compute_dtype, teacher_dtype
 
@@ -353,7 +350,7 @@ def fused_linear_distillation_with_options(
     compute_dtype, teacher_dtype = _validate_distillation_inputs(
         student_input, student_weight, student_bias, teacher_input, teacher_weight, teacher_bias, target
     )
-    n_rows = student_input.shape[:-1].numel()
+    n_rows = row_count(student_input)
     operands = DistillationOperands(
         input=student_input.reshape(n_rows, student_input.shape[-1]),
         weight=student_weight,

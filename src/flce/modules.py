@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import LossOptions
+from flce.options import LossOptions, check_optional_tensor_type
 from flce.output import LossResult
 
 
@@ -20,6 +20,7 @@ class FusedLinearCrossEntropyLoss(nn.Module):
     def __init__(self, ce_weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
         self.options = LossOptions(**options)
+        check_optional_tensor_type("ce_weight", ce_weight)
         self.register_buffer("ce_weight", ce_weight, persistent=False)
 
     def forward(
@@ -39,6 +40,7 @@ class CrossEntropyLoss(nn.Module):
         self.options = LossOptions(**options)
         if self.options.accum_dtype is not None:
             raise ValueError("accum_dtype applies to FusedLinearCrossEntropyLoss only")
+        check_optional_tensor_type("weight", weight)
         self.register_buffer("weight", weight, persistent=False)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> LossResult:

@@ -317,6 +317,27 @@ def _environment_mode(variable: str, value: str | None, modes: tuple[str, ...]) 
     return mode
 
 
+def row_count(tensor: torch.Tensor) -> int:
+    """The rows of a ``(..., D)`` tensor: the product of its leading dimensions. Not
+    ``shape[:-1].numel()``, which turns a symbolic size into a constant (``torch.export``
+    with a dynamic batch would refuse the export as specialised)."""
+    return math.prod(tensor.shape[:-1])
+
+
+def check_tensor_type(name: str, value) -> None:
+    """A tensor argument given as something else (None, a list, a NumPy array, a number)
+    is refused by name, before any attribute of it is read."""
+    if not isinstance(value, torch.Tensor):
+        hint = f"; pass torch.as_tensor({name})" if not (value is None or isinstance(value, numbers.Number)) else ""
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}{hint}")
+
+
+def check_optional_tensor_type(name: str, value) -> None:
+    """``check_tensor_type`` for a tensor argument that may be None."""
+    if value is not None:
+        check_tensor_type(name, value)
+
+
 def check_compute_dtype(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {tensor.dtype}")
@@ -345,8 +366,7 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
     (all but the last) dimensions are ``leading_shape``: ``(N,)``, or ``(B, T)`` against
     a 3-D ``(B, T, ·)`` tensor (a 1-D target of ``B * T`` values is taken as the rows in
     order; a 2-D target of ``N`` values against a 2-D tensor likewise)."""
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    check_tensor_type("target", target)
     refuse_non_dense("target", target)
     if target.dtype not in TARGET_DTYPES:
         raise TypeError(f"target must be an integer tensor (int64, int32, int16, int8 or uint8), got {target.dtype}")
@@ -354,7 +374,7 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
         raise ValueError(f"target must be (B, T) = {tuple(leading_shape)}, got {tuple(target.shape)}")
     if target.dim() not in (1, 2):
         raise ValueError(f"target must be (N,) or (B, T), got shape {tuple(target.shape)}")
-    expected_rows = leading_shape.numel()
+    expected_rows = math.prod(leading_shape)  # not Size.numel(), which fixes a symbolic size (row_count)
     if target.numel() != expected_rows:
         raise ValueError(
             f"target must have one class index per row of {rows_name} ({expected_rows} values), "
@@ -445,9 +465,8 @@ def validate_linear_head(
     """``input`` (N, H) or (B, T, H), ``weight`` (V, H) with V >= 1 and ``bias`` (V,) or
     None, on one device, not meta, not DTensors; returns their compute dtype
     (``resolve_compute_dtype``)."""
-    for name, t in ((names.input, input), (names.weight, weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_tensor_type(names.input, input)
+    check_tensor_type(names.weight, weight)
     if bias is not None and not isinstance(bias, torch.Tensor):
         raise TypeError(f"{names.bias} must be a tensor of shape (V,) or None, got {type(bias).__name__}")
     for name, t in ((names.input, input), (names.weight, weight), (names.bias, bias)):
@@ -530,12 +549,17 @@ PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _checked_layouts = KeptAnswers()
 
 
-def _layout_key(tensors: tuple) -> tuple | None:
-    """(shape, dtype, device) of each tensor (None where absent), or None when one is not
-    a plain dense tensor (the full checks then run, and name what is wrong: a sparse
-    tensor has the shape, dtype and device of a dense one checked before)."""
+def _layout_key(required: tuple, optional: tuple = ()) -> tuple | None:
+    """(shape, dtype, device) of each tensor (None where an ``optional`` one is absent), or
+    None when one is not a plain dense tensor (the full checks then run, and name what is
+    wrong: a sparse tensor has the shape, dtype and device of a dense one checked before;
+    a ``required`` argument given as None, a list or an array is no layout at all)."""
     key = []
-    for tensor in tensors:
+    for tensor in required:
+        if not (type(tensor) in PLAIN_TENSOR_TYPES and tensor.layout == torch.strided and not tensor.is_nested):
+            return None
+        key.append((tensor.shape, tensor.dtype, tensor.device))
+    for tensor in optional:
         if tensor is None:
             key.append(None)
         elif type(tensor) in PLAIN_TENSOR_TYPES and tensor.layout == torch.strided and not tensor.is_nested:
@@ -577,7 +601,7 @@ def validate_fused_inputs(
     Run once per layout (the section's comment)."""
     key = None
     if not torch.compiler.is_compiling():
-        layout = _layout_key((input, weight, target, bias, ce_weight))
+        layout = _layout_key((input, weight, target), (bias, ce_weight))
         autocast = _NO_KEY if layout is None else _autocast_key(input.device)
         if autocast is not _NO_KEY:
             key = ("fused", layout, autocast, _class_weight_needs_grad(ce_weight), options.accum_dtype)
@@ -592,8 +616,7 @@ def _validate_fused_inputs(
     ce_weight: torch.Tensor | None,
     options: LossOptions,
 ) -> torch.dtype:
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    check_tensor_type("target", target)
     dtype = validate_linear_head(input, weight, bias)
     validate_head_target(target, input)
     validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight")
@@ -623,7 +646,7 @@ def validate_logits_inputs(
     """Shape/dtype/device checks for the loss on given logits, once per layout."""
     key = None
     if not torch.compiler.is_compiling():
-        layout = _layout_key((logits, target, ce_weight))
+        layout = _layout_key((logits, target), (ce_weight,))
         if layout is not None:
             key = (
                 "logits",
@@ -639,8 +662,8 @@ def validate_logits_inputs(
 def _validate_logits_inputs(
     logits: torch.Tensor, target: torch.Tensor, ce_weight: torch.Tensor | None, options: LossOptions
 ) -> None:
-    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError("logits and target must be torch.Tensors")
+    check_tensor_type("logits", logits)
+    check_tensor_type("target", target)
     refuse_non_dense("logits", logits)
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be (N, V) or (B, T, V), got shape {tuple(logits.shape)}")

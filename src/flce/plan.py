@@ -607,6 +607,18 @@ class LossFunction(torch.autograd.Function):
         ctx.plan, ctx.operands_type, ctx.request = plan, operands_type, request
         ctx.gradients, ctx.gradients_borrowed = result.gradients, result.borrowed
         ctx.n_tensors = len(tensors)
+        # An operand made under torch.inference_mode() (a teacher's hidden states, a target,
+        # class weights: constants here) cannot go through save_for_backward, which refuses
+        # inference tensors; it is kept on ctx instead. Its version check would watch
+        # nothing: an inference tensor cannot be modified in place outside inference mode.
+        # (A loop, not a comprehension, and only the tensors that need no gradient: host
+        # time on every training step; an inference tensor requiring grad fails in eager too.)
+        ctx.inference_operands = None
+        for index, t in enumerate(tensors):
+            if t is not None and not t.requires_grad and t.is_inference():
+                if ctx.inference_operands is None:
+                    ctx.inference_operands, tensors = [None] * len(tensors), list(tensors)
+                ctx.inference_operands[index], tensors[index] = t, None
         ctx.save_for_backward(*tensors, *result.residuals)
         extras = result.outputs.non_differentiable()
         if extras:
@@ -629,6 +641,8 @@ class LossFunction(torch.autograd.Function):
         else:
             saved_tensors = ctx.saved_tensors
             tensors, residuals = saved_tensors[: ctx.n_tensors], saved_tensors[ctx.n_tensors :]
+            if ctx.inference_operands is not None:
+                tensors = [t if kept is None else kept for t, kept in zip(tensors, ctx.inference_operands, strict=True)]
             operands = ctx.operands_type(*tensors)
             grads = backward(ctx.plan, operands, ctx.request, grad_outputs, residuals, None, owned=True)
         if grads is None:

@@ -176,7 +176,9 @@ def distillation_from_logits_reference(
     ``p = softmax(teacher / T)`` (teacher detached): ``beta = 0`` is KL(p || q), ``beta = 1``
     KL(q || p), otherwise ``beta KL(p || M) + (1 - beta) KL(q || M)`` with
     ``M = beta p + (1 - beta) q``. ``"mean"`` divides by the rows not ignored (all rows
-    without ``target``; 0 when there are none), ``"none"`` returns per-row values."""
+    without ``target``; 0 when there are none), ``"none"`` returns per-row values. A -inf
+    logit (a masked part of the vocabulary) is a zero probability: its terms are 0, in
+    value and gradient."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= beta <= 1.0:
@@ -189,7 +191,14 @@ def distillation_from_logits_reference(
     log_q = torch.log_softmax(student_logits.to(math_dtype) / temperature, dim=-1)  # (N, V)
     log_p = torch.log_softmax(teacher_logits.detach().to(math_dtype) / temperature, dim=-1)
 
+    zero = torch.zeros((), dtype=math_dtype, device=log_q.device)
+
     def kl(log_a, log_b):  # KL(a || b) per row
+        # A column where a = 0 (a -inf logit, a masked part of the vocabulary) adds
+        # 0 log 0 = 0, not 0 * (-inf - log b) = NaN: both logs are masked first, so that
+        # the gradient through the unused branch of the product is 0, not NaN, too.
+        present = log_a > -math.inf
+        log_a, log_b = torch.where(present, log_a, zero), torch.where(present, log_b, zero)
         return (torch.exp(log_a) * (log_a - log_b)).sum(dim=-1)
 
     if beta == 0.0:
@@ -197,7 +206,12 @@ def distillation_from_logits_reference(
     elif beta == 1.0:
         rows = kl(log_q, log_p)
     else:
-        log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log(1.0 - beta))
+        # M = 0 where p = q = 0; logaddexp's gradient at (-inf, -inf) is NaN: masked first.
+        either = (log_p > -math.inf) | (log_q > -math.inf)
+        mixed = torch.logaddexp(
+            torch.where(either, log_p, zero) + math.log(beta), torch.where(either, log_q, zero) + math.log(1.0 - beta)
+        )
+        log_m = torch.where(either, mixed, -math.inf)
         rows = beta * kl(log_p, log_m) + (1.0 - beta) * kl(log_q, log_m)
     if target is None:
         valid = torch.ones(rows.shape, dtype=torch.bool, device=rows.device)

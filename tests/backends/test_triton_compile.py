@@ -109,7 +109,10 @@ def _calls():
     x = torch.randn(N, H, generator=gen, dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(ODD_V, H, generator=gen) * 0.3).to(torch.bfloat16).requires_grad_()
     t = torch.randint(0, ODD_V, (N,), generator=gen)
-    features = dict(label_smoothing=0.1, lse_square_scale=1e-4, softcap=20.0, return_z_loss=True)
+    # The argmax too (return_predicted_tokens): its NaN handling is compiled code of its own.
+    features = dict(
+        label_smoothing=0.1, lse_square_scale=1e-4, softcap=20.0, return_z_loss=True, return_predicted_tokens=True
+    )
 
     def cross_entropy():
         out = flce.fused_linear_cross_entropy(x, w, t, backend="triton", **features)
@@ -117,10 +120,13 @@ def _calls():
 
     def vocabulary_blocks():
         # Blocks of 520 and 511 columns: neither a multiple of 16.
-        flce.fused_linear_cross_entropy(x, w, t, backend="triton", vocab_chunk_size=520).backward()
+        out = flce.fused_linear_cross_entropy(
+            x, w, t, backend="triton", vocab_chunk_size=520, return_token_accuracy=True
+        )
+        out.loss.backward()
 
     def logprobs():
-        out = flce.fused_linear_logprobs(x, w, t, backend="triton", return_entropy=True)
+        out = flce.fused_linear_logprobs(x, w, t, backend="triton", return_entropy=True, return_predicted_tokens=True)
         (out.logprobs.sum() + out.entropy.sum()).backward()
 
     def distillation():

@@ -273,6 +273,23 @@ def test_vocabulary_masked_by_both_biases(backend, beta):
     torch.testing.assert_close(student.weight.grad[kept].double(), truth.weight.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(student.bias.grad[kept].double(), truth_bias.grad, rtol=1e-4, atol=1e-6)
     assert torch.all(student.weight.grad[masked] == 0) and torch.all(student.bias.grad[masked] == 0)
+    # The reference on the whole vocabulary, -inf columns included (their terms are 0).
+    whole = student.leaves(torch.float64)
+    whole_loss = distillation_reference(
+        whole.input,
+        whole.weight,
+        teacher.input.double(),
+        teacher.weight.double(),
+        target,
+        beta=beta,
+        temperature=0.7,
+        student_bias=whole.bias,
+        teacher_bias=teacher_bias.double(),
+    )
+    whole_loss.backward()
+    torch.testing.assert_close(whole_loss.detach(), truth_loss.detach(), rtol=1e-12, atol=1e-12)
+    for leaf, reference_leaf in zip(student.tensors(), whole.tensors(), strict=True):
+        torch.testing.assert_close(leaf.grad.double(), reference_leaf.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_teacher_gets_no_gradient_and_no_grad_path_agrees():
@@ -395,3 +412,52 @@ def test_gpu_matches_reference(backend, dtype, beta):
 @pytest.mark.parametrize("reduction", ["sum", "none"])
 def test_gpu_large_vocabulary_bf16(reduction):
     check_parity("triton", torch.bfloat16, 0.5, reduction, leading=(512,), vocab=151936, chunk_size=None, seed=22)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_teacher_made_under_inference_mode_is_taken_as_a_constant(backend, reduction):
+    """A teacher run under torch.inference_mode() (the usual way to run a frozen model)
+    gives inference tensors, which save_for_backward refuses ("Inference tensors cannot
+    be saved for backward"); eager kl_div takes them. They are constants here: the loss
+    and the student's gradients equal those of the same teacher made normally."""
+    from flce.compat.liger import liger_fused_linear_jsd
+
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(7, 8, generator=gen), torch.randn(13, 8, generator=gen)
+    teacher = (torch.randn(7, 6, generator=gen), torch.randn(13, 6, generator=gen), torch.randn(13, generator=gen))
+    target = torch.randint(0, 13, (7,), generator=gen)
+    target[2] = -100
+    with torch.inference_mode():
+        inference_teacher = tuple(t.clone() for t in teacher)
+        inference_target = target.clone()
+    assert all(t.is_inference() for t in (*inference_teacher, inference_target))
+
+    def run(teacher_input, teacher_weight, teacher_bias, target):
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss = flce.fused_linear_distillation(
+            *leaves,
+            teacher_input,
+            teacher_weight,
+            target,
+            teacher_bias=teacher_bias,
+            reduction=reduction,
+            backend=backend,
+            chunk_size=3,
+        )
+        grads = torch.autograd.grad(loss.sum(), leaves, retain_graph=True)
+        again = torch.autograd.grad(loss.sum(), leaves)  # a repeated backward recomputes from the operands
+        return loss.detach(), grads, again
+
+    expected, got = run(*teacher, target), run(*inference_teacher, inference_target)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    if reduction == "mean":  # the Liger shim (no teacher bias), likewise
+        shim = []
+        for teacher_input, teacher_weight, labels in (
+            (*teacher[:2], target),
+            (*inference_teacher[:2], inference_target),
+        ):
+            leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+            loss = liger_fused_linear_jsd(*leaves, teacher_input, teacher_weight, labels)
+            shim.append((loss.detach(), torch.autograd.grad(loss, leaves)))
+        torch.testing.assert_close(shim[1], shim[0], rtol=0, atol=0)

@@ -121,6 +121,35 @@ def test_distillation_reference_special_cases():
     assert jsd <= math.log(2)
 
 
+# Columns masked to -inf for both models, the teacher alone (p = 0) or the student alone
+# (q = 0), with the betas whose divergence stays finite there.
+MASKED_COLUMNS = {"both": ([0, 1, 7], [0, 1, 7]), "teacher": ([], [3, 9]), "student": ([4, 12], [])}
+MASKED_BETAS = {"both": [0.0, 1.0, 0.5, 0.1], "teacher": [0.0, 0.5, 0.1], "student": [1.0, 0.5, 0.1]}
+
+
+@pytest.mark.parametrize("mask,beta", [(mask, beta) for mask in MASKED_COLUMNS for beta in MASKED_BETAS[mask]])
+def test_distillation_reference_at_masked_columns_is_their_absence(mask, beta):
+    """A -inf logit is a zero probability, whose terms are 0 (0 log 0 = 0), in value and
+    gradient: the loss and the student's gradient are their limits at a logit of -1e4
+    (where every probability is exactly 0 in float64 and every log finite), with exact
+    zeros in the gradient of the student's masked columns, and no NaN (0 * inf was NaN)."""
+    x, w, _, x_t, w_t, target = tensors(7)
+    student_columns, teacher_columns = MASKED_COLUMNS[mask]
+    results = []
+    for masked_value in (-math.inf, -1e4):
+        student, teacher = (x @ w.T).requires_grad_(), x_t @ w_t.T
+        with torch.no_grad():
+            student[:, student_columns] = masked_value
+            teacher[:, teacher_columns] = masked_value
+        loss = distillation_from_logits_reference(student, teacher, target, beta=beta, reduction="none")
+        (grad,) = torch.autograd.grad((loss * torch.linspace(0.5, 2, N, dtype=torch.float64)).sum(), student)
+        results.append((loss.detach(), grad))
+    (loss, grad), limit = results
+    assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
+    torch.testing.assert_close((loss, grad), limit, rtol=1e-12, atol=1e-12)
+    assert torch.all(grad[:, student_columns] == 0)
+
+
 def test_distillation_reference_reductions_and_ignored_rows():
     x, w, b, x_t, w_t, target = tensors(4)
     rows = distillation_reference(x, w, x_t, w_t, target, reduction="none", student_bias=b)

@@ -10,6 +10,8 @@ dominates the cost); workers save their results to ``tmp_path`` and the parent a
 from __future__ import annotations
 
 import datetime
+import itertools
+import math
 import os
 import random
 import socket
@@ -382,6 +384,50 @@ def _error_cases(rank: int, world: int) -> dict:
     return out
 
 
+# Columns whose weight row holds one +-inf (V = 37, on several ranks): their logit is NaN
+# where the row's hidden value there is 0 (inf * 0), +-inf elsewhere.
+NAN_INF_COLUMNS = {3: (0, math.inf), 12: (0, -math.inf), 30: (1, math.inf), 36: (2, math.inf)}
+
+
+def nan_logit_problem() -> tuple:
+    """``x, weight, target``: every sign pattern of the first three hidden values (rows
+    with NaN and +-inf logits on one rank or several) and a row of NaN only; targets at
+    the eager argmax on every other row."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(37, 4, generator=gen)
+    for column, (k, value) in NAN_INF_COLUMNS.items():
+        weight[column] = 0.0
+        weight[column, k] = value
+    signs = torch.tensor(list(itertools.product((0.0, 1.0, -1.0), repeat=3)))
+    x = torch.cat([signs, torch.randn(len(signs), 1, generator=gen)], dim=1)
+    x = torch.cat([x, torch.full((1, 4), math.nan)])
+    target = torch.randint(0, 37, (len(x),), generator=gen)
+    target[::2] = (x @ weight.T).argmax(dim=-1)[::2]
+    return x, weight, target
+
+
+def _nan_argmax_case(rank: int, world: int) -> dict:
+    """Predicted tokens and accuracy of rows with NaN logits, per backend."""
+    split = FIXED_SPLITS[world]
+    v0 = sum(split[:rank])
+    x, weight, target = nan_logit_problem()
+    backends = ["torch"] + (["triton"] if flce.dispatch.availability("triton", torch.device("cpu"))[0] else [])
+    results = {}
+    for backend in backends:
+        out = vocab_parallel_fused_linear_cross_entropy(
+            x,
+            weight[v0 : v0 + split[rank]],
+            target,
+            reduction="none",
+            return_predicted_tokens=True,
+            return_token_accuracy=True,
+            chunk_size=8,
+            backend=backend,
+        )
+        results[backend] = (out.predicted_tokens, out.token_accuracy)
+    return results
+
+
 def _dtensor_case(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -446,6 +492,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results = {"cases": {spec.name: _run_case(spec, rank) for spec in make_specs(world)}}
         results["errors"] = _error_cases(rank, world)
         results["dtensor"] = _dtensor_case(rank, world)
+        results["nan_argmax"] = _nan_argmax_case(rank, world)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -636,6 +683,22 @@ def test_dtensor_adapter(spawned):
             assert f"rank(s) [0, {last}]" in msg, msg
 
 
+def test_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(spawned):
+    """torch.argmax ranks a NaN above every number (the first NaN's index wins): the
+    ranks' combination must keep it (a NaN local max, negative NaN included, ranked below
+    every number in the order-preserving keys, and the shard's argmax was taken after
+    shifting by that NaN max: column 0)."""
+    world, results = spawned
+    x, weight, target = nan_logit_problem()
+    eager = (x @ weight.T).argmax(dim=-1)
+    assert (x @ weight.T).isnan().any(dim=-1).sum() >= 19, "most rows should hold a NaN logit"
+    for rank, r in enumerate(results):
+        for backend, (predicted, accuracy) in r["nan_argmax"].items():
+            where = f"rank {rank}/{world} {backend}"
+            assert predicted.tolist() == eager.tolist(), where
+            assert accuracy.tolist() == (eager == target).float().tolist(), where
+
+
 # ------------------------------------------------------------- process group of size 1
 
 
@@ -759,6 +822,37 @@ def test_group_of_one_local_refusals(single_group):
         call(distribute_tensor(x, mesh, [Replicate()]), w, t)
     with pytest.raises(ValueError, match="Shard\\(0\\)"):
         call(x, distribute_tensor(w, mesh, [Replicate()]), t)
+
+
+@pytest.mark.parametrize("value", [None, [[1.0]], 1.5, "numpy"], ids=["None", "list", "float", "numpy"])
+@pytest.mark.parametrize("name", ["input", "weight_shard", "target", "bias_shard", "ce_weight_shard", "module"])
+def test_group_of_one_a_tensor_argument_given_as_something_else_is_refused_by_name(single_group, name, value):
+    """None, a list, a number or a NumPy array where a tensor belongs: a TypeError naming
+    the argument, raised in the handshake (not an AttributeError from the layout cache)."""
+    if value == "numpy":
+        value = pytest.importorskip("numpy").zeros((3, 4), dtype="float32")
+    tensors = dict(input=torch.randn(3, 4), weight_shard=torch.randn(5, 4), target=torch.tensor([0, 1, 2]))
+    vocab_parallel_fused_linear_cross_entropy(*tensors.values())  # a checked layout must not let it through
+    if name == "module":  # its input, and its class weights (refused at construction)
+        with pytest.raises(TypeError, match=r"^input must be a torch\.Tensor"):
+            VocabParallelFusedLinearCrossEntropyLoss()(value, tensors["weight_shard"], tensors["target"])
+        if value is not None:
+            with pytest.raises(TypeError, match=r"^ce_weight_shard must be a torch\.Tensor"):
+                VocabParallelFusedLinearCrossEntropyLoss(value)
+        return
+    if value is None and name in ("bias_shard", "ce_weight_shard"):
+        return  # their default
+    arguments = {**tensors, name: value}
+    # The shards' checks are the single-device loss's, whose messages say weight and bias.
+    message_name = {"weight_shard": "weight", "bias_shard": "bias"}.get(name, name)
+    with pytest.raises(TypeError, match=rf"\b{message_name} must be a (torch\.Tensor|tensor)"):
+        vocab_parallel_fused_linear_cross_entropy(
+            arguments["input"],
+            arguments["weight_shard"],
+            arguments["target"],
+            bias_shard=arguments.get("bias_shard"),
+            ce_weight_shard=arguments.get("ce_weight_shard"),
+        )
 
 
 def test_group_of_one_repeated_backward_does_not_compound(single_group):

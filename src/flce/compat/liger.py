@@ -27,7 +27,7 @@ from flce.functional import (
     fused_linear_cross_entropy_with_options,
     fused_linear_distillation_with_options,
 )
-from flce.options import OPTION_FIELDS, DistillationOptions, LossOptions, as_int
+from flce.options import OPTION_FIELDS, DistillationOptions, LossOptions, as_int, check_tensor_type, row_count
 from flce.output import CrossEntropyOutput
 
 __all__ = [
@@ -82,7 +82,7 @@ def _chunk_size_for(input, weight, chunk_mem_const) -> int | None:
     )
     if not shapes_known:
         return _liger_chunk_size(0, 0, 0, chunk_mem_const)
-    return _liger_chunk_size(input.shape[:-1].numel(), weight.shape[0], input.shape[-1], chunk_mem_const)
+    return _liger_chunk_size(row_count(input), weight.shape[0], input.shape[-1], chunk_mem_const)
 
 
 def _options(arguments: dict, **overrides) -> LossOptions:
@@ -202,6 +202,7 @@ class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
 
 
 def _ce(input, target, weight, arguments: dict):
+    check_tensor_type("input", input)  # Liger's name for the logits
     return cross_entropy_with_options(input, target, weight, _options(arguments))
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flce.options import FLOAT_DTYPES, LossOptions
+from flce.options import FLOAT_DTYPES, LossOptions, row_count
 
 ENTRY = "vocab_parallel_fused_linear_cross_entropy"
 
@@ -155,7 +155,7 @@ def agree_on_call(
             vocab_start_given=int(vocab_start is not None),
             vocab_start=vocab_start or 0,
             shard_size=weight.shape[0],
-            rows=input.shape[:-1].numel(),
+            rows=row_count(input),
             hidden=input.shape[-1],
             has_bias=int(bias is not None),
             has_ce_weight=int(ce_weight is not None),

@@ -62,8 +62,10 @@ from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scal
 from flce.options import (
     LossOptions,
     as_int,
+    check_optional_tensor_type,
     index_target,
     refuse_function_transforms,
+    row_count,
     validate_ce_weight,
     validate_fused_inputs,
 )
@@ -223,11 +225,17 @@ def _plan(
 _LOW32 = 0xFFFFFFFF
 
 
+_NAN_ORDERED = 0x7FFFFFFF  # above +inf's 0x7F800000: the bits of a NaN, decoded as one
+
+
 def _argmax_key(value: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """int64 keys whose maximum is the largest fp32 ``value`` and, among equal values,
-    the smallest ``index`` (< 2**32). ``value`` maps to its order-preserving bits."""
+    the smallest ``index`` (< 2**32). ``value`` maps to its order-preserving bits; a NaN
+    (of either sign) above every number, as ``torch.argmax`` ranks it: the shard's first
+    NaN column is its argmax, and the first rank's such column wins across ranks."""
     bits = (value + 0.0).view(torch.int32).to(torch.int64)  # + 0.0 turns -0.0 into +0.0
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = torch.where(value.isnan(), _NAN_ORDERED, ordered)
     return ordered * (2**32) + (_LOW32 - index)
 
 
@@ -378,7 +386,7 @@ def _vocab_parallel_loss(
     plan, ce_full, target_1d = _plan(
         input, weight_shard, target, bias_shard, ce_weight_shard, options, group, vocab_start, local_error
     )
-    input_2d = input.reshape(input.shape[:-1].numel(), input.shape[-1])  # explicit N: H may be 0
+    input_2d = input.reshape(row_count(input), input.shape[-1])  # explicit N: H may be 0
     operands = LinearOperands(input_2d, weight_shard, bias_shard, target_1d, ce_full)
     # run_loss raises an earlier call's bad input after this call's collectives, on every rank.
     return package_result(options, tuple(target.shape), *run_loss(plan, operands))
@@ -500,6 +508,7 @@ class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
         self.options = LossOptions(**options)
         self.process_group = process_group
         self.vocab_start = vocab_start
+        check_optional_tensor_type("ce_weight_shard", ce_weight_shard)
         self.register_buffer("ce_weight_shard", ce_weight_shard, persistent=False)
 
     def forward(

@@ -449,12 +449,15 @@ def combine_blocks(
     """The whole rows' statistics from their blocks', relative to the rows' max: the
     blocks' parts rebased to the global max and summed (what the vocab-parallel loss
     does with one MAX and one SUM all-reduce across ranks). The argmax is the first
-    block's achieving the global max, so the first index wins ties."""
+    block's achieving the global max, so the first index wins ties, and a NaN wins over
+    any number, as in ``torch.argmax`` (a block holding a NaN has a NaN max, which
+    ``amax`` propagates and ``==`` never matches)."""
     row_max = per_block.row_max.amax(dim=0)  # (N,)
     parts = per_block.rebased(row_max, owned_by, block_weight_sums[:, None])
     argmax = None
     if per_block.argmax is not None:
-        first = (per_block.row_max == row_max).to(torch.int8).argmax(dim=0)  # first block at the max
+        at_max = (per_block.row_max == row_max) | per_block.row_max.isnan()
+        first = at_max.to(torch.int8).argmax(dim=0)  # first block at the max (or with a NaN)
         argmax = per_block.argmax.gather(0, first[None]).squeeze(0)
     return BlockStatistics(
         row_max=row_max,

@@ -29,8 +29,11 @@ class TorchSplitRowKernels:
         # logits (C, V_b); local_target (C,) int64, outside [0, V_b) where the block lacks y
         z, _ = apply_softcap(fp32_working_copy(logits), softcap, False)
         block_max = z.amax(dim=-1)
+        # Before the shift: a NaN logit makes the block max NaN, and z' - NaN would turn
+        # the whole row NaN (argmax 0). torch.argmax's rule: first index among ties, the
+        # first NaN wins over any number.
+        argmax = z.argmax(dim=-1) if with_argmax else None
         z.sub_(finite_reference(block_max)[:, None])  # (C, V_b) z' - block max (0 if all -inf)
-        argmax = z.argmax(dim=-1) if with_argmax else None  # first index among ties
         owned = (local_target >= 0) & (local_target < z.shape[1])
         target_shifted = z.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
         smooth = (z @ ce_local if ce_local is not None else z.sum(dim=-1)) if with_smoothing else None

@@ -117,6 +117,24 @@ def aligned_extent(V):
 
 
 @triton.jit
+def first_argmax_step(z, offs, block_max, m, best_idx):
+    """The running first argmax after the columns ``offs`` of values ``z`` (masked lanes
+    -inf), ``block_max = tl.max(z)``, the running max ``m`` and index ``best_idx`` before
+    them -> ``(best_idx, block_max)``. torch.argmax's rule: the first index among ties, and
+    a NaN above every number (its first one wins). ``tl.max`` may drop a NaN (maxnum on a
+    GPU): the NaN lanes are found with ``z != z``, and ``block_max`` comes back NaN for a
+    block holding one, so that the caller's max, kept NaN, freezes the index at the first."""
+    no_index = 2147483647
+    nan_idx = tl.min(tl.where(z != z, offs, no_index), axis=0)
+    has_nan = nan_idx < no_index
+    block_idx = tl.where(has_nan, nan_idx, tl.min(tl.where(z == block_max, offs, no_index), axis=0))
+    block_max = tl.where(has_nan, float("nan"), block_max)
+    # strict >: an earlier block keeps a tie (first index wins); a NaN so far keeps its index
+    takes = (m == m) & (has_nan | (block_max > m))
+    return tl.where(takes, block_idx, best_idx), block_max
+
+
+@triton.jit
 def _statistics_block(
     row_ptr,
     weight_ptr,
@@ -151,10 +169,11 @@ def _statistics_block(
     z = tl.where(mask, z, -float("inf"))
     block_max = tl.max(z, axis=0)
     if WRITE_ARGMAX:
-        block_idx = tl.min(tl.where(z == block_max, offs, 2147483647), axis=0)
-        # strict >: an earlier block keeps a tie (first index wins)
-        best_idx = tl.where(block_max > m, block_idx, best_idx)
+        best_idx, block_max = first_argmax_step(z, offs, block_max, m, best_idx)
     m_new = tl.maximum(m, block_max)
+    if WRITE_ARGMAX:
+        # NaN from the first NaN on (tl.maximum may drop one): first_argmax_step reads it
+        m_new = tl.where((m != m) | (block_max != block_max), float("nan"), m_new)
     # While every logit so far is -inf (a masked prefix of the vocabulary) m_new is -inf and
     # m - m_new NaN: sums are then taken relative to 0 (each exp2 is 0, s stays 0).
     reference = tl.where(m_new == -float("inf"), 0.0, m_new)

@@ -18,7 +18,7 @@ import triton.language as tl
 from flce.backends.base import gradient_destination
 
 # Shared with the CE kernel: see its docstring (the interpreter's bf16 cast truncates).
-from flce.backends.triton.common import LN_2, LOG2_E, aligned_extent, fp32_to_bf16_rtne
+from flce.backends.triton.common import LN_2, LOG2_E, aligned_extent, first_argmax_step, fp32_to_bf16_rtne
 from flce.backends.triton.heuristics import CEKernelConfig, ce_kernel_config
 from flce.backends.triton.launch import launch
 from flce.rows import logprobs as rows
@@ -50,9 +50,11 @@ def _softmax_statistics_block(
     z = tl.where(mask, z, -float("inf"))
     tile_max = tl.max(z, axis=0)
     if WITH_ARGMAX:
-        tile_argmax = tl.min(tl.where(z == tile_max, offs, 2147483647), axis=0)
-        argmax = tl.where(tile_max > m, tile_argmax, argmax)  # strict: an earlier tile keeps a tie
+        argmax, tile_max = first_argmax_step(z, offs, tile_max, m, argmax)
     m_new = tl.maximum(m, tile_max)
+    if WITH_ARGMAX:
+        # NaN from the first NaN on (tl.maximum may drop one): first_argmax_step reads it
+        m_new = tl.where((m != m) | (tile_max != tile_max), float("nan"), m_new)
     # Relative to 0 while every logit so far is -inf (a masked prefix): m - m_new is NaN then.
     reference = tl.where(m_new == -float("inf"), 0.0, m_new)
     rescale = tl.exp2((m - reference) * LOG2_E)  # 0 on the first tile (m = -inf)
