@@ -10,7 +10,7 @@
 # validation, `info tests parity bench profile` (limits summing to under 10 minutes);
 # the measurements of the published tables are steps of their own, for further calls:
 #
-#   info           GPU state, `flce info`, the commit                    -> gpu.txt, info.log
+#   info           GPU state, `flce info`, the commit and src/'s tree     -> gpu.txt, info.log
 #   tests          GPU tests, one background pytest process per backend
 #                  (torch, triton, cutedsl), the GPU fuzz and the rest    -> tests-*.log
 #   parity         benchmarks/parity_vs_liger.py                          -> parity/
@@ -83,12 +83,24 @@ pytest_in_background() {
   ) &
 }
 
+# The git tree hash of src/ as the files stand (through a throwaway index: the checkout's
+# own index and metadata are left alone).
+src_tree() {
+  local index
+  index=$(mktemp -u)
+  (cd "$repo" && GIT_INDEX_FILE=$index git add -A src && GIT_INDEX_FILE=$index git write-tree --prefix=src/) 2>/dev/null
+  rm -f "$index"
+}
+
 step_info() {
   {
     nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,power.draw,temperature.gpu --format=csv
     nvidia-smi topo -m
     date -u +%Y-%m-%dT%H:%M:%SZ
     git -C "$repo" rev-parse HEAD 2>/dev/null
+    # A copy of a checkout may carry older git metadata than its files: the tree of src/ as
+    # it is on disk names the code run (equal to `git rev-parse COMMIT:src` of its commit).
+    echo "src tree: $(src_tree)"
   } >"$out/gpu.txt" 2>&1
   run info 20 "$python" -m flce.cli info
 }
