@@ -252,3 +252,34 @@ def test_tensor_parallel_bench_skips_without_enough_gpus(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["bench", "--tp", "64", "--device", "cuda"]) == 0
     assert "skipped: 1 CUDA device(s) here, 64 needed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", [[], ["--frontier"], ["--kernel", "ce"], ["--loss", "logprobs"]])
+def test_out_naming_an_existing_file_is_an_argument_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, mode: list[str]
+) -> None:
+    """``--out`` names a directory: an existing file there is refused before anything runs,
+    not a FileExistsError traceback after the whole benchmark."""
+    a_file = tmp_path / "results.json"
+    a_file.write_text("kept")
+    with pytest.raises(SystemExit) as exited:
+        bench_parser().parse_args([*mode, "--device", "cpu", "--out", str(a_file)])
+    assert exited.value.code == 2
+    assert "--out" in capsys.readouterr().err and a_file.read_text() == "kept"
+
+
+@pytest.mark.parametrize("mode", [[], ["--kernel", "ce"], ["--loss", "logprobs"]])
+def test_methods_naming_nothing_is_an_argument_error(capsys: pytest.CaptureFixture, mode: list[str]) -> None:
+    """``--methods ''`` (an unset shell variable) would time the floor alone and exit 1."""
+    for empty in ("", ","):
+        with pytest.raises(SystemExit) as exited:
+            bench_parser().parse_args([*mode, *TINY, "--tokens", "8", "--methods", empty])
+        assert exited.value.code == 2 and "argument --methods" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-5", "nan"])
+def test_negative_heat_is_an_argument_error(capsys: pytest.CaptureFixture, value: str) -> None:
+    """A negative (or NaN) --heat-ms would silently turn the heat-up off on a GPU and be
+    recorded as given in the results."""
+    assert run_bench(bench_parser().parse_args([*TINY, "--tokens", "8", "--heat-ms", value])) == 2
+    assert "--heat-ms" in capsys.readouterr().err

@@ -75,6 +75,23 @@ def _name_list(text: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
+def _method_list(text: str) -> tuple[str, ...]:
+    """``--methods``: at least one name (an empty list would time the floor alone)."""
+    names = _name_list(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of method names, got {text!r}")
+    return names
+
+
+def _out_dir(text: str) -> Path:
+    """``--out``: a directory, made if missing; an existing file is refused before the run,
+    not after it when the results are written."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return path
+
+
 def _chunk_list(text: str) -> tuple[int | None, ...]:
     """Chunk sizes; ``auto`` stands for the library's own choice."""
     out: list[int | None] = []
@@ -124,7 +141,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-fraction", type=float, default=0.0, help="fraction of targets set to ignore_index")
     g.add_argument(
         "--methods",
-        type=_name_list,
+        type=_method_list,
         help=(
             "comma list of methods or families (flce, torch, liger, cce); default all "
             "(on the CPU: flce:torch,torch:eager); the floor always runs"
@@ -181,7 +198,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     frontier.add_frontier_arguments(parser)
     o = parser.add_argument_group("output")
-    o.add_argument("--out", type=Path, help="directory for the JSON, CSV and PNG files")
+    o.add_argument("--out", type=_out_dir, help="directory for the JSON, CSV and PNG files")
     o.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     o.add_argument("--list-methods", action="store_true", help="list the method names and exit")
 
@@ -199,13 +216,18 @@ def resolve_shapes(args: argparse.Namespace, device: torch.device) -> tuple[Shap
 
 def _rounds_and_warmup(args: argparse.Namespace, default_rounds: int, default_warmup: int) -> tuple[int, int]:
     """``--rounds`` and ``--warmup`` (or the mode's defaults), checked with
-    ``--ignore-fraction``: the settings every kind of run shares."""
+    ``--ignore-fraction`` and ``--heat-ms``: the settings every kind of run shares."""
     rounds = args.rounds if args.rounds is not None else default_rounds
     warmup = args.warmup if args.warmup is not None else default_warmup
-    if rounds < 1 or warmup < 0:
-        raise ValueError("--rounds must be >= 1 and --warmup >= 0")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
     if not 0.0 <= args.ignore_fraction < 1.0:
-        raise ValueError("--ignore-fraction must be in [0, 1)")
+        raise ValueError(f"--ignore-fraction must be in [0, 1), got {args.ignore_fraction}")
+    # Checked on every device: a negative heat would silently turn the heat-up off on a GPU.
+    if args.heat_ms is not None and not args.heat_ms >= 0.0:
+        raise ValueError(f"--heat-ms must be >= 0 (0 turns the heat-up off), got {args.heat_ms}")
     return rounds, warmup
 
 
