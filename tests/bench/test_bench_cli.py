@@ -283,3 +283,10 @@ def test_negative_heat_is_an_argument_error(capsys: pytest.CaptureFixture, value
     recorded as given in the results."""
     assert run_bench(bench_parser().parse_args([*TINY, "--tokens", "8", "--heat-ms", value])) == 2
     assert "--heat-ms" in capsys.readouterr().err
+
+
+def test_repeated_list_values_run_once() -> None:
+    """``--tokens 8,8`` or ``--chunk-size 7,7,auto,default`` would time (and write rows
+    for) the same case twice under one name."""
+    args = bench_parser().parse_args([*TINY, "--tokens", "8,8,16", "--chunk-size", "7,7,auto,default"])
+    assert args.tokens == (8, 16) and args.chunk_size == (7, None)

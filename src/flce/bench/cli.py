@@ -68,11 +68,11 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+    return tuple(dict.fromkeys(values))  # a repeated value would run (and be reported) twice
 
 
 def _name_list(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+    return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
 
 
 def _method_list(text: str) -> tuple[str, ...]:
@@ -97,7 +97,7 @@ def _chunk_list(text: str) -> tuple[int | None, ...]:
     out: list[int | None] = []
     for item in _name_list(text):
         out.append(None if item.lower() in ("auto", "default") else _int_list(item)[0])
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
