@@ -290,3 +290,58 @@ def test_repeated_list_values_run_once() -> None:
     for) the same case twice under one name."""
     args = bench_parser().parse_args([*TINY, "--tokens", "8,8,16", "--chunk-size", "7,7,auto,default"])
     assert args.tokens == (8, 16) and args.chunk_size == (7, None)
+
+
+def _tp_child_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, extra: list[str]) -> list[str]:
+    import subprocess
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda argv, check: launched.append(argv) or subprocess.CompletedProcess(argv, 0)
+    )
+    argv = ["--tp", "2", "--device", "cpu", "--out", str(tmp_path), *extra]
+    assert run_bench(bench_parser().parse_args(argv)) == 0
+    return launched[0]
+
+
+def test_tensor_parallel_forwards_the_loss_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--features, --ignore-fraction, --seed and --chunk-size reach the processes (they were
+    dropped: the run measured a different loss than asked, with nothing said)."""
+    child = _tp_child_command(
+        monkeypatch,
+        tmp_path,
+        ["--features", "label_smoothing,z_loss,softcap", "--ignore-fraction", "0", "--seed", "7", "--chunk-size", "64"],
+    )
+    joined = " ".join(child)
+    for expected in (
+        "--label-smoothing 0.1",
+        "--lse-square-scale 0.0001",
+        "--softcap 30.0",
+        "--ignore-fraction 0.0",
+        "--seed 7",
+        "--chunk-size 64",
+    ):
+        assert expected in joined, (expected, joined)
+    assert "--ignore-fraction" not in " ".join(_tp_child_command(monkeypatch, tmp_path, []))  # its own 0.05
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tokens", "8,16"],
+        ["--chunk-size", "8,auto"],
+        ["--features", "weights"],
+        ["--reduction", "sum"],
+        ["--mode", "fwd"],
+        ["--methods", "flce:torch"],
+        ["--sweep", "vocab"],
+        ["--rounds", "0"],
+        ["--warmup", "-1"],
+        ["--ignore-fraction", "1.5"],
+        ["--loss", "logprobs"],
+        ["--list-methods"],
+    ],
+)
+def test_tensor_parallel_refuses_what_it_would_drop(capsys: pytest.CaptureFixture, extra: list[str]) -> None:
+    assert run_bench(bench_parser().parse_args(["--tp", "2", "--device", "cpu", *extra])) == 2
+    assert extra[0] in capsys.readouterr().err
