@@ -575,6 +575,7 @@ def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
             ("--tp", args.tp is not None),
             ("--graph", args.graph),
             ("--no-plots", args.no_plots),
+            ("--loss (the kernel is the cross-entropy's)", args.loss != "ce"),
             ("--features bias (the logits are given: there is no LM head)", "bias" in args.features),
         )
         if given
