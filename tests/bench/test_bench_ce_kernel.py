@@ -135,6 +135,7 @@ def test_in_place_triton_kernel_is_timed_on_restored_logits(tmp_path: Path) -> N
     [
         ([*TINY, "--hidden", "64"], "does not take --hidden"),
         ([*TINY, "--mode", "fwd"], "does not take --mode"),
+        ([*TINY, "--loss", "logprobs"], "does not take --loss"),
         ([*TINY, "--overhead-calls", "-1"], "--overhead-calls must be >= 0"),
         ([*TINY, "--methods", "nope"], "unknown method"),
         (["bench", "--device", "cpu", "--overhead-calls", "5"], "applies to --kernel ce only"),

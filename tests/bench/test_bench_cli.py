@@ -252,3 +252,96 @@ def test_tensor_parallel_bench_skips_without_enough_gpus(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["bench", "--tp", "64", "--device", "cuda"]) == 0
     assert "skipped: 1 CUDA device(s) here, 64 needed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", [[], ["--frontier"], ["--kernel", "ce"], ["--loss", "logprobs"]])
+def test_out_naming_an_existing_file_is_an_argument_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture, mode: list[str]
+) -> None:
+    """``--out`` names a directory: an existing file there is refused before anything runs,
+    not a FileExistsError traceback after the whole benchmark."""
+    a_file = tmp_path / "results.json"
+    a_file.write_text("kept")
+    with pytest.raises(SystemExit) as exited:
+        bench_parser().parse_args([*mode, "--device", "cpu", "--out", str(a_file)])
+    assert exited.value.code == 2
+    assert "--out" in capsys.readouterr().err and a_file.read_text() == "kept"
+
+
+@pytest.mark.parametrize("mode", [[], ["--kernel", "ce"], ["--loss", "logprobs"]])
+def test_methods_naming_nothing_is_an_argument_error(capsys: pytest.CaptureFixture, mode: list[str]) -> None:
+    """``--methods ''`` (an unset shell variable) would time the floor alone and exit 1."""
+    for empty in ("", ","):
+        with pytest.raises(SystemExit) as exited:
+            bench_parser().parse_args([*mode, *TINY, "--tokens", "8", "--methods", empty])
+        assert exited.value.code == 2 and "argument --methods" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-5", "nan"])
+def test_negative_heat_is_an_argument_error(capsys: pytest.CaptureFixture, value: str) -> None:
+    """A negative (or NaN) --heat-ms would silently turn the heat-up off on a GPU and be
+    recorded as given in the results."""
+    assert run_bench(bench_parser().parse_args([*TINY, "--tokens", "8", "--heat-ms", value])) == 2
+    assert "--heat-ms" in capsys.readouterr().err
+
+
+def test_repeated_list_values_run_once() -> None:
+    """``--tokens 8,8`` or ``--chunk-size 7,7,auto,default`` would time (and write rows
+    for) the same case twice under one name."""
+    args = bench_parser().parse_args([*TINY, "--tokens", "8,8,16", "--chunk-size", "7,7,auto,default"])
+    assert args.tokens == (8, 16) and args.chunk_size == (7, None)
+
+
+def _tp_child_command(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, extra: list[str]) -> list[str]:
+    import subprocess
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda argv, check: launched.append(argv) or subprocess.CompletedProcess(argv, 0)
+    )
+    argv = ["--tp", "2", "--device", "cpu", "--out", str(tmp_path), *extra]
+    assert run_bench(bench_parser().parse_args(argv)) == 0
+    return launched[0]
+
+
+def test_tensor_parallel_forwards_the_loss_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """--features, --ignore-fraction, --seed and --chunk-size reach the processes (they were
+    dropped: the run measured a different loss than asked, with nothing said)."""
+    child = _tp_child_command(
+        monkeypatch,
+        tmp_path,
+        ["--features", "label_smoothing,z_loss,softcap", "--ignore-fraction", "0", "--seed", "7", "--chunk-size", "64"],
+    )
+    joined = " ".join(child)
+    for expected in (
+        "--label-smoothing 0.1",
+        "--lse-square-scale 0.0001",
+        "--softcap 30.0",
+        "--ignore-fraction 0.0",
+        "--seed 7",
+        "--chunk-size 64",
+    ):
+        assert expected in joined, (expected, joined)
+    assert "--ignore-fraction" not in " ".join(_tp_child_command(monkeypatch, tmp_path, []))  # its own 0.05
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--tokens", "8,16"],
+        ["--chunk-size", "8,auto"],
+        ["--features", "weights"],
+        ["--reduction", "sum"],
+        ["--mode", "fwd"],
+        ["--methods", "flce:torch"],
+        ["--sweep", "vocab"],
+        ["--rounds", "0"],
+        ["--warmup", "-1"],
+        ["--ignore-fraction", "1.5"],
+        ["--loss", "logprobs"],
+        ["--list-methods"],
+    ],
+)
+def test_tensor_parallel_refuses_what_it_would_drop(capsys: pytest.CaptureFixture, extra: list[str]) -> None:
+    assert run_bench(bench_parser().parse_args(["--tp", "2", "--device", "cpu", *extra])) == 2
+    assert extra[0] in capsys.readouterr().err

@@ -50,6 +50,13 @@ def test_main_runs_a_few_steps(loss, capsys):
     assert "peak RSS" in result["peak_memory"] or result["peak_memory"] == "n/a"
 
 
+def test_log_every_zero_is_a_usage_error(capsys):
+    """Not a ZeroDivisionError at the first step."""
+    with pytest.raises(SystemExit) as exited:
+        load_example().main(["--steps", "2", *TINY, "--log-every", "0"])
+    assert exited.value.code == 2 and "--log-every >= 1" in capsys.readouterr().err
+
+
 def test_flce_and_hf_losses_agree():
     example = load_example()
     flce_run = example.main(["--steps", "4", "--loss", "flce", *TINY])

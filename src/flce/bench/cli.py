@@ -68,11 +68,28 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+    return tuple(dict.fromkeys(values))  # a repeated value would run (and be reported) twice
 
 
 def _name_list(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+    return tuple(dict.fromkeys(v.strip() for v in text.split(",") if v.strip()))
+
+
+def _method_list(text: str) -> tuple[str, ...]:
+    """``--methods``: at least one name (an empty list would time the floor alone)."""
+    names = _name_list(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of method names, got {text!r}")
+    return names
+
+
+def _out_dir(text: str) -> Path:
+    """``--out``: a directory, made if missing; an existing file is refused before the run,
+    not after it when the results are written."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return path
 
 
 def _chunk_list(text: str) -> tuple[int | None, ...]:
@@ -80,7 +97,7 @@ def _chunk_list(text: str) -> tuple[int | None, ...]:
     out: list[int | None] = []
     for item in _name_list(text):
         out.append(None if item.lower() in ("auto", "default") else _int_list(item)[0])
-    return tuple(out)
+    return tuple(dict.fromkeys(out))
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,10 +138,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "grad; the backward runs on the loss alone); a method that lacks one is skipped with the reason",
     )
     g.add_argument("--reduction", choices=("mean", "sum"), default="mean")
-    g.add_argument("--ignore-fraction", type=float, default=0.0, help="fraction of targets set to ignore_index")
+    g.add_argument(
+        "--ignore-fraction", type=float, help="fraction of targets set to ignore_index (default 0; with --tp 0.05)"
+    )
     g.add_argument(
         "--methods",
-        type=_name_list,
+        type=_method_list,
         help=(
             "comma list of methods or families (flce, torch, liger, cce); default all "
             "(on the CPU: flce:torch,torch:eager); the floor always runs"
@@ -181,7 +200,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     frontier.add_frontier_arguments(parser)
     o = parser.add_argument_group("output")
-    o.add_argument("--out", type=Path, help="directory for the JSON, CSV and PNG files")
+    o.add_argument("--out", type=_out_dir, help="directory for the JSON, CSV and PNG files")
     o.add_argument("--no-plots", action="store_true", help="write no PNG plots")
     o.add_argument("--list-methods", action="store_true", help="list the method names and exit")
 
@@ -197,15 +216,27 @@ def resolve_shapes(args: argparse.Namespace, device: torch.device) -> tuple[Shap
     return tuple(Shape(n, v, h) for h in hidden for n in tokens for v in vocab)
 
 
+def _ignore_fraction(args: argparse.Namespace, default: float = 0.0) -> float:
+    """``--ignore-fraction``, checked; ``default`` when not given."""
+    fraction = default if args.ignore_fraction is None else args.ignore_fraction
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"--ignore-fraction must be in [0, 1), got {fraction}")
+    return fraction
+
+
 def _rounds_and_warmup(args: argparse.Namespace, default_rounds: int, default_warmup: int) -> tuple[int, int]:
     """``--rounds`` and ``--warmup`` (or the mode's defaults), checked with
-    ``--ignore-fraction``: the settings every kind of run shares."""
+    ``--ignore-fraction`` and ``--heat-ms``: the settings every kind of run shares."""
+    _ignore_fraction(args)
     rounds = args.rounds if args.rounds is not None else default_rounds
     warmup = args.warmup if args.warmup is not None else default_warmup
-    if rounds < 1 or warmup < 0:
-        raise ValueError("--rounds must be >= 1 and --warmup >= 0")
-    if not 0.0 <= args.ignore_fraction < 1.0:
-        raise ValueError("--ignore-fraction must be in [0, 1)")
+    if rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {rounds}")
+    if warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {warmup}")
+    # Checked on every device: a negative heat would silently turn the heat-up off on a GPU.
+    if args.heat_ms is not None and not args.heat_ms >= 0.0:
+        raise ValueError(f"--heat-ms must be >= 0 (0 turns the heat-up off), got {args.heat_ms}")
     return rounds, warmup
 
 
@@ -226,7 +257,7 @@ def resolve_config(args: argparse.Namespace, device: torch.device) -> BenchConfi
         warmup=warmup,
         device=device,
         seed=args.seed,
-        ignore_fraction=args.ignore_fraction,
+        ignore_fraction=_ignore_fraction(args),
         heat_ms=(args.heat_ms if args.heat_ms is not None else DEFAULT_HEAT_MS) if on_gpu else 0.0,
     )
 
@@ -304,6 +335,10 @@ def run_tensor_parallel(args: argparse.Namespace, device: torch.device) -> int:
     world = args.tp
     if world < 1:
         return _usage_error(ValueError("--tp must be >= 1"))
+    try:
+        forwarded = _tensor_parallel_options(args)
+    except ValueError as exc:
+        return _usage_error(exc)
     if device.type == "cuda" and torch.cuda.device_count() < world:
         print(f"flce bench --tp {world}: skipped: {torch.cuda.device_count()} CUDA device(s) here, {world} needed")
         return 0
@@ -323,17 +358,65 @@ def run_tensor_parallel(args: argparse.Namespace, device: torch.device) -> int:
         "--device",
         device.type,
     ]
-    for flag, values in (("--tokens", args.tokens), ("--vocab", args.vocab), ("--hidden", args.hidden)):
-        if values:
-            child += [flag, str(values[0])]
-    if args.dtype:
-        child += ["--dtype", args.dtype]
-    if args.rounds:
-        child += ["--iters", str(args.rounds)]
-    if args.warmup is not None:
-        child += ["--warmup", str(args.warmup)]
+    child += forwarded
     print("running:", " ".join(child))
     return subprocess.run(child, check=False).returncode
+
+
+# The --features that flce.bench.tensor_parallel takes, as its flags.
+TENSOR_PARALLEL_FEATURES = {
+    "label_smoothing": ("--label-smoothing", LABEL_SMOOTHING),
+    "z_loss": ("--lse-square-scale", LSE_SQUARE_SCALE),
+    "softcap": ("--softcap", SOFTCAP),
+}
+
+
+def _tensor_parallel_options(args: argparse.Namespace) -> list[str]:
+    """The options of ``flce.bench.tensor_parallel`` that ``--tp`` forwards; ValueError on
+    one it would drop (the run would measure another case than asked, saying nothing)."""
+    refused = [
+        flag
+        for flag, given in (
+            ("--tokens (one value)", args.tokens is not None and len(args.tokens) > 1),
+            ("--vocab (one value)", args.vocab is not None and len(args.vocab) > 1),
+            ("--hidden (one value)", args.hidden is not None and len(args.hidden) > 1),
+            ("--chunk-size (one value)", args.chunk_size is not None and len(args.chunk_size) > 1),
+            ("--sweep", args.sweep is not None),
+            ("--methods", args.methods is not None),
+            ("--mode (always fwd+bwd)", args.mode != "full"),
+            ("--reduction (always mean)", args.reduction != "mean"),
+            ("--loss (the cross-entropy only)", args.loss != "ce"),
+            ("--heat-ms", args.heat_ms is not None),
+            ("--list-methods", args.list_methods),
+        )
+        if given
+    ]
+    other_features = [f for f in args.features if f not in TENSOR_PARALLEL_FEATURES]
+    if other_features:
+        refused.append(f"--features {','.join(other_features)} (only {','.join(TENSOR_PARALLEL_FEATURES)})")
+    if refused:
+        raise ValueError(f"--tp does not take {'; '.join(refused)}")
+    BenchLossSettings.from_features(args.features)  # unknown names: the usual error
+    rounds, warmup = _rounds_and_warmup(args, 1, 0)  # checks only: the processes keep their own defaults
+    options: list[str] = []
+    for flag, values in (("--tokens", args.tokens), ("--vocab", args.vocab), ("--hidden", args.hidden)):
+        if values:
+            options += [flag, str(values[0])]
+    if args.dtype:
+        options += ["--dtype", args.dtype]
+    if args.rounds is not None:
+        options += ["--iters", str(rounds)]
+    if args.warmup is not None:
+        options += ["--warmup", str(warmup)]
+    if args.ignore_fraction is not None:
+        options += ["--ignore-fraction", str(_ignore_fraction(args))]
+    if args.chunk_size is not None and args.chunk_size[0] is not None:
+        options += ["--chunk-size", str(args.chunk_size[0])]
+    options += ["--seed", str(args.seed)]
+    for feature in args.features:
+        flag, value = TENSOR_PARALLEL_FEATURES[feature]
+        options += [flag, str(value)]
+    return options
 
 
 def _usage_error(exc: Exception) -> int:
@@ -492,6 +575,7 @@ def _kernel_conflicts(args: argparse.Namespace) -> list[str]:
             ("--tp", args.tp is not None),
             ("--graph", args.graph),
             ("--no-plots", args.no_plots),
+            ("--loss (the kernel is the cross-entropy's)", args.loss != "ce"),
             ("--features bias (the logits are given: there is no LM head)", "bias" in args.features),
         )
         if given
@@ -520,7 +604,7 @@ def resolve_kernel_config(args: argparse.Namespace, device: torch.device) -> ce_
         warmup=warmup,
         device=device,
         seed=args.seed,
-        ignore_fraction=args.ignore_fraction,
+        ignore_fraction=_ignore_fraction(args),
         # Off by default: the GEMM heat-up steadies matrix throughput, not memory bandwidth.
         heat_ms=(args.heat_ms or 0.0) if on_gpu else 0.0,
     )

@@ -1,0 +1,62 @@
+"""The ``nn.Module`` front-ends as a user handles them: copies, pickles, ``.to()``, the
+state dict, ``torch.jit.script``, keyword calls, and the same result as the functional form."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import flce
+
+V, H, N = 16, 4, 8
+
+
+def _modules(class_weight: torch.Tensor) -> list[torch.nn.Module]:
+    return [
+        flce.FusedLinearCrossEntropyLoss(ce_weight=class_weight, label_smoothing=0.1, reduction="sum", softcap=5.0),
+        flce.CrossEntropyLoss(weight=class_weight, label_smoothing=0.1, ignore_index=3),
+    ]
+
+
+def _call(module: torch.nn.Module, x: torch.Tensor, w: torch.Tensor, z: torch.Tensor, t: torch.Tensor):
+    if isinstance(module, flce.FusedLinearCrossEntropyLoss):
+        return module(input=x, weight=w, target=t)
+    return module(logits=z, target=t)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_copies_and_pickles_keep_options_and_class_weight(index: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w, z = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen), torch.randn(N, V, generator=gen)
+    t = torch.randint(0, V, (N,), generator=gen)
+    module = _modules(torch.rand(V, generator=gen) + 0.5)[index]
+    expected = _call(module, x, w, z, t)
+    saved = io.BytesIO()
+    torch.save(module, saved)
+    saved.seek(0)
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module)), torch.load(saved, weights_only=False)):
+        assert repr(copied) == repr(module) and "label_smoothing=0.1" in repr(copied)
+        torch.testing.assert_close(_call(copied, x, w, z, t), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_class_weight_is_a_buffer_outside_the_state_dict(index: int) -> None:
+    """The class weight follows ``.to()`` but is no checkpoint key: loading a model's
+    checkpoint into a model with the loss as a submodule neither misses nor adds a key."""
+    module = _modules(torch.rand(V) + 0.5)[index]
+    assert len(list(module.buffers())) == 1 and module.state_dict() == {}
+    assert next(module.double().buffers()).dtype == torch.float64
+    module.load_state_dict({})
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_jit_script_is_refused_with_a_clear_message(index: int) -> None:
+    module = _modules(torch.rand(V) + 0.5)[index]
+    container = torch.nn.Sequential(module)
+    for scripted in (module, container):
+        with pytest.raises(RuntimeError, match=rf"torch\.jit\.script.*{type(module).__name__}.*torch\.compile"):
+            torch.jit.script(scripted)
