@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import flce
+from flce.compat import liger
+from flce.parallel import VocabParallelFusedLinearCrossEntropyLoss
 
 V, H, N = 16, 4, 8
 
@@ -58,5 +60,21 @@ def test_jit_script_is_refused_with_a_clear_message(index: int) -> None:
     module = _modules(torch.rand(V) + 0.5)[index]
     container = torch.nn.Sequential(module)
     for scripted in (module, container):
+        with pytest.raises(RuntimeError, match=rf"torch\.jit\.script.*{type(module).__name__}.*torch\.compile"):
+            torch.jit.script(scripted)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: liger.LigerFusedLinearCrossEntropyLoss(label_smoothing=0.1),
+        lambda: liger.LigerFusedLinearJSD(jsd_beta=0.5),
+        lambda: VocabParallelFusedLinearCrossEntropyLoss(),
+    ],
+    ids=["liger-flce", "liger-jsd", "vocab-parallel"],
+)
+def test_jit_script_of_every_other_loss_module_is_refused_with_a_clear_message(make) -> None:
+    module = make()
+    for scripted in (module, torch.nn.Sequential(module)):
         with pytest.raises(RuntimeError, match=rf"torch\.jit\.script.*{type(module).__name__}.*torch\.compile"):
             torch.jit.script(scripted)

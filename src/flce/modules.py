@@ -6,23 +6,11 @@ import torch
 from torch import nn
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import LossOptions, check_optional_tensor_type
+from flce.options import LossOptions, NotScriptable, check_optional_tensor_type
 from flce.output import LossResult
 
 
-class _NotScriptable:
-    """Refuses ``torch.jit.script`` (also of a model holding the loss as a submodule) with
-    a message, instead of TorchScript's error from deep inside the functional form."""
-
-    def __prepare_scriptable__(self) -> nn.Module:
-        raise RuntimeError(
-            f"torch.jit.script cannot compile flce.{type(self).__name__}: its forward dispatches to "
-            "Python and Triton kernels that TorchScript does not support; use torch.compile (flce "
-            "registers custom ops for it) or call the module eagerly"
-        )
-
-
-class FusedLinearCrossEntropyLoss(_NotScriptable, nn.Module):
+class FusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
     """``forward(input, weight, target, bias=None)``: the loss of ``input @ weight.T + bias``.
 
     Takes the keyword options of ``flce.fused_linear_cross_entropy``; ``ce_weight`` is
@@ -44,7 +32,7 @@ class FusedLinearCrossEntropyLoss(_NotScriptable, nn.Module):
         return repr(self.options)
 
 
-class CrossEntropyLoss(_NotScriptable, nn.Module):
+class CrossEntropyLoss(NotScriptable, nn.Module):
     """``forward(logits, target)`` with the options of ``flce.cross_entropy``."""
 
     def __init__(self, weight: torch.Tensor | None = None, **options) -> None:

@@ -709,6 +709,20 @@ def refuse_function_transforms(entry: str, tensors) -> None:
         )
 
 
+class NotScriptable:
+    """Refuses ``torch.jit.script`` (also of a model holding the loss as a submodule) with
+    a message, instead of TorchScript's error from deep inside the functional form. Every
+    loss module of flce (``flce.modules``, ``flce.compat``, ``flce.parallel``) takes it
+    first among its bases."""
+
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        raise RuntimeError(
+            f"torch.jit.script cannot compile {type(self).__module__}.{type(self).__qualname__}: its forward "
+            "dispatches to Python and Triton kernels that TorchScript does not support; use torch.compile "
+            "(flce registers custom ops for it) or call the module eagerly"
+        )
+
+
 def refuse_create_graph(entry: str) -> None:
     """Raises when called from a backward that autograd runs with ``create_graph=True``
     (grad mode is on inside a backward exactly then): flce's gradients come from fused

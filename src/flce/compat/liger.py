@@ -27,7 +27,15 @@ from flce.functional import (
     fused_linear_cross_entropy_with_options,
     fused_linear_distillation_with_options,
 )
-from flce.options import OPTION_FIELDS, DistillationOptions, LossOptions, as_int, check_tensor_type, row_count
+from flce.options import (
+    OPTION_FIELDS,
+    DistillationOptions,
+    LossOptions,
+    NotScriptable,
+    as_int,
+    check_tensor_type,
+    row_count,
+)
 from flce.output import CrossEntropyOutput
 
 __all__ = [
@@ -167,7 +175,7 @@ def _option_names_among(arguments: dict) -> list[str]:
     return [name for name in OPTION_FIELDS if name in arguments]
 
 
-class LigerFusedLinearCrossEntropyLoss(torch.nn.Module):
+class LigerFusedLinearCrossEntropyLoss(NotScriptable, torch.nn.Module):
     """Liger's module: ``forward(lin_weight, _input, target, bias=None)`` (weight first). The
     options are validated at construction (clear exceptions, where Liger asserts) and kept
     as attributes of the same names, as Liger's module keeps them."""
@@ -316,7 +324,7 @@ def liger_fused_linear_jsd(
     return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
 
 
-class LigerFusedLinearJSD(torch.nn.Module):
+class LigerFusedLinearJSD(NotScriptable, torch.nn.Module):
     """Liger's module: ``LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0)``,
     ``forward(student_input, student_weight, teacher_input, teacher_weight, shift_labels)``."""
 

@@ -61,6 +61,7 @@ from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.options import (
     LossOptions,
+    NotScriptable,
     as_int,
     check_optional_tensor_type,
     index_target,
@@ -481,7 +482,7 @@ _OPTION_NAMES = frozenset(inspect.signature(vocab_parallel_fused_linear_cross_en
 )
 
 
-class VocabParallelFusedLinearCrossEntropyLoss(nn.Module):
+class VocabParallelFusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
     """``forward(input, weight_shard, target, bias_shard=None)``: the vocab-parallel loss.
 
     Takes ``ce_weight_shard``, ``process_group``, ``vocab_start`` and the keyword
