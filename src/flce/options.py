@@ -555,12 +555,8 @@ def _layout_key(required: tuple, optional: tuple = ()) -> tuple | None:
     wrong: a sparse tensor has the shape, dtype and device of a dense one checked before;
     a ``required`` argument given as None, a list or an array is no layout at all)."""
     key = []
-    for tensor in required:
-        if not (type(tensor) in PLAIN_TENSOR_TYPES and tensor.layout == torch.strided and not tensor.is_nested):
-            return None
-        key.append((tensor.shape, tensor.dtype, tensor.device))
-    for tensor in optional:
-        if tensor is None:
+    for tensor in (*required, *optional):
+        if tensor is None and len(key) >= len(required):
             key.append(None)
         elif type(tensor) in PLAIN_TENSOR_TYPES and tensor.layout == torch.strided and not tensor.is_nested:
             key.append((tensor.shape, tensor.dtype, tensor.device))
