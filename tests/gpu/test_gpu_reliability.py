@@ -179,3 +179,54 @@ def test_gpu_a_masked_part_of_the_vocabulary_is_a_zero_probability(backend, dtyp
     problem = Problem(leaves, plain_fused, dict(LOSS_ONLY_OPTIONS, **options), differentiable, dtype=dtype)
     outputs, grads = run_entry(entry, problem, backend)
     assert_matches_reference(entry, problem, outputs, grads)
+
+
+# ------------------------------------------------ predicted tokens of rows with a NaN logit
+
+NAN_ENTRIES = ["fused-grad", "loss-only", "vocabulary-blocks", "logits", "logprobs"]
+
+
+@pytest.mark.parametrize("backend", ["torch", *GPU_BACKENDS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("entry", NAN_ENTRIES)
+def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backend, dtype, entry):
+    """torch.argmax ranks a NaN above every number (the first NaN's index wins): every GPU
+    kernel's argmax must agree, the CE kernel's, the fused forward GEMM's tile epilogue and
+    its combination, the vocabulary blocks' partial kernels, the logits kernel and the
+    logprobs head. The problem's logits are NaN or +-inf by construction (inf * 0 and
+    inf * +-1), so the answer does not depend on the dtype's rounding."""
+    import torch.nn.functional as F
+
+    import flce
+    from tests.test_functional import nan_logit_problem
+
+    x, w, target, _ = nan_logit_problem()
+    # Padded with zero columns to the fused GEMM's K tile; the padding adds exact zeros.
+    x, w = (F.pad(t, (0, LOSS_ONLY_HIDDEN - t.shape[1])).to(CUDA, dtype) for t in (x, w))
+    target = target.to(CUDA)
+    eager = (x.float() @ w.float().T).argmax(dim=-1).tolist()
+    if entry == "logits":
+        logits = x @ w.T
+        logits[3, [17, 280]] = float("nan")
+        out = flce.cross_entropy(logits, target, return_predicted_tokens=True, backend=backend)
+        assert out.predicted_tokens.tolist() == logits.float().argmax(dim=-1).tolist()
+        return
+    if entry == "logprobs":
+        out = flce.fused_linear_logprobs(x, w, target, return_predicted_tokens=True, backend=backend)
+        assert out.predicted_tokens.tolist() == eager
+        return
+    options = dict(vocab_chunk_size=64) if entry == "vocabulary-blocks" else {}
+    x.requires_grad_(entry != "loss-only")
+    with torch.set_grad_enabled(entry != "loss-only"):
+        out = flce.fused_linear_cross_entropy(
+            x,
+            w,
+            target,
+            reduction="none",
+            return_predicted_tokens=True,
+            return_token_accuracy=True,
+            backend=backend,
+            **options,
+        )
+    assert out.predicted_tokens.tolist() == eager
+    assert out.token_accuracy.tolist() == [float(p == t) for p, t in zip(eager, target.tolist(), strict=True)]
