@@ -16,6 +16,7 @@
 #   parity         benchmarks/parity_vs_liger.py                          -> parity/
 #   bench          the reference shape, every peer interleaved with the floor -> bench/
 #   profile        kernel time per call at the reference shape            -> profile/
+#   profile-shapes the same, floor and flce:cutedsl, at the six shapes -> profile-shapes/
 #   sweeps         fwd+bwd over the vocabulary and the token sweeps       -> fwd-bwd/
 #   forward        forward only (no grad) over both sweeps                -> forward-only/
 #   memory         the exact low-memory mode (16 vocabulary blocks)       -> memory-mode/
@@ -38,7 +39,7 @@
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -128,6 +129,15 @@ step_bench() {
 
 step_profile() {
   run profile 60 "$python" benchmarks/profile_breakdown.py "$out/profile"
+}
+
+# The six shapes: the default's kernel time against the floor's, per shape.
+step_profile_shapes() {
+  local shape
+  for shape in 8192x32000 8192x128256 8192x151936 8192x262144 4096x128256 16384x128256; do
+    run "profile-$shape" 60 "$python" benchmarks/profile_breakdown.py "$out/profile-shapes/$shape" \
+      --n "${shape%x*}" --v "${shape#*x}" --methods floor:gemm,flce:cutedsl
+  done
 }
 
 step_sweeps() {
