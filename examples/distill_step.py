@@ -59,8 +59,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
-    if min(args.steps, args.batch_size) < 1 or args.seq_len < 4:
-        p.error("need --steps >= 1, --batch-size >= 1, --seq-len >= 4")
+    sizes = (args.steps, args.batch_size, args.vocab_size, args.student_hidden, args.teacher_hidden, args.layers)
+    if min(sizes) < 1 or args.seq_len < 4:
+        p.error("need positive sizes (steps, batch, vocabulary, hidden sizes, layers) and --seq-len >= 4")
     return args
 
 

@@ -59,7 +59,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
-    if min(args.steps, args.num_prompts, args.epochs, args.prompt_len, args.completion_len) < 1 or args.group_size < 2:
+    sizes = (args.steps, args.num_prompts, args.epochs, args.prompt_len, args.completion_len)
+    if min(*sizes, args.vocab_size, args.hidden_size, args.layers) < 1 or args.group_size < 2:
         p.error("need positive sizes and --group-size >= 2 (advantages are relative to the group)")
     return args
 

@@ -60,8 +60,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bfloat16" if str(args.device).startswith("cuda") else "float32"
-    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 4 or args.vocab_size < 16 or args.log_every < 1:
-        p.error("need --steps >= 1, --batch-size >= 1, --seq-len >= 4, --vocab-size >= 16, --log-every >= 1")
+    chunk_size = 1 if args.chunk_size is None else args.chunk_size
+    sizes = (args.steps, args.batch_size, args.hidden_size, args.layers, args.log_every, chunk_size)
+    if min(sizes) < 1 or args.seq_len < 4 or args.vocab_size < 16:
+        p.error(
+            "need --steps, --batch-size, --hidden-size, --layers, --log-every (and --chunk-size if given) >= 1, "
+            "--seq-len >= 4, --vocab-size >= 16"
+        )
     if not 0.0 <= args.noise < 1.0:
         p.error("--noise must be in [0, 1)")
     return args

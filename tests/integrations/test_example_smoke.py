@@ -50,11 +50,13 @@ def test_main_runs_a_few_steps(loss, capsys):
     assert "peak RSS" in result["peak_memory"] or result["peak_memory"] == "n/a"
 
 
-def test_log_every_zero_is_a_usage_error(capsys):
-    """Not a ZeroDivisionError at the first step."""
+@pytest.mark.parametrize("flag", ["--log-every", "--hidden-size", "--layers", "--chunk-size"])
+def test_a_nonpositive_size_is_a_usage_error(flag, capsys):
+    """Not a ZeroDivisionError at the first step (--log-every 0), nor an error from deep
+    inside the model or the loss."""
     with pytest.raises(SystemExit) as exited:
-        load_example().main(["--steps", "2", *TINY, "--log-every", "0"])
-    assert exited.value.code == 2 and "--log-every >= 1" in capsys.readouterr().err
+        load_example().main(["--steps", "2", *TINY, flag, "0"])
+    assert exited.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_flce_and_hf_losses_agree():

@@ -55,3 +55,21 @@ def test_distillation_steps_match_the_materialized_logits(capsys):
     assert all(0 < x < math.log(2) for x in fused["losses"])  # the JSD at beta 0.5 is below log 2
     assert fused["losses"] == pytest.approx(eager["losses"], rel=1e-4)
     assert "done: divergence" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "tiny", "flag"),
+    [
+        ("grpo_step", GRPO_TINY, "--vocab-size"),
+        ("grpo_step", GRPO_TINY, "--hidden-size"),
+        ("grpo_step", GRPO_TINY, "--layers"),
+        ("distill_step", DISTILL_TINY, "--vocab-size"),
+        ("distill_step", DISTILL_TINY, "--teacher-hidden"),
+        ("distill_step", DISTILL_TINY, "--layers"),
+    ],
+)
+def test_a_nonpositive_size_is_a_usage_error(name, tiny, flag, capsys):
+    """Refused with the usage message, not by an error from inside the model."""
+    with pytest.raises(SystemExit) as exited:
+        load_example(name).parse_args([*tiny, flag, "0"])
+    assert exited.value.code == 2 and "positive sizes" in capsys.readouterr().err
