@@ -175,7 +175,7 @@ FUSED_CASES = [
     # shapes
     Case("input-1d", "fused", _fused(lambda L: dict(x=L["x"][0])), Refused(ValueError, r"input must be \(N, H\)")),
     Case("input-4d", "fused", _fused(lambda L: dict(x=L["x"][None, None])), Refused(ValueError, r"input must be \(N, H\)")),
-    Case("weight-1d", "fused", _fused(lambda L: dict(w=L["w"][0])), Refused(ValueError, r"weight must be \(V, H\)")),
+    Case("weight-1d", "fused", _fused(lambda L: dict(w=L["w"][0])), Refused(ValueError, r"weight(_shard)? must be \(V, H\)")),
     Case("hidden-mismatch", "fused", _fused(lambda L: dict(w=L["w"][:, :3])), Refused(ValueError, r"H = input.shape\[-1\] = 4")),
     Case("empty-vocabulary", "fused", _fused(lambda L: dict(w=L["w"][:0], bias=None)), Refused(ValueError, r"at least one row \(V >= 1\)")),
     Case("target-too-short", "fused", _fused(lambda L: dict(t=L["t"][:5])), Refused(ValueError, "one class index per row of input")),

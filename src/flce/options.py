@@ -592,16 +592,18 @@ def validate_fused_inputs(
     bias: torch.Tensor | None,
     ce_weight: torch.Tensor | None,
     options: LossOptions,
+    names: HeadNames = HeadNames(),
 ) -> torch.dtype:
     """Shape/dtype/device checks for the fused linear + CE; returns the compute dtype.
-    Run once per layout (the section's comment)."""
+    Run once per layout (the section's comment). ``names``: the weight's and bias's
+    argument names in the errors (the vocab-parallel loss's shards)."""
     key = None
     if not torch.compiler.is_compiling():
         layout = _layout_key((input, weight, target), (bias, ce_weight))
         autocast = _NO_KEY if layout is None else _autocast_key(input.device)
         if autocast is not _NO_KEY:
             key = ("fused", layout, autocast, _class_weight_needs_grad(ce_weight), options.accum_dtype)
-    return _checked(key, lambda: _validate_fused_inputs(input, weight, target, bias, ce_weight, options))
+    return _checked(key, lambda: _validate_fused_inputs(input, weight, target, bias, ce_weight, options, names))
 
 
 def _validate_fused_inputs(
@@ -611,9 +613,10 @@ def _validate_fused_inputs(
     bias: torch.Tensor | None,
     ce_weight: torch.Tensor | None,
     options: LossOptions,
+    names: HeadNames,
 ) -> torch.dtype:
     check_tensor_type("target", target)
-    dtype = validate_linear_head(input, weight, bias)
+    dtype = validate_linear_head(input, weight, bias, names)
     validate_head_target(target, input)
     validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight")
     _check_accum_dtype(options, weight.dtype)

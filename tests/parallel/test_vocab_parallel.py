@@ -614,7 +614,7 @@ def test_refusals_are_collective(spawned):
         assert kind == "ValueError" and f"[0, {vocab})" in msg, (rank, e["range"])
         kind, msg = e["hidden"]
         if rank == 1:
-            assert kind == "ValueError" and "weight must be (V, H) with H" in msg, msg
+            assert kind == "ValueError" and "weight_shard must be (V, H) with H" in msg, msg
         else:
             assert kind == "ValueError" and "rank(s) [1]" in msg, msg
         kind, msg = e["overlap"]
@@ -797,8 +797,10 @@ def test_group_of_one_local_refusals(single_group):
 
     x, w, t = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
     call = vocab_parallel_fused_linear_cross_entropy
-    with pytest.raises(ValueError, match="weight must be"):
+    with pytest.raises(ValueError, match=r"^weight_shard must be \(V, H\) with H = input.shape\[-1\] = 4"):
         call(x, torch.randn(5, 3), t)
+    with pytest.raises(ValueError, match=r"^bias_shard must have shape \(5,\)"):
+        call(x, w, t, bias_shard=torch.zeros(4))
     with pytest.raises(ValueError, match=r"target values must be in \[0, 5\)"):
         call(x, w, torch.tensor([0, 5, 1]))
     with pytest.raises(ValueError, match="vocab_start must be >= 0"):
@@ -843,9 +845,7 @@ def test_group_of_one_a_tensor_argument_given_as_something_else_is_refused_by_na
     if value is None and name in ("bias_shard", "ce_weight_shard"):
         return  # their default
     arguments = {**tensors, name: value}
-    # The shards' checks are the single-device loss's, whose messages say weight and bias.
-    message_name = {"weight_shard": "weight", "bias_shard": "bias"}.get(name, name)
-    with pytest.raises(TypeError, match=rf"\b{message_name} must be a (torch\.Tensor|tensor)"):
+    with pytest.raises(TypeError, match=rf"^{name} must be a (torch\.Tensor|tensor)"):
         vocab_parallel_fused_linear_cross_entropy(
             arguments["input"],
             arguments["weight_shard"],

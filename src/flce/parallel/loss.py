@@ -60,6 +60,7 @@ from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.options import (
+    HeadNames,
     LossOptions,
     NotScriptable,
     as_int,
@@ -155,6 +156,11 @@ class ParallelPlan(CrossEntropyPlan):
             _all_reduce(grads.input, dist.ReduceOp.SUM, self)  # dX = sum_r G_r @ W_r; dW, db stay local
 
 
+# The shards' argument names, in the errors of the checks this loss shares with the
+# single-device one.
+SHARD_NAMES = HeadNames(weight="weight_shard", bias="bias_shard")
+
+
 def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, vocab_start):
     """This rank's own checks of its tensors and backend -> (compute dtype, vocab_start as
     an int or None)."""
@@ -165,7 +171,7 @@ def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, 
             "torch.chunk's of V=6 over 4, leaves a rank empty); use a group of at most V ranks, or shards "
             "of at least one row each"
         )
-    compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options)
+    compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options, SHARD_NAMES)
     validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
     split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
     if vocab_start is not None:
