@@ -164,20 +164,22 @@ NAN_VOCAB, NAN_HIDDEN = 300, 4
 INF_COLUMNS = {5: (0, math.inf), 140: (0, -math.inf), 260: (1, math.inf), 290: (2, math.inf), 299: (2, -math.inf)}
 
 
-def nan_logit_problem():
+def nan_logit_problem(vocab: int = NAN_VOCAB, inf_columns: dict = INF_COLUMNS):
     """``x, w, target``: every sign pattern of the first three hidden values (27 rows, each
     with NaN and/or +-inf logits), and a row of NaN only; targets at the eager argmax on
-    every other row (so token accuracy is 1 there exactly when the NaN's index agrees)."""
+    every other row (so token accuracy is 1 there exactly when the NaN's index agrees).
+    ``vocab`` columns, of which ``inf_columns`` (column -> (hidden index, +-inf)) are the
+    weight rows holding one +-inf."""
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(NAN_VOCAB, NAN_HIDDEN, generator=gen)
-    for column, (k, value) in INF_COLUMNS.items():
+    w = torch.randn(vocab, NAN_HIDDEN, generator=gen)
+    for column, (k, value) in inf_columns.items():
         w[column] = 0.0
         w[column, k] = value
     signs = torch.tensor(list(itertools.product((0.0, 1.0, -1.0), repeat=3)))
     x = torch.cat([signs, torch.randn(len(signs), 1, generator=gen)], dim=1)
     x = torch.cat([x, torch.full((1, NAN_HIDDEN), math.nan)])
     eager = (x @ w.T).argmax(dim=-1)
-    target = torch.randint(0, NAN_VOCAB, (len(x),), generator=gen)
+    target = torch.randint(0, vocab, (len(x),), generator=gen)
     target[::2] = eager[::2]
     return x, w, target, eager
 

@@ -300,6 +300,43 @@ def test_argmax_ties_first_index(dtype, vocab):
     check(32, vocab, dtype, "accuracy", ties=True, ignored_fraction=0.0)
 
 
+# torch.argmax's order with NaN: in one CTA of 8 warps (no gradient), on the default
+# clusters with the gradient (8 CTAs in fp32, 4 in 16-bit) and on clusters of 2.
+@pytest.mark.parametrize(
+    "compute_grad, config",
+    [(False, None), (True, None), (True, cute_ce.KernelConfig(threads=256, stages=4, resident=3, cluster=2))],
+    ids=["one-cta", "default-cluster", "cluster-2"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_predicted_tokens_of_rows_with_a_nan_follow_torch_argmax(dtype, compute_grad, config):
+    """A NaN ranks above every number and the first NaN's column wins, whichever thread,
+    warp or CTA of the cluster holds it; +inf ties keep the first column."""
+    rows, vocab = 24, 40008
+    logits = make_logits(rows, vocab, dtype, seed=3)
+    logits[0, vocab - 1] = math.nan
+    logits[1, [30011, 12345]] = math.nan
+    logits[2, 3] = math.inf
+    logits[2, 25000] = math.nan  # a NaN beats +inf in an earlier slice
+    logits[3] = math.nan
+    logits[4, [20000, 39000]] = math.inf
+    logits[5, 0] = math.nan
+    gen = torch.Generator().manual_seed(4)
+    some = torch.arange(6, rows, 2)
+    logits[some, torch.randint(0, vocab, (len(some),), generator=gen)] = math.nan
+    target = make_target(logits, -100, 0.0, seed=3)
+    opts = {"correct_out": True, "predicted_out": True, "compute_grad": compute_grad}
+    scalars = make_scalars(target, None, vocab, opts, -100)
+
+    def ours_fn(*args, **kwargs):
+        cute_ce.cross_entropy_chunk(*args, config=config, **kwargs)
+
+    out = run_kernel(ours_fn, logits.clone(), target, None, scalars, opts, None)
+    want = logits.float().argmax(dim=1)  # the raw logits: their argmax has no rounding
+    assert out["predicted"].tolist() == want.tolist()
+    assert want[:6].tolist() == [vocab - 1, 12345, 25000, 0, 20000, 0]
+    assert out["correct"].tolist() == (want == target).float().tolist()
+
+
 @pytest.mark.parametrize("feature", ["plain", "all"])
 def test_int32_target(feature):
     check(64, 32000, torch.bfloat16, feature, target_dtype=torch.int32)

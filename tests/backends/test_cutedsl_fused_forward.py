@@ -208,6 +208,45 @@ def test_combine_matches_dense():
     torch.testing.assert_close(zsum.double(), z.sum(1), rtol=1e-5, atol=1e-3)
 
 
+def nan_tile_statistics(rows: int, tiles: int, bn: int, seed: int):
+    """Dense fp64 logits ``(rows, tiles * bn)`` with NaN and +-inf in some rows (several
+    NaNs in one tile, NaNs in several tiles, a NaN beside a larger +inf, a row of NaN only)
+    and their per-tile statistics as the fused GEMM's epilogue reports them: a tile holding
+    a NaN has a NaN max and its first NaN column as its argmax (torch's amax and argmax)."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, tiles * bn, generator=gen, dtype=torch.float64) * 4
+    z[0, 0] = z.max() + 10  # the row's largest number, before its first NaN
+    z[0, [bn + 5, bn + 2, 3 * bn]] = math.nan  # the first NaN: in the second tile
+    z[1, [3 * bn - 1, 2 * bn + 7]] = math.nan  # two NaNs of one tile, the later one read first
+    z[2, 1] = math.inf
+    z[2, 2 * bn] = math.nan  # a NaN beats +inf
+    z[3, [4, bn + 4]] = math.inf  # +inf ties, no NaN: the first column
+    z[4] = math.nan
+    z[5, tiles * bn - 1] = math.nan  # the last column
+    z[6::3, 2 * bn + 1] = math.nan
+    parts = z.split(bn, dim=1)
+    tmax = torch.stack([t.amax(1) for t in parts]).float()
+    tse = torch.stack([(t - t.amax(1, keepdim=True)).exp().sum(1) for t in parts]).float()
+    targ = torch.stack([t.argmax(1) + i * bn for i, t in enumerate(parts)]).int()
+    return z, tmax, tse, targ
+
+
+@needs_dsl
+def test_combine_ranks_a_nan_tile_above_every_number():
+    """torch.argmax's order across tiles: the first NaN column where a row holds one, else
+    the first maximum; the lse of a row with a NaN is NaN, of a finite row unchanged."""
+    rows, tiles, bn = 24, 5, 128
+    z, tmax, tse, targ = nan_tile_statistics(rows, tiles, bn, seed=4)
+    lse = torch.empty(rows)
+    pred = torch.empty(rows, dtype=torch.int64)
+    ff.combine_tile_statistics(tmax, tse, targ, None, lse_out=lse, predicted_out=pred, logit_sum_out=None)
+    assert pred.tolist() == z.argmax(1).tolist()
+    assert pred[:6].tolist() == [bn + 2, 2 * bn + 7, 2 * bn, 4, 0, tiles * bn - 1]
+    has_nan, finite = z.isnan().any(1), z.isfinite().all(1)
+    assert bool(lse[has_nan].isnan().all()) and int(finite.sum()) >= rows // 2
+    torch.testing.assert_close(lse[finite].double(), torch.logsumexp(z[finite], 1), rtol=0, atol=1e-5)
+
+
 # ---------------------------------------------------------------------- GPU
 def make_problem(n, vocab, hidden, dtype, seed, bias=False):
     """Logits of O(3) with one +8 peak per row (a peaked softmax); a tenth of the targets
@@ -345,6 +384,32 @@ def test_empty_and_tiny():
     assert out["lse"].shape == (0,)
 
 
+def run_combine_kernel(tmax, tse, targ, tsum, with_logit_sum: bool) -> list[torch.Tensor]:
+    """``CombineTileStatisticsKernel`` on (T, rows) CPU statistics (``tsum`` may be None
+    without the logit sum) -> [lse, predicted, logit sum] on the GPU."""
+    tiles, rows = tmax.shape
+    dev = torch.device("cuda")
+    out = [
+        torch.empty(rows, device=dev),
+        torch.empty(rows, dtype=torch.int64, device=dev),
+        torch.empty(rows, device=dev),
+    ]
+    fn = ff.compile_combine(tiles, with_logit_sum)
+    args = [None if t is None else t.to(dev) for t in (tmax, tse, targ, tsum)]
+    fn(
+        cutedsl_common.gmem_ptr(args[0], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(args[1], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(args[2], cutlass.Int32, 4),
+        cutedsl_common.gmem_ptr(args[3], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(out[0], cutlass.Float32, 4),
+        cutedsl_common.gmem_ptr(out[1], cutlass.Int64, 8),
+        cutedsl_common.gmem_ptr(out[2], cutlass.Float32, 4),
+        cutedsl_common.arg_i32(rows),
+        cutedsl_common.cuda_stream(dev),
+    )
+    return out
+
+
 @needs_sm90
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_logit_sum", [False, True])
@@ -358,29 +423,11 @@ def test_combine_kernel_matches_torch_twin(with_logit_sum):
     tse = torch.rand(tiles, rows, generator=gen) * 255 + 1
     targ = (torch.arange(tiles)[:, None] * 256 + torch.randint(0, 256, (tiles, rows), generator=gen)).int()
     tsum = torch.randn(tiles, rows, generator=gen) * 100
-    dev = torch.device("cuda")
     lse, pred, zsum = torch.empty(rows), torch.empty(rows, dtype=torch.int64), torch.empty(rows)
     ff.combine_tile_statistics(
         tmax.clone(), tse, targ, tsum, lse_out=lse, predicted_out=pred, logit_sum_out=zsum if with_logit_sum else None
     )
-    out = [
-        torch.empty(rows, device=dev),
-        torch.empty(rows, dtype=torch.int64, device=dev),
-        torch.empty(rows, device=dev),
-    ]
-    fn = ff.compile_combine(tiles, with_logit_sum)
-    args = [t.to(dev) for t in (tmax, tse, targ, tsum)]
-    fn(
-        cutedsl_common.gmem_ptr(args[0], cutlass.Float32, 4),
-        cutedsl_common.gmem_ptr(args[1], cutlass.Float32, 4),
-        cutedsl_common.gmem_ptr(args[2], cutlass.Int32, 4),
-        cutedsl_common.gmem_ptr(args[3], cutlass.Float32, 4),
-        cutedsl_common.gmem_ptr(out[0], cutlass.Float32, 4),
-        cutedsl_common.gmem_ptr(out[1], cutlass.Int64, 8),
-        cutedsl_common.gmem_ptr(out[2], cutlass.Float32, 4),
-        cutedsl_common.arg_i32(rows),
-        cutedsl_common.cuda_stream(dev),
-    )
+    out = run_combine_kernel(tmax, tse, targ, tsum, with_logit_sum)
     assert torch.equal(out[1].cpu(), pred) and bool((pred[::5] == targ[7, ::5]).all())
     torch.testing.assert_close(out[0].cpu(), lse, rtol=0, atol=1e-5)
     if with_logit_sum:
@@ -388,6 +435,24 @@ def test_combine_kernel_matches_torch_twin(with_logit_sum):
         # within a few unit roundoffs of the sum of magnitudes of each row.
         bound = 4 * 2.0**-24 * tsum.double().abs().sum(0)
         assert bool(((out[2].cpu().double() - tsum.double().sum(0)).abs() <= bound).all())
+
+
+@needs_sm90
+@pytest.mark.gpu
+def test_combine_kernel_ranks_a_nan_tile_like_the_torch_twin():
+    """Tiles with NaN maxima on every one of the 4 lanes that share a row: the kernel's
+    column is the torch twin's (torch.argmax's: the first NaN column), its lse NaN where
+    the row holds a NaN."""
+    rows, tiles, bn = 40, 37, 256
+    z, tmax, tse, targ = nan_tile_statistics(rows, tiles, bn, seed=6)
+    lse, pred = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    ff.combine_tile_statistics(tmax.clone(), tse, targ, None, lse_out=lse, predicted_out=pred, logit_sum_out=None)
+    out = run_combine_kernel(tmax, tse, targ, None, False)
+    assert pred.tolist() == z.argmax(1).tolist()
+    assert out[1].cpu().tolist() == pred.tolist()
+    assert out[0].cpu().isnan().tolist() == lse.isnan().tolist()
+    finite = ~lse.isnan()
+    torch.testing.assert_close(out[0].cpu()[finite], lse[finite], rtol=0, atol=1e-5)
 
 
 @needs_sm90

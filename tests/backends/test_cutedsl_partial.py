@@ -232,6 +232,42 @@ def test_statistics_argmax_ties_first_index(dtype, vocab):
     check_statistics(Block(32, vocab, dtype, "all", ties=True, ignored_fraction=0.0, seed=2))
 
 
+@pytest.mark.parametrize("softcap", [None, SOFTCAP], ids=["plain", "softcap"])
+@pytest.mark.parametrize("vocab", [7, 1000, 32000])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_statistics_argmax_of_rows_with_a_nan_follows_torch_argmax(dtype, vocab, softcap):
+    """torch.argmax ranks a NaN above every number: a block holding a NaN gives its first
+    NaN's column and a NaN max (what the combination of blocks looks for:
+    flce.rows.cross_entropy.combine_blocks), as the torch twin does, whichever vector,
+    thread or warp holds it (V = 32000: 8 warps); a row of +inf ties without a NaN keeps
+    the first +inf."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24
+    z = torch.randn(rows, vocab, generator=gen, dtype=torch.float64) * 3.0
+    z[0, vocab - 1] = math.nan  # the last column (the ragged vector's, with V = 7)
+    z[1, [(2 * vocab) // 3, vocab // 3]] = math.nan  # two NaNs: the first one wins
+    z[2, 0] = math.inf
+    z[2, vocab - 1] = math.nan  # a NaN beats +inf
+    z[3] = math.nan
+    z[4, [vocab // 2, vocab - 1]] = math.inf  # +inf ties, no NaN
+    z[5, 0] = math.nan
+    some = torch.arange(6, rows, 2)
+    z[some, torch.randint(0, vocab, (len(some),), generator=gen)] = math.nan  # one NaN anywhere
+    logits = z.to(dtype).to(DEVICE)
+    has_nan = logits.isnan().any(dim=1)
+    decided = has_nan.clone()
+    decided[4] = True  # rows whose argmax no rounding can change
+    target = torch.full((rows,), vocab, dtype=torch.int64, device=DEVICE)  # owned by no block
+    outs = {}
+    for name, kernels in (("ours", get_backend("cutedsl").split_rows()), ("torch", TorchSplitRowKernels())):
+        outs[name] = kernels.statistics(logits.clone(), target, None, softcap, with_smoothing=False, with_argmax=True)
+    ours, twin = outs["ours"], outs["torch"]
+    assert ours.row_max.isnan().tolist() == has_nan.tolist()
+    assert ours.argmax[decided].tolist() == logits.float().argmax(dim=1)[decided].tolist()
+    assert ours.argmax[decided].tolist() == twin.argmax[decided].tolist()
+    assert twin.row_max.isnan().tolist() == has_nan.tolist()
+
+
 # -------------------------------------------------------------------------------- gradient
 
 

@@ -184,23 +184,48 @@ def test_gpu_a_masked_part_of_the_vocabulary_is_a_zero_probability(backend, dtyp
 # ------------------------------------------------ predicted tokens of rows with a NaN logit
 
 NAN_ENTRIES = ["fused-grad", "loss-only", "vocabulary-blocks", "logits", "logprobs"]
+# The problem of tests/test_functional.py (V = 300: a row in one CTA of a few warps, two
+# tiles of the fused GEMM, vocabulary blocks of 64 columns), and a wide one whose NaN and
+# +inf columns lie far apart: V = 40000 splits a row of the CE kernel with the gradient over
+# a cluster of CTAs (4 in bf16, 8 in fp32) and streams it through the 8 warps of one CTA
+# without it, gives the fused GEMM 157 tiles (4 lanes of the combining kernel per row), and
+# the partial kernels blocks of 8192 columns (8 warps).
+NAN_WIDTHS = {
+    "narrow": (dict(), 64),
+    "wide": (
+        dict(
+            vocab=40000,
+            inf_columns={
+                17: (0, float("inf")),
+                9001: (0, float("-inf")),
+                20003: (1, float("inf")),
+                31000: (2, float("inf")),
+                39998: (2, float("-inf")),
+            },
+        ),
+        8192,
+    ),
+}
 
 
 @pytest.mark.parametrize("backend", ["torch", *GPU_BACKENDS])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("entry", NAN_ENTRIES)
-def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backend, dtype, entry):
+@pytest.mark.parametrize("width", list(NAN_WIDTHS))
+def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backend, dtype, entry, width):
     """torch.argmax ranks a NaN above every number (the first NaN's index wins): every GPU
-    kernel's argmax must agree, the CE kernel's, the fused forward GEMM's tile epilogue and
-    its combination, the vocabulary blocks' partial kernels, the logits kernel and the
-    logprobs head. The problem's logits are NaN or +-inf by construction (inf * 0 and
-    inf * +-1), so the answer does not depend on the dtype's rounding."""
+    kernel's argmax must agree, the CE kernel's (its warps', CTA's and cluster's merges),
+    the fused forward GEMM's tile epilogue and its combination, the vocabulary blocks'
+    partial kernels, the logits kernel and the logprobs head. The problem's logits are NaN
+    or +-inf by construction (inf * 0 and inf * +-1), so the answer does not depend on the
+    dtype's rounding."""
     import torch.nn.functional as F
 
     import flce
     from tests.test_functional import nan_logit_problem
 
-    x, w, target, _ = nan_logit_problem()
+    problem, vocab_chunk_size = NAN_WIDTHS[width]
+    x, w, target, _ = nan_logit_problem(**problem)
     # Padded with zero columns to the fused GEMM's K tile; the padding adds exact zeros.
     x, w = (F.pad(t, (0, LOSS_ONLY_HIDDEN - t.shape[1])).to(CUDA, dtype) for t in (x, w))
     target = target.to(CUDA)
@@ -208,6 +233,7 @@ def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backe
     if entry == "logits":
         logits = x @ w.T
         logits[3, [17, 280]] = float("nan")
+        logits.requires_grad_()  # the CE kernel with the gradient: a wide row on a cluster
         out = flce.cross_entropy(logits, target, return_predicted_tokens=True, backend=backend)
         assert out.predicted_tokens.tolist() == logits.float().argmax(dim=-1).tolist()
         return
@@ -215,7 +241,7 @@ def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backe
         out = flce.fused_linear_logprobs(x, w, target, return_predicted_tokens=True, backend=backend)
         assert out.predicted_tokens.tolist() == eager
         return
-    options = dict(vocab_chunk_size=64) if entry == "vocabulary-blocks" else {}
+    options = dict(vocab_chunk_size=vocab_chunk_size) if entry == "vocabulary-blocks" else {}
     x.requires_grad_(entry != "loss-only")
     with torch.set_grad_enabled(entry != "loss-only"):
         out = flce.fused_linear_cross_entropy(

@@ -4,7 +4,8 @@ One CTA, or a thread-block cluster of 2-8 CTAs each owning a contiguous slice, h
 one row of logits. Pass 1 streams the row through a multi-stage ``cp.async``
 shared-memory pipeline (128-bit copies where alignment allows) and keeps, per thread,
 an fp32 online softmax (running max ``m = max(z')`` and normaliser
-``d = sum 2^((z' - m) log2(e))``), the label-smoothing sum and the argmax. A CTA
+``d = sum 2^((z' - m) log2(e))``), the label-smoothing sum and the argmax (in
+``torch.argmax``'s order: a NaN above every number, the first column among equals). A CTA
 reduction (then, in a cluster, an exchange through distributed shared memory) gives
 the row's statistics, from which every thread derives the row scalars of
 ``flce.backends.base`` (loss, z-loss, token scale and the gradient coefficients).

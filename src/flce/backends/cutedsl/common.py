@@ -95,13 +95,23 @@ def store_to_peer(smem_ptr: cute.Pointer, value, peer, *, loc=None, ip=None) -> 
 
 @cute.jit
 def argmax_combine(best_v: Float32, best_i: Int32, v_o: Float32, i_o: Int32):
-    """(value, column) argmax merge: larger value wins, the smaller column wins a tie."""
-    if v_o > best_v:
-        best_i = i_o
+    """(value, column) argmax merge in ``torch.argmax``'s order: a NaN ranks above every
+    number, the larger number wins, and the smaller column wins between equal numbers or
+    two NaNs. The merged value is NaN once either is (``fmax`` would drop it), so that
+    every later merge sees it: a thread's, a warp's, a CTA's or a cluster's."""
     if v_o == best_v:
         if i_o < best_i:
             best_i = i_o
-    return cute.arch.fmax(best_v, v_o), best_i
+    if v_o > best_v:  # false wherever a NaN is: a NaN so far stays
+        best_v = v_o
+        best_i = i_o
+    if v_o != v_o:
+        if best_v == best_v:  # a number so far: the NaN replaces it
+            best_i = i_o
+        if i_o < best_i:
+            best_i = i_o
+        best_v = v_o
+    return best_v, best_i
 
 
 def softcap_tanh(x: Float32, approximate: bool) -> Float32:
@@ -365,12 +375,18 @@ class RowStream:
     @cute.jit
     def _argmax_step(self, x: cute.Tensor, vidx: Int32, best_v: Float32, best_i: Int32, lanes: int):
         """Merges the first ``lanes`` elements of vector ``vidx`` (``x``: (vec,) fp32
-        registers) into the running argmax; a strictly larger value replaces it, so the
-        first column of a tie wins."""
+        registers) into the running argmax in ``torch.argmax``'s order; a strictly larger
+        value replaces it, so the first column of a tie wins. A NaN ranks above every
+        number: ``fmax`` drops it, so each element is also tested (``x != x``, one compare)
+        and only a vector holding a NaN looks for its first one. The running value is NaN
+        from then on, and a thread's vectors come in increasing columns, so that NaN's
+        column stays (``argmax_combine`` merges the threads')."""
         VEC = self.vec
         vmax = x[0]
+        has_nan = x[0] != x[0]
         for j in cutlass.range_constexpr(1, lanes):
             vmax = cute.arch.fmax(vmax, x[j])
+            has_nan = has_nan | (x[j] != x[j])
         if vmax > best_v:
             j_first = Int32(lanes - 1)
             for j in cutlass.range_constexpr(lanes - 2, -1, -1):
@@ -378,6 +394,14 @@ class RowStream:
                     j_first = Int32(j)
             best_v = vmax
             best_i = vidx * VEC + j_first
+        if has_nan:
+            if best_v == best_v:  # this thread's first NaN
+                j_nan = Int32(lanes - 1)
+                for j in cutlass.range_constexpr(lanes - 2, -1, -1):
+                    if x[j] != x[j]:
+                        j_nan = Int32(j)
+                best_v = Float32(math.nan)
+                best_i = vidx * VEC + j_nan
         return best_v, best_i
 
     @cute.jit

@@ -15,7 +15,8 @@ tile's vocabulary slice ``t`` (columns ``[t * BN, (t + 1) * BN)``) it writes
   logit plus the optional bias and ``z' = c * tanh(z / c)`` under the optional softcap
   (the hardware's approximate tanh: ``flce.backends.base.softcap_tanh_is_approximate``),
 - ``tile_sumexp[t, n]``: ``sum exp(z' - tile_max)``, each term one FMA and one exp2,
-- ``tile_argmax[t, n]``: the first (smallest) global column achieving the tile max,
+- ``tile_argmax[t, n]``: the first (smallest) global column achieving the tile max, or
+  the tile's first NaN column, whose max is then NaN (``torch.argmax``'s order),
 - ``tile_sum[t, n]`` (``with_logit_sum`` only): ``sum z'``, the label-smoothing term,
 
 and the CTA holding column ``target[n]`` writes ``target_logit[n] = z'``; a CTA of the first
@@ -33,7 +34,9 @@ Argmax: within a tile it is taken on ``z`` before the softcap (strictly increasi
 same column) so that fp32 ``tanh`` saturation cannot create ties the exact math does not
 have. Across tiles the first tile achieving the global max of ``tile_max`` wins; as the
 tile's argmax columns increase with the tile index, that is the smallest ``tile_argmax``
-among the tiles achieving the max.
+among the tiles achieving the max. A NaN ranks above every number, as in ``torch.argmax``:
+``fmax`` drops it, so each value is also tested (``z != z``, one compare), a tile holding
+a NaN reports its first NaN column and a NaN max, and the first such tile wins.
 
 The statistics are stored tile-major, ``(T, rows)``, so that the lanes of a warp (rows
 ``r .. r+7``) write neighbouring words. ``CombineTileStatisticsKernel`` then reduces them,
@@ -80,6 +83,7 @@ from flce.backends.cutedsl.common import (
     SMEM_LIMIT,
     arg_f32,
     arg_i32,
+    argmax_combine,
     cdiv,
     compile_cached,
     compile_launcher,
@@ -612,10 +616,13 @@ class FusedForwardKernel:
         for r in cutlass.range_constexpr(R):
             row = m0 + crds[r, 0][0]
             row_ok = row < num_rows
-            # Max of z (before the softcap), over the thread, then over the quad.
+            # Max of z (before the softcap), over the thread, then over the quad; and whether
+            # the thread holds a NaN, which fmax drops (one compare per value).
             vmax = accs[r, 0]
+            has_nan = accs[r, 0] != accs[r, 0]
             for c in cutlass.range_constexpr(1, C):
                 vmax = cute.arch.fmax(vmax, accs[r, c])
+                has_nan = has_nan | (accs[r, c] != accs[r, c])
             vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, offset=1))
             vmax = cute.arch.fmax(vmax, cute.arch.shuffle_sync_bfly(vmax, offset=2))
             # First column achieving it.
@@ -625,6 +632,20 @@ class FusedForwardKernel:
                 best = cutlass.min(best, Int32(cutlass.select_(accs[r, c] == vmax, col, Int32(INT32_MAX))))
             best = cutlass.min(best, cute.arch.shuffle_sync_bfly(best, offset=1))
             best = cutlass.min(best, cute.arch.shuffle_sync_bfly(best, offset=2))
+            # torch.argmax ranks a NaN above every number: a tile holding one gives its first
+            # NaN column. Only a thread holding a NaN looks for its columns; every lane takes
+            # part in the quad's shuffles.
+            nan_col = Int32(INT32_MAX)
+            if has_nan:
+                for c in cutlass.range_constexpr(C):
+                    nan_col = cutlass.min(
+                        nan_col,
+                        Int32(cutlass.select_(accs[r, c] != accs[r, c], n0 + crds[0, c][1], Int32(INT32_MAX))),
+                    )
+            nan_col = cutlass.min(nan_col, cute.arch.shuffle_sync_bfly(nan_col, offset=1))
+            nan_col = cutlass.min(nan_col, cute.arch.shuffle_sync_bfly(nan_col, offset=2))
+            tile_has_nan = nan_col != Int32(INT32_MAX)
+            best = Int32(cutlass.select_(tile_has_nan, nan_col, best))
 
             m = vmax
             if const_expr(key.has_softcap):
@@ -677,6 +698,9 @@ class FusedForwardKernel:
                 zsum = zsum + cute.arch.shuffle_sync_bfly(zsum, offset=1)
                 zsum = zsum + cute.arch.shuffle_sync_bfly(zsum, offset=2)
 
+            # A tile holding a NaN reports a NaN max (fmax dropped it), which the combination
+            # ranks above every number; its sum of exp is NaN already.
+            m = Float32(cutlass.select_(tile_has_nan, Float32(math.nan), m))
             if row_ok and tile_ok:
                 if lane % 4 == 0:
                     mMax[pid_n, row] = m
@@ -1030,12 +1054,15 @@ def combine_tile_statistics(
 ) -> None:
     """Row statistics from per-tile ones: ``M = max_t m_t``, ``lse = M + log(sum_t s_t
     exp(m_t - M))``; the argmax is the smallest column among the tiles achieving ``M``
-    (tile columns increase with ``t``, so that is the first tile's). ``tile_max`` is used
+    (tile columns increase with ``t``, so that is the first tile's), or among the tiles
+    whose max is NaN where one is (``M`` is then NaN, and so is the lse). ``tile_max`` is used
     as scratch for the rescaled sums. The torch twin of ``CombineTileStatisticsKernel``,
     which the GPU path runs; tests check this one against dense logits, the kernel
     against this one."""
-    row_max = tile_max.amax(dim=0)  # (rows,)
-    at_max = tile_max == row_max
+    row_max = tile_max.amax(dim=0)  # (rows,) NaN where a tile's max is
+    # A tile holding a NaN has a NaN max, which amax propagates and == never matches: a NaN
+    # ranks above every number, as in torch.argmax, and the first such tile's column wins.
+    at_max = (tile_max == row_max) | tile_max.isnan()
     predicted_out.copy_(torch.where(at_max, tile_argmax, INT32_MAX).amin(dim=0))
     del at_max
     scaled = tile_max.sub_(row_max).exp_().mul_(tile_sumexp)
@@ -1118,16 +1145,16 @@ class CombineTileStatisticsKernel:
         if row_ok:
             for t in cutlass.range(first_tile, self.num_tiles, self.SLICES, unroll=4):
                 m = Float32(mMax[t, row])
-                if m > row_max:  # strictly: among equal maxima the first tile (smallest column) wins
+                # Strictly larger: among equal maxima the first tile (smallest column) wins.
+                # A NaN max (a tile holding a NaN) ranks above every number; the first stays.
+                if m > row_max or (m != m and row_max == row_max):
                     row_max = m
                     best = Int32(mArg[t, row])
         # Lanes 8 and 16 apart hold the same row; every lane takes part in the shuffles.
         for i in cutlass.range_constexpr(SHUFFLE_ROUNDS):
             other_max = cute.arch.shuffle_sync_bfly(row_max, offset=self.ROWS_PER_WARP << i)
             other_best = cute.arch.shuffle_sync_bfly(best, offset=self.ROWS_PER_WARP << i)
-            if other_max > row_max or (other_max == row_max and other_best < best):
-                row_max = other_max
-                best = other_best
+            row_max, best = argmax_combine(row_max, best, other_max, other_best)
 
         neg_max_log2 = -(row_max * LOG2_E)
         total = Float32(0.0)

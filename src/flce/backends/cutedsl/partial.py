@@ -185,6 +185,12 @@ class PartialStatistics(RowStream):
         m, d, sxs, best_v, best_i = self._pass1(gRow, sBuf, copy_atom, 0, NV, tid, mWeight, softcap, inv_softcap)
         m, d, sxs, best_v, best_i = self._reduce_cta(m, d, sxs, best_v, best_i, sRed, sArg, lane, warp)
 
+        if const_expr(key.write_argmax):
+            # A block holding a NaN reports a NaN max (its argmax is the first NaN's column):
+            # the combination of the blocks ranks it above every number, as torch.argmax
+            # does (flce.rows.cross_entropy.combine_blocks). Its sum is NaN already.
+            if best_v != best_v:
+                m = best_v
         if tid == 0:
             mMax[row] = m
             mSum[row] = d
