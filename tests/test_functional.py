@@ -217,6 +217,32 @@ def test_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backend, 
     assert out.token_accuracy.tolist() == (eager == target).float().tolist()
 
 
+def minus_inf_rows_problem(vocab: int = NAN_VOCAB, hidden: int = NAN_HIDDEN):
+    """``x, w, target``: rows whose every logit is -inf (each weight row's first value is
+    -inf, each row's first hidden value positive), where torch.argmax names column 0."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(vocab, hidden, generator=gen)
+    w[:, 0] = -math.inf
+    x = torch.randn(6, hidden, generator=gen)
+    x[:, 0] = torch.rand(6, generator=gen) + 0.5
+    return x, w, torch.randint(0, vocab, (6,), generator=gen)
+
+
+@pytest.mark.parametrize("scheme", list(NAN_SCHEMES))
+@pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
+def test_predicted_token_of_a_row_of_only_minus_inf_logits_is_column_0(backend, scheme):
+    """Every candidate ties at -inf: torch.argmax names the first column, not a sentinel
+    past the vocabulary (an index no embedding table holds)."""
+    x, w, target = minus_inf_rows_problem()
+    assert (x @ w.T).eq(-math.inf).all()
+    out = flce.fused_linear_cross_entropy(
+        x, w, target, reduction="none", return_predicted_tokens=True, backend=backend, **NAN_SCHEMES[scheme]
+    )
+    assert out.predicted_tokens.tolist() == [0] * len(x)
+    logits = flce.cross_entropy(x @ w.T, target, reduction="none", return_predicted_tokens=True, backend=backend)
+    assert logits.predicted_tokens.tolist() == [0] * len(x)
+
+
 @pytest.mark.parametrize("backend", VOCAB_BLOCK_BACKENDS)
 def test_predicted_tokens_of_given_logits_and_logprobs_with_a_nan_follow_torch_argmax(backend):
     import flce

@@ -256,3 +256,32 @@ def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backe
         )
     assert out.predicted_tokens.tolist() == eager
     assert out.token_accuracy.tolist() == [float(p == t) for p, t in zip(eager, target.tolist(), strict=True)]
+
+
+@pytest.mark.parametrize("backend", ["torch", *GPU_BACKENDS])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("entry", ["fused-grad", "loss-only", "vocabulary-blocks", "logits"])
+@pytest.mark.parametrize("vocab", [300, 40000])
+def test_gpu_predicted_token_of_a_row_of_only_minus_inf_logits_is_column_0(backend, dtype, entry, vocab):
+    """Every candidate ties at -inf: torch.argmax names column 0, where the kernels' argmax
+    started from a sentinel past the vocabulary that no -inf replaced (the CE and partial
+    kernels' threads, the fused forward's tile combination)."""
+    import torch.nn.functional as F
+
+    import flce
+    from tests.test_functional import minus_inf_rows_problem
+
+    x, w, target = minus_inf_rows_problem(vocab)
+    x, w = (F.pad(t, (0, LOSS_ONLY_HIDDEN - t.shape[1])).to(CUDA, dtype) for t in (x, w))
+    target = target.to(CUDA)
+    if entry == "logits":
+        logits = (x @ w.T).requires_grad_()
+        out = flce.cross_entropy(logits, target, reduction="none", return_predicted_tokens=True, backend=backend)
+    else:
+        options = dict(vocab_chunk_size=vocab // 5) if entry == "vocabulary-blocks" else {}
+        x.requires_grad_(entry != "loss-only")
+        with torch.set_grad_enabled(entry != "loss-only"):
+            out = flce.fused_linear_cross_entropy(
+                x, w, target, reduction="none", return_predicted_tokens=True, backend=backend, **options
+            )
+    assert out.predicted_tokens.tolist() == [0] * len(x)

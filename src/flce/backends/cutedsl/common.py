@@ -264,7 +264,7 @@ class RowStream:
         d = Float32(0.0)
         sxs = Float32(0.0)
         best_v = Float32(-Float32.inf)
-        best_i = Int32(self.vocab)  # past every column: any real one replaces it
+        best_i = Int32(self.vocab)  # past every column: the first vector replaces it (_argmax_step)
         if const_expr(self.use_async):
             for k in cutlass.range_constexpr(P):
                 if const_expr(k < NT):
@@ -387,7 +387,9 @@ class RowStream:
         for j in cutlass.range_constexpr(1, lanes):
             vmax = cute.arch.fmax(vmax, x[j])
             has_nan = has_nan | (x[j] != x[j])
-        if vmax > best_v:
+        # The first vector of a thread is taken whatever its (non-NaN) max, so that a row
+        # of only -inf logits names its first column, as torch.argmax does, not the sentinel.
+        if vmax > best_v or (best_i == Int32(self.vocab) and vmax == vmax):
             j_first = Int32(lanes - 1)
             for j in cutlass.range_constexpr(lanes - 2, -1, -1):
                 if x[j] == vmax:

@@ -1147,7 +1147,9 @@ class CombineTileStatisticsKernel:
                 m = Float32(mMax[t, row])
                 # Strictly larger: among equal maxima the first tile (smallest column) wins.
                 # A NaN max (a tile holding a NaN) ranks above every number; the first stays.
-                if m > row_max or (m != m and row_max == row_max):
+                # The first tile is taken whatever its max: a row of only -inf logits names
+                # its first column, as torch.argmax does, not the sentinel.
+                if m > row_max or best == Int32(INT32_MAX) or (m != m and row_max == row_max):
                     row_max = m
                     best = Int32(mArg[t, row])
         # Lanes 8 and 16 apart hold the same row; every lane takes part in the shuffles.
