@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 import torch
@@ -33,7 +32,6 @@ from flce.driver.gemm import (
     accumulate_product,
     full_precision_reductions,
     logits_product,
-    run_beside,
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
@@ -204,26 +202,6 @@ def run_token_chunks(
 
     dx = dw_acc = db_acc = None
     compute_grad = request.any
-
-    def input_grad(grad_logits: torch.Tensor, start: int, end: int) -> None:  # (C, V) -> dX[start:end]
-        if dx is None:
-            return
-        if dx.dtype == compute_dtype:
-            accumulate_product(row_range(dx, start, end), grad_logits, w, True, vocabulary="reduction")
-        else:
-            dx_chunk = torch.empty(end - start, hidden, dtype=compute_dtype, device=device)
-            accumulate_product(dx_chunk, grad_logits, w, True, vocabulary="reduction")
-            dx[start:end] = dx_chunk
-
-    def weight_grads(grad_logits: torch.Tensor, x: torch.Tensor, start: int) -> None:  # (C, V), (C, H)
-        if dw_direct:
-            with full_precision_reductions():
-                accumulate_product(dw_acc, grad_logits.t(), x, True, vocabulary="rows")
-        elif dw_acc is not None:
-            accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0, vocabulary="rows")
-        if db_acc is not None:
-            accumulate_column_sums(db_acc, grad_logits, first=start == 0)
-
     for start in range(0, n_rows, chunk):
         end = min(start + chunk, n_rows)
         x = in_compute_dtype(row_range(input, start, end), compute_dtype)
@@ -248,12 +226,20 @@ def run_token_chunks(
         if not compute_grad:
             continue
         grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
-        # dX's rows of the chunk, and dW/db beside them (``run_beside``: two streams on a GPU).
-        run_beside(
-            partial(input_grad, grad_logits, start, end),
-            partial(weight_grads, grad_logits, x, start),
-            device,
-        )
+        if dx is not None:
+            if dx.dtype == compute_dtype:
+                accumulate_product(row_range(dx, start, end), grad_logits, w, True, vocabulary="reduction")
+            else:
+                dx_chunk = torch.empty(end - start, hidden, dtype=compute_dtype, device=device)
+                accumulate_product(dx_chunk, grad_logits, w, True, vocabulary="reduction")
+                dx[start:end] = dx_chunk
+        if dw_direct:
+            with full_precision_reductions():
+                accumulate_product(dw_acc, grad_logits.t(), x, True, vocabulary="rows")
+        elif dw_acc is not None:
+            accumulate_product(dw_acc, grad_logits.t(), x, first=start == 0, vocabulary="rows")
+        if db_acc is not None:
+            accumulate_column_sums(db_acc, grad_logits, first=start == 0)
 
     # Free the chunk buffers (the loop's views of them too) before the fp32 -> weight-dtype
     # cast below, so the chunks and the cast's output never coexist.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -77,46 +76,6 @@ def full_precision_reductions():
                 matmul.allow_bf16_reduced_precision_reduction = bf16
                 matmul.allow_fp16_reduced_precision_reduction = fp16
                 state.saved = None
-
-
-# dX = G W and dW = G^T X (with db = 1^T G) read the same gradient tile G and write
-# disjoint outputs, so on a GPU they may run on two streams: one GEMM's ramp and last,
-# partly idle wave then overlap the other's work instead of leaving SMs idle. Results are
-# the same bits either way (the same GEMMs, each on its own output). Off until measured to
-# pay on the H200 (benchmarks/block_gemm_kernels.py, ``dx_beside_dw``); a plain switch
-# so that one process can time both.
-GRADIENT_GEMMS_BESIDE = False
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def gradient_gemms_beside(device: torch.device) -> bool:
-    """Whether ``run_beside`` puts its second product on a side stream on ``device``."""
-    return GRADIENT_GEMMS_BESIDE and device.type == "cuda"
-
-
-def run_beside(on_current: Callable[[], None], on_side: Callable[[], None], device: torch.device) -> None:
-    """``on_side()`` on a side stream that first waits for the current stream's work so far,
-    ``on_current()`` on the current stream beside it; the current stream then waits for
-    both, so later work (the next chunk's GEMM into the same buffer, a free of a tensor
-    they read) is ordered after them, which is also what makes the caching allocator's
-    reuse of those tensors safe. Sequential, in that order, off CUDA or when
-    ``gradient_gemms_beside`` says no. Under CUDA-graph capture the side stream forks from
-    and joins the capturing stream (the same waits)."""
-    if not gradient_gemms_beside(device):
-        on_current()
-        on_side()
-        return
-    current = torch.cuda.current_stream(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _side_streams.get(index)
-    if side is None:
-        side = _side_streams[index] = torch.cuda.Stream(device=torch.device("cuda", index))
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        on_side()
-    on_current()
-    current.wait_stream(side)
 
 
 def weight_accumulator_dtype(accum_dtype: torch.dtype | None, param_dtype: torch.dtype) -> torch.dtype:

@@ -27,7 +27,7 @@ last blocks' logits GEMM and gradient pass again (``flce.driver.sizing``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import cache
 
 import torch
 
@@ -47,7 +47,6 @@ from flce.driver.gemm import (
     accumulate_product,
     full_precision_reductions,
     logits_product,
-    run_beside,
     weight_accumulator_dtype,
     weight_grad_in_one_gemm,
 )
@@ -367,19 +366,6 @@ def run_vocab_blocks(
         kernels.gradient(grad, target_rows, ce_block, *statistics, *row_factors, scalars, eps)
         return grad
 
-    def block_input_grad(grad: torch.Tensor, w_block: torch.Tensor, r0: int, r1: int) -> None:  # (C, V_b), (V_b, H)
-        if dx_acc is not None:
-            accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False, vocabulary="reduction")
-
-    def block_weight_grads(grad: torch.Tensor, x: torch.Tensor, dw_block, v0: int, v1: int, r0: int) -> None:
-        if dw_direct and dw_block is not None:
-            with full_precision_reductions():
-                accumulate_product(dw_block, grad.t(), x, True, vocabulary="rows")
-        elif dw_block is not None:
-            accumulate_product(dw_block, grad.t(), x, first=r0 == 0, vocabulary="rows")
-        if db is not None:
-            accumulate_column_sums(db[v0:v1], grad, first=r0 == 0)
-
     for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
         in_tail = v0 >= tail_start
         grad_target_of_block = targets().of_block(index, v0, v1)
@@ -391,12 +377,15 @@ def run_vocab_blocks(
             dw_block = None
         for r0, r1, x in chunks():
             grad = block_gradient(grad_target_of_block, r0, r1, x, ce_block, w_block, w_t_block, b_block)
-            # dX's rows, and dW's/db's block beside them (``run_beside``: two streams on a GPU).
-            run_beside(
-                partial(block_input_grad, grad, w_block, r0, r1),
-                partial(block_weight_grads, grad, x, dw_block, v0, v1, r0),
-                device,
-            )
+            if dx_acc is not None:
+                accumulate_product(row_range(dx_acc, r0, r1), grad, w_block, first=False, vocabulary="reduction")
+            if dw_direct and dw_block is not None:
+                with full_precision_reductions():
+                    accumulate_product(dw_block, grad.t(), x, True, vocabulary="rows")
+            elif dw_block is not None:
+                accumulate_product(dw_block, grad.t(), x, first=r0 == 0, vocabulary="rows")
+            if db is not None:
+                accumulate_column_sums(db[v0:v1], grad, first=r0 == 0)
         if dw_block is not None and not dw_direct:
             if n_rows == 0:
                 dw_block.zero_()
