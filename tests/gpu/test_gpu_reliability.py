@@ -238,6 +238,8 @@ def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backe
         assert out.predicted_tokens.tolist() == logits.float().argmax(dim=-1).tolist()
         return
     if entry == "logprobs":
+        if backend == "cutedsl":
+            pytest.skip("cutedsl has no logprobs kernels (the call says so; the Triton ones serve Hopper)")
         out = flce.fused_linear_logprobs(x, w, target, return_predicted_tokens=True, backend=backend)
         assert out.predicted_tokens.tolist() == eager
         return
