@@ -184,6 +184,21 @@ def nan_logit_problem(vocab: int = NAN_VOCAB, inf_columns: dict = INF_COLUMNS):
     return x, w, target, eager
 
 
+def predictions_of(x, w, target, backend: str, **options) -> tuple[list[int], list[float]]:
+    """The fused loss's predicted tokens and token accuracy per row (``reduction="none"``)."""
+    out = flce.fused_linear_cross_entropy(
+        x,
+        w,
+        target,
+        reduction="none",
+        return_predicted_tokens=True,
+        return_token_accuracy=True,
+        backend=backend,
+        **options,
+    )
+    return out.predicted_tokens.tolist(), out.token_accuracy.tolist()
+
+
 NAN_SCHEMES = {
     "whole-rows": dict(),
     "row-chunks": dict(chunk_size=4),
@@ -199,22 +214,12 @@ def test_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backend, 
     numbers the first maximum): every scheme and backend must agree with it, the vocabulary
     blocks' combination included (a block's max shifted away its NaN, or a NaN block max
     never compared equal to the row's, gave column 0 or another block's argmax)."""
-    import flce
 
     x, w, target, eager = nan_logit_problem()
     assert (x @ w.T).isnan().any(dim=-1).sum() >= 19, "most rows should hold a NaN logit"
-    out = flce.fused_linear_cross_entropy(
-        x,
-        w,
-        target,
-        reduction="none",
-        return_predicted_tokens=True,
-        return_token_accuracy=True,
-        backend=backend,
-        **NAN_SCHEMES[scheme],
-    )
-    assert out.predicted_tokens.tolist() == eager.tolist()
-    assert out.token_accuracy.tolist() == (eager == target).float().tolist()
+    predicted, accuracy = predictions_of(x, w, target, backend, **NAN_SCHEMES[scheme])
+    assert predicted == eager.tolist()
+    assert accuracy == (eager == target).float().tolist()
 
 
 def minus_inf_rows_problem(vocab: int = NAN_VOCAB, hidden: int = NAN_HIDDEN):

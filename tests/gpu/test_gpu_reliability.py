@@ -222,7 +222,7 @@ def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backe
     import torch.nn.functional as F
 
     import flce
-    from tests.test_functional import nan_logit_problem
+    from tests.test_functional import nan_logit_problem, predictions_of
 
     problem, vocab_chunk_size = NAN_WIDTHS[width]
     x, w, target, _ = nan_logit_problem(**problem)
@@ -246,18 +246,9 @@ def test_gpu_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(backe
     options = dict(vocab_chunk_size=vocab_chunk_size) if entry == "vocabulary-blocks" else {}
     x.requires_grad_(entry != "loss-only")
     with torch.set_grad_enabled(entry != "loss-only"):
-        out = flce.fused_linear_cross_entropy(
-            x,
-            w,
-            target,
-            reduction="none",
-            return_predicted_tokens=True,
-            return_token_accuracy=True,
-            backend=backend,
-            **options,
-        )
-    assert out.predicted_tokens.tolist() == eager
-    assert out.token_accuracy.tolist() == [float(p == t) for p, t in zip(eager, target.tolist(), strict=True)]
+        predicted, accuracy = predictions_of(x, w, target, backend, **options)
+    assert predicted == eager
+    assert accuracy == [float(p == t) for p, t in zip(eager, target.tolist(), strict=True)]
 
 
 @pytest.mark.parametrize("backend", ["torch", *GPU_BACKENDS])
