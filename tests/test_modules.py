@@ -68,13 +68,80 @@ def test_jit_script_is_refused_with_a_clear_message(index: int) -> None:
     "make",
     [
         lambda: liger.LigerFusedLinearCrossEntropyLoss(label_smoothing=0.1),
+        lambda: liger.LigerCrossEntropyLoss(label_smoothing=0.1),
         lambda: liger.LigerFusedLinearJSD(jsd_beta=0.5),
         lambda: VocabParallelFusedLinearCrossEntropyLoss(),
     ],
-    ids=["liger-flce", "liger-jsd", "vocab-parallel"],
+    ids=["liger-flce", "liger-ce", "liger-jsd", "vocab-parallel"],
 )
 def test_jit_script_of_every_other_loss_module_is_refused_with_a_clear_message(make) -> None:
     module = make()
     for scripted in (module, torch.nn.Sequential(module)):
         with pytest.raises(RuntimeError, match=rf"torch\.jit\.script.*{type(module).__name__}.*torch\.compile"):
             torch.jit.script(scripted)
+
+
+@pytest.mark.parametrize("name", ["accum_dtype", "vocab_chunk_size", "memory_budget"])
+def test_cross_entropy_module_refuses_fused_only_options_at_construction(name: str) -> None:
+    """``flce.cross_entropy`` refuses these options; the module must too, when it is
+    built, not at its first forward."""
+    value = torch.float32 if name == "accum_dtype" else 4096
+    with pytest.raises(ValueError, match=rf"{name} applies to the fused linear loss only"):
+        flce.CrossEntropyLoss(**{name: value})
+
+
+_BAD_CLASS_WEIGHTS = [
+    (lambda: torch.ones(V, dtype=torch.int64), TypeError, "must be a floating-point tensor"),
+    (lambda: torch.ones(V, 2), ValueError, r"must have shape \(V,\)"),
+    (lambda: torch.ones(()), ValueError, r"must have shape \(V,\)"),
+    (lambda: torch.ones(V).to_sparse(), TypeError, "must be a dense"),
+    (lambda: -torch.ones(V), ValueError, "must be finite and non-negative"),
+    (lambda: torch.full((V,), float("nan")), ValueError, "must be finite and non-negative"),
+]
+
+
+@pytest.mark.parametrize("bad", range(len(_BAD_CLASS_WEIGHTS)))
+@pytest.mark.parametrize(
+    "make,name",
+    [
+        (lambda w: flce.FusedLinearCrossEntropyLoss(ce_weight=w), "ce_weight"),
+        (lambda w: flce.CrossEntropyLoss(weight=w), "weight"),
+        (lambda w: liger.LigerFusedLinearCrossEntropyLoss(ce_weight=w), "ce_weight"),
+        (lambda w: liger.LigerCrossEntropyLoss(weight=w), "weight"),
+    ],
+    ids=["flce", "ce", "liger-flce", "liger-ce"],
+)
+def test_a_bad_class_weight_is_refused_at_construction_naming_the_argument(make, name: str, bad: int) -> None:
+    value, error, message = _BAD_CLASS_WEIGHTS[bad]
+    with pytest.raises(error, match=rf"{name} {message}"):
+        make(value())
+
+
+@pytest.mark.parametrize(
+    "make,call",
+    [
+        (
+            lambda w: liger.LigerFusedLinearCrossEntropyLoss(ce_weight=w, label_smoothing=0.1),
+            lambda m, x, w, z, t: m(w, x, t),
+        ),
+        (lambda w: liger.LigerCrossEntropyLoss(weight=w, label_smoothing=0.1), lambda m, x, w, z, t: m(z, t)),
+    ],
+    ids=["liger-flce", "liger-ce"],
+)
+def test_liger_modules_class_weight_follows_to_and_stays_out_of_the_state_dict(make, call) -> None:
+    """As flce's own modules: a model moved with ``.to()`` moves its loss's class weights
+    (Liger keeps them as a plain attribute, left behind on the CPU by ``model.cuda()``);
+    the state dict stays empty, as Liger's."""
+    gen = torch.Generator().manual_seed(1)
+    x, w, z = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen), torch.randn(N, V, generator=gen)
+    t = torch.randint(0, V, (N,), generator=gen)
+    module = make(torch.rand(V, generator=gen) + 0.5)
+    expected = call(module, x, w, z, t)
+    assert len(list(module.buffers())) == 1 and module.state_dict() == {}
+    module.double()
+    class_weight = next(module.buffers())
+    assert class_weight.dtype == torch.float64
+    torch.testing.assert_close(call(module, x, w, z, t), expected)
+    for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        torch.testing.assert_close(call(copied, x, w, z, t), expected)
+    module.load_state_dict({})

@@ -72,6 +72,23 @@ LIGER_0_8_5 = {
         ("target", _NO_DEFAULT),
         ("bias", None),
     ],
+    "LigerCrossEntropyLoss.__init__": [
+        ("self", _NO_DEFAULT),
+        ("weight", None),
+        ("ignore_index", -100),
+        ("lse_square_scale", 0.0),
+        ("label_smoothing", 0.0),
+        ("reduction", "mean"),
+        ("softcap", None),
+        ("return_z_loss", False),
+        ("return_token_accuracy", False),
+        ("return_predicted_tokens", False),
+    ],
+    "LigerCrossEntropyLoss.forward": [
+        ("self", _NO_DEFAULT),
+        ("_input", _NO_DEFAULT),
+        ("target", _NO_DEFAULT),
+    ],
     "LigerCrossEntropyFunction.forward": [
         ("ctx", _NO_DEFAULT),
         ("_input", _NO_DEFAULT),
@@ -247,3 +264,30 @@ def test_deprecated_placeholders_are_refused_not_ignored():
     logits, t = torch.randn(4, 5), torch.randint(0, 5, (4,))
     with pytest.raises(ValueError, match="size_average"):
         liger.liger_cross_entropy(logits, t, size_average=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_module_equals_the_functional_shim(reduction):
+    """``LigerCrossEntropyLoss(weight, ...)(logits, target)``: the bare loss without a
+    ``return_*`` flag, else ``CrossEntropyOutput``; options read from its attributes on
+    each call, as Liger's forward reads them."""
+    torch.manual_seed(2)
+    logits = (torch.randn(2, 5, 41) * 4).requires_grad_()
+    t = torch.randint(0, 41, (2, 5))
+    t[0, 1] = -100
+    cw = torch.rand(41) + 0.5
+    options = dict(lse_square_scale=1e-3, label_smoothing=0.1, reduction=reduction, softcap=6.0)
+    flags = dict(return_z_loss=True, return_token_accuracy=True, return_predicted_tokens=True)
+    bare = liger.LigerCrossEntropyLoss(cw, **options)(logits, t)
+    assert isinstance(bare, torch.Tensor)
+    torch.testing.assert_close(bare, liger.liger_cross_entropy(logits, t, cw, **options), rtol=0, atol=0)
+    module = liger.LigerCrossEntropyLoss(cw, **options, **flags)
+    out, expected = module(logits, t), liger.liger_cross_entropy(logits, t, cw, **options, **flags)
+    assert isinstance(out, flce.CrossEntropyOutput)
+    for field in ("loss", "z_loss", "token_accuracy", "predicted_tokens"):
+        torch.testing.assert_close(getattr(out, field), getattr(expected, field), rtol=0, atol=0)
+    module.label_smoothing = 0.0
+    torch.testing.assert_close(
+        module(logits, t).loss,
+        liger.liger_cross_entropy(logits, t, cw, reduction=reduction, lse_square_scale=1e-3, softcap=6.0),
+    )

@@ -14,13 +14,15 @@ from flce.testing import EPS, TOLERANCE_FACTOR
 
 _NO_DEFAULT = inspect.Parameter.empty
 # (name, default) per parameter, copied from liger-kernel 0.8.5's source
-# (transformers/fused_linear_jsd.py, transformers/functional.py, ops/fused_linear_jsd.py).
+# (transformers/fused_linear_jsd.py, transformers/functional.py, ops/fused_linear_jsd.py);
+# ``accum_dtype`` is in all three since 0.8.2.
 LIGER_0_8_5 = {
     "LigerFusedLinearJSD.__init__": [
         ("self", _NO_DEFAULT),
         ("jsd_beta", 0.5),
         ("ignore_index", -100),
         ("temperature", 1.0),
+        ("accum_dtype", None),
     ],
     "LigerFusedLinearJSD.forward": [
         ("self", _NO_DEFAULT),
@@ -39,6 +41,7 @@ LIGER_0_8_5 = {
         ("jsd_beta", 0.5),
         ("ignore_index", -100),
         ("temperature", 1.0),
+        ("accum_dtype", None),
     ],
     "LigerFusedLinearJSDFunction.forward": [
         ("ctx", _NO_DEFAULT),
@@ -50,6 +53,7 @@ LIGER_0_8_5 = {
         ("jsd_beta", 0.5),
         ("ignore_index", -100),
         ("temperature", 1.0),
+        ("accum_dtype", None),
     ],
 }
 
@@ -152,3 +156,30 @@ def test_a_bad_jsd_beta_is_named_as_the_caller_spelled_it():
         LigerFusedLinearJSD(jsd_beta=1.5)
     with pytest.raises(TypeError, match="jsd_beta must be a finite float"):
         LigerFusedLinearJSD(jsd_beta=float("nan"))
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32, torch.bfloat16])
+def test_accum_dtype_is_taken_and_never_accumulates_below_fp32(accum_dtype):
+    """Liger's ``accum_dtype`` (dW in that dtype); flce accumulates dW in fp32 whatever
+    is asked, which is never less precise: the same loss and gradients as without it."""
+    x, w, xt, wt, labels = _inputs(seed=5)
+    grads = []
+    for call in (
+        lambda x, w: liger.liger_fused_linear_jsd(x, w, xt, wt, labels, 0.3, -100, 1.5, accum_dtype),
+        lambda x, w: liger.LigerFusedLinearJSDFunction.apply(x, w, xt, wt, labels, 0.3, -100, 1.5, accum_dtype),
+        lambda x, w: liger.LigerFusedLinearJSD(0.3, -100, 1.5, accum_dtype)(x, w, xt, wt, labels),
+        lambda x, w: liger.liger_fused_linear_jsd(x, w, xt, wt, labels, 0.3, -100, 1.5),
+    ):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        call(*leaves).backward()
+        grads.append([t.grad for t in leaves])
+    for got in grads[:-1]:
+        for ours, expected in zip(got, grads[-1], strict=True):
+            torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+def test_a_bad_accum_dtype_is_refused():
+    with pytest.raises(ValueError, match="accum_dtype must be None, torch.float32 or the weight's dtype"):
+        liger.LigerFusedLinearJSD(accum_dtype=torch.int32)
+    with pytest.raises(ValueError, match="accum_dtype must be None"):
+        liger.liger_fused_linear_jsd(*_inputs()[:4], accum_dtype=torch.float64)

@@ -5,15 +5,19 @@ for ``from flce.compat.liger import liger_fused_linear_cross_entropy``. Behaviou
 Liger's except for its known defects, which flce does not have: only-weight-requires-grad
 returns the weight gradient, repeated backward does not compound the upstream scaling,
 out-of-range targets raise, and the caller's logits are never overwritten by the
-standalone cross-entropy. ``ce_mode`` is accepted and ignored; ``ce_impl`` selects an
-flce backend ("torch", "triton", "cutedsl"; Liger's "nvidia-cutedsl" means "cutedsl").
+standalone cross-entropy (``liger_cross_entropy``, ``LigerCrossEntropyLoss``). ``ce_mode`` is
+accepted and ignored; ``ce_impl`` selects an flce backend ("torch", "triton", "cutedsl";
+Liger's "nvidia-cutedsl" means "cutedsl"). The modules' class weights are checked when the
+module is built and kept as buffers outside the state dict (Liger's are plain attributes,
+which ``.to()``/``.cuda()`` leave behind).
 
 The fused linear JSD (``LigerFusedLinearJSD``, ``liger_fused_linear_jsd``,
 ``LigerFusedLinearJSDFunction``) runs ``flce.fused_linear_distillation`` with
 ``reduction="mean"``: the same loss, the mean over the tokens whose label is not
 ``ignore_index``; unlike Liger's, it never materializes a chunk's fp32 log-probabilities
 beside the logits, returns 0 (not NaN) when every token is ignored, refuses bad
-arguments with exceptions instead of asserts, and takes (B, T, H) inputs too.
+arguments with exceptions instead of asserts, and takes (B, T, H) inputs too. Its
+``accum_dtype`` is checked and selects nothing: dW is accumulated in fp32.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from flce.functional import (
     fused_linear_cross_entropy_with_options,
     fused_linear_distillation_with_options,
 )
+from flce.modules import register_class_weight
 from flce.options import (
+    FLOAT_DTYPES,
     OPTION_FIELDS,
     DistillationOptions,
     LossOptions,
@@ -41,6 +47,7 @@ from flce.output import CrossEntropyOutput
 __all__ = [
     "CrossEntropyOutput",
     "LigerCrossEntropyFunction",
+    "LigerCrossEntropyLoss",
     "LigerFusedLinearCrossEntropyFunction",
     "LigerFusedLinearCrossEntropyLoss",
     "LigerFusedLinearJSD",
@@ -171,14 +178,33 @@ def liger_fused_linear_cross_entropy(
     return _fused(input, weight, target, bias, ce_weight, arguments, chunk_mem_const=chunk_mem_const)
 
 
-def _option_names_among(arguments: dict) -> list[str]:
-    return [name for name in OPTION_FIELDS if name in arguments]
+def _keep_options(module: torch.nn.Module, arguments: dict) -> None:
+    """A Liger module's options, validated now and kept as attributes of Liger's names
+    (normalised as ``LossOptions`` stores them); ``_kept_options`` reads them back."""
+    module._option_names = [name for name in OPTION_FIELDS if name in arguments]
+    options = _options(arguments)
+    for name in module._option_names:
+        setattr(module, name, getattr(options, name))
+
+
+def _kept_options(module: torch.nn.Module) -> dict:
+    # From the attributes on each call, as Liger's forward reads them.
+    return {name: getattr(module, name) for name in module._option_names}
+
+
+def _options_repr(module: torch.nn.Module) -> str:
+    """The options that differ from their defaults, as ``name=value``."""
+    defaults = LossOptions()
+    kept = _kept_options(module)
+    return ", ".join(f"{name}={value!r}" for name, value in kept.items() if value != getattr(defaults, name))
 
 
 class LigerFusedLinearCrossEntropyLoss(NotScriptable, torch.nn.Module):
     """Liger's module: ``forward(lin_weight, _input, target, bias=None)`` (weight first). The
     options are validated at construction (clear exceptions, where Liger asserts) and kept
-    as attributes of the same names, as Liger's module keeps them."""
+    as attributes of the same names, as Liger's module keeps them, read on each call.
+    ``ce_weight`` is checked too and, unlike Liger's plain attribute, is a buffer outside
+    the state dict: it follows ``.to()``/``.cuda()`` of a model holding the loss."""
 
     def __init__(
         self,
@@ -198,15 +224,45 @@ class LigerFusedLinearCrossEntropyLoss(NotScriptable, torch.nn.Module):
         # torch.compile cannot read from locals() (a model that builds this loss in its forward).
         arguments = locals()
         super().__init__()
-        self.ce_weight = ce_weight
-        self._option_names = _option_names_among(arguments)
-        options = _options(arguments)
-        for name in self._option_names:
-            setattr(self, name, getattr(options, name))
+        _keep_options(self, arguments)
+        register_class_weight(self, "ce_weight", ce_weight)
 
     def forward(self, lin_weight, _input, target, bias=None):
-        arguments = {name: getattr(self, name) for name in self._option_names}
-        return _fused(_input, lin_weight, target, bias, self.ce_weight, arguments)
+        return _fused(_input, lin_weight, target, bias, self.ce_weight, _kept_options(self))
+
+    def extra_repr(self) -> str:
+        return _options_repr(self)
+
+
+class LigerCrossEntropyLoss(NotScriptable, torch.nn.Module):
+    """Liger's module: ``LigerCrossEntropyLoss(weight=None, ...)``, ``forward(_input, target)``
+    on the caller's logits (never modified) -> the bare loss, or ``CrossEntropyOutput``
+    when a ``return_*`` flag is set. Options and class weights kept as
+    ``LigerFusedLinearCrossEntropyLoss`` keeps them."""
+
+    def __init__(
+        self,
+        weight: torch.FloatTensor | None = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+    ):
+        # No closure may read ``arguments`` (see LigerFusedLinearCrossEntropyLoss).
+        arguments = locals()
+        super().__init__()
+        _keep_options(self, arguments)
+        register_class_weight(self, "weight", weight)
+
+    def forward(self, _input: torch.Tensor, target: torch.Tensor):
+        return _ce(_input, target, self.weight, _kept_options(self))
+
+    def extra_repr(self) -> str:
+        return _options_repr(self)
 
 
 def _ce(input, target, weight, arguments: dict):
@@ -267,7 +323,12 @@ def liger_cross_entropy(
 # --------------------------------------------------------------- fused linear JSD
 
 
-def _jsd_options(jsd_beta, ignore_index, temperature) -> DistillationOptions:
+def _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype) -> DistillationOptions:
+    """The distillation's options from Liger's arguments. ``accum_dtype`` (Liger's dW
+    accumulation dtype) is checked and has nothing to select: flce accumulates dW in fp32,
+    never less precise than any dtype it may name."""
+    if accum_dtype is not None and accum_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}")
     try:
         return DistillationOptions(beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean")
     except (TypeError, ValueError) as error:  # named as the caller spelled it: jsd_beta, not beta
@@ -285,8 +346,8 @@ def _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_lab
 
 class LigerFusedLinearJSDFunction:
     """``LigerFusedLinearJSDFunction.apply(student_input, student_weight, teacher_input,
-    teacher_weight, shift_labels=None, jsd_beta=0.5, ignore_index=-100, temperature=1.0)``
-    -> the loss, as Liger's autograd function."""
+    teacher_weight, shift_labels=None, jsd_beta=0.5, ignore_index=-100, temperature=1.0,
+    accum_dtype=None)`` -> the loss, as Liger's autograd function."""
 
     @staticmethod
     def forward(
@@ -299,8 +360,9 @@ class LigerFusedLinearJSDFunction:
         jsd_beta: float = 0.5,
         ignore_index: int = -100,
         temperature: float = 1.0,
+        accum_dtype: torch.dtype | None = None,
     ):
-        options = _jsd_options(jsd_beta, ignore_index, temperature)
+        options = _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype)
         return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
 
     @staticmethod
@@ -317,24 +379,27 @@ def liger_fused_linear_jsd(
     jsd_beta: float = 0.5,
     ignore_index: int = -100,
     temperature: float = 1.0,
+    accum_dtype: torch.dtype | None = None,
 ):
     """Liger's functional fused linear JSD: the generalized JSD of the student's and the
     teacher's LM heads (``flce.fused_linear_distillation``), mean over the tokens kept."""
-    options = _jsd_options(jsd_beta, ignore_index, temperature)
+    options = _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype)
     return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
 
 
 class LigerFusedLinearJSD(NotScriptable, torch.nn.Module):
-    """Liger's module: ``LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0)``,
-    ``forward(student_input, student_weight, teacher_input, teacher_weight, shift_labels)``."""
+    """Liger's module: ``LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0,
+    accum_dtype=None)``, ``forward(student_input, student_weight, teacher_input,
+    teacher_weight, shift_labels)``."""
 
-    def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0):
+    def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype: torch.dtype | None = None):
         super().__init__()
         # Validated now, as Liger asserts at construction (with clear exceptions, not asserts).
-        _jsd_options(jsd_beta, ignore_index, temperature)
+        _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype)
         self.jsd_beta = jsd_beta
         self.temperature = temperature
         self.ignore_index = ignore_index
+        self.accum_dtype = accum_dtype
 
     def forward(
         self,
@@ -345,5 +410,5 @@ class LigerFusedLinearJSD(NotScriptable, torch.nn.Module):
         shift_labels: torch.LongTensor | None,
     ):
         # From the attributes on each call, as Liger's forward reads them.
-        options = _jsd_options(self.jsd_beta, self.ignore_index, self.temperature)
+        options = _jsd_options(self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype)
         return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
