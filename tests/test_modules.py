@@ -145,3 +145,17 @@ def test_liger_modules_class_weight_follows_to_and_stays_out_of_the_state_dict(m
     for copied in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
         torch.testing.assert_close(call(copied, x, w, z, t), expected)
     module.load_state_dict({})
+
+
+@pytest.mark.parametrize(
+    "make,keyword,weight_name",
+    [
+        (lambda: flce.FusedLinearCrossEntropyLoss(weight=torch.ones(V)), "weight", "ce_weight"),
+        (lambda: flce.CrossEntropyLoss(ce_weight=torch.ones(V)), "ce_weight", "weight"),
+        (lambda: flce.FusedLinearCrossEntropyLoss(label_smothing=0.1), "label_smothing", "ce_weight"),
+    ],
+    ids=["fused-weight", "ce-ce_weight", "misspelt-option"],
+)
+def test_an_unknown_keyword_is_refused_naming_the_module_and_what_it_takes(make, keyword, weight_name) -> None:
+    with pytest.raises(TypeError, match=rf"Loss got unexpected keyword argument\(s\) \['{keyword}'\].*{weight_name}="):
+        make()

@@ -6,12 +6,26 @@ import torch
 from torch import nn
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import LossOptions, NotScriptable, check_tensor_type, refuse_non_dense
+from flce.options import OPTION_FIELDS, LossOptions, NotScriptable, check_tensor_type, refuse_non_dense
 from flce.output import LossResult
 
 # Options of the fused loss that ``flce.cross_entropy`` refuses (it has no GEMM to chunk
 # nor dW to accumulate): ``CrossEntropyLoss`` refuses them when it is built.
 FUSED_ONLY_OPTIONS = ("accum_dtype", "vocab_chunk_size", "memory_budget")
+
+
+def module_options(module: nn.Module, class_weight_name: str, options: dict) -> LossOptions:
+    """``LossOptions(**options)`` for a module's keyword options; a keyword that is no
+    option is refused naming the module and what it takes (the class weights' keyword
+    included: ``weight=`` given to the fused loss is a likely slip), not as an unexpected
+    argument of ``LossOptions``."""
+    unknown = [name for name in options if name not in OPTION_FIELDS]
+    if unknown:
+        raise TypeError(
+            f"{type(module).__name__} got unexpected keyword argument(s) {unknown}; it takes the class weights "
+            f"as {class_weight_name}= and the options {', '.join(OPTION_FIELDS)}"
+        )
+    return LossOptions(**options)
 
 
 def register_class_weight(module: nn.Module, name: str, class_weight: torch.Tensor | None) -> None:
@@ -44,7 +58,7 @@ class FusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
 
     def __init__(self, ce_weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
-        self.options = LossOptions(**options)
+        self.options = module_options(self, "ce_weight", options)
         register_class_weight(self, "ce_weight", ce_weight)
 
     def forward(
@@ -62,7 +76,7 @@ class CrossEntropyLoss(NotScriptable, nn.Module):
 
     def __init__(self, weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
-        self.options = LossOptions(**options)
+        self.options = module_options(self, "weight", options)
         for name in FUSED_ONLY_OPTIONS:
             if getattr(self.options, name) is not None:
                 raise ValueError(
