@@ -250,6 +250,23 @@ def test_bad_input_is_refused_with_a_clear_message(call, exc, fragment):
     assert fragment in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda x, w, t, cw: flce.fused_linear_cross_entropy(x, w, t, ce_weight=cw), "ce_weight"),
+        (lambda x, w, t, cw: flce.cross_entropy(x @ w.T, t, weight=cw), "weight"),
+    ],
+    ids=["fused", "cross_entropy"],
+)
+def test_bad_class_weights_are_named_as_the_caller_passed_them(call, name):
+    """The values' check (negative, NaN, Inf) names the entry point's own argument:
+    ``flce.cross_entropy`` takes them as ``weight=``, as torch's does."""
+    x, w, t = _ok()
+    with pytest.raises(ValueError) as info:
+        call(x, w, t, -torch.ones(11))
+    assert str(info.value).startswith(f"{name} must be finite and non-negative")
+
+
 SPARSE_CASES = [
     # (description, call); each operand sparse or nested in turn, after a dense call of the
     # same shapes (its checked layout must not let the sparse one through)

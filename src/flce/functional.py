@@ -91,7 +91,9 @@ def cross_entropy_with_options(
         outputs = ops.compiled_loss(operands, options, logits.dtype)
     else:
         refuse_function_transforms(operands.entry, operands.tensors())
-        plan = make_plan(options, logits.device, operands.target, operands.ce_weight, vocab, logits.dtype)
+        plan = make_plan(
+            options, logits.device, operands.target, operands.ce_weight, vocab, logits.dtype, operands.class_weight_name
+        )
         outputs = run_loss(plan, operands)
     return package_result(options, tuple(target.shape), *outputs)
 

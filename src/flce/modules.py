@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import OPTION_FIELDS, LossOptions, NotScriptable, check_tensor_type, refuse_non_dense
+from flce.options import OPTION_FIELDS, LossOptions, NotScriptable, register_class_weight
 from flce.output import LossResult
 
 # Options of the fused loss that ``flce.cross_entropy`` refuses (it has no GEMM to chunk
@@ -26,27 +26,6 @@ def module_options(module: nn.Module, class_weight_name: str, options: dict) -> 
             f"as {class_weight_name}= and the options {', '.join(OPTION_FIELDS)}"
         )
     return LossOptions(**options)
-
-
-def register_class_weight(module: nn.Module, name: str, class_weight: torch.Tensor | None) -> None:
-    """``class_weight`` as ``module.<name>``: checked for all that can be known before the
-    vocabulary (a dense, floating-point, 1-D tensor of finite, non-negative weights), and
-    registered as a buffer outside the state dict, so that it follows ``.to()``/``.cuda()``
-    of a model holding the loss without adding a checkpoint key. The forward checks the
-    rest (shape (V,), device) against its operands."""
-    if class_weight is not None:
-        check_tensor_type(name, class_weight)
-        refuse_non_dense(name, class_weight)
-        if not class_weight.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {class_weight.dtype}")
-        if class_weight.dim() != 1:
-            raise ValueError(f"{name} must have shape (V,) (one weight per class), got {tuple(class_weight.shape)}")
-        # One host read, once per module; none for a meta tensor (no values yet) or while
-        # torch.compile traces a forward that builds the loss (the call checks them then).
-        readable = class_weight.device.type != "meta" and not torch.compiler.is_compiling()
-        if readable and not bool(((class_weight >= 0) & class_weight.isfinite()).all()):
-            raise ValueError(f"{name} must be finite and non-negative; it has negative, NaN or Inf entries")
-    module.register_buffer(name, class_weight, persistent=False)
 
 
 class FusedLinearCrossEntropyLoss(NotScriptable, nn.Module):

@@ -110,7 +110,9 @@ def _fake_reduced(options: LossOptions, n_rows: int, like: Tensor) -> tuple[Tens
 def _plan_for(operands: Operands, options: LossOptions, compute_dtype: torch.dtype):
     vocab = operands.logits.shape[1] if isinstance(operands, LogitsOperands) else operands.weight.shape[0]
     device = operands.tensors()[0].device
-    return make_plan(options, device, operands.target, operands.ce_weight, vocab, compute_dtype)
+    return make_plan(
+        options, device, operands.target, operands.ce_weight, vocab, compute_dtype, operands.class_weight_name
+    )
 
 
 def _fake_gradients(input, weight, bias, grad_input, grad_weight, grad_bias) -> tuple[Tensor, Tensor, Tensor]:

@@ -80,6 +80,7 @@ class LinearOperands:
     """The fused loss's tensors, validated and flattened."""
 
     entry = "flce.fused_linear_cross_entropy"
+    class_weight_name = "ce_weight"  # in the deferred checks' errors
 
     input: torch.Tensor  # (N, H)
     weight: torch.Tensor  # (V, H)
@@ -112,6 +113,7 @@ class LogitsOperands:
     """``flce.cross_entropy``'s tensors, validated and flattened; the gradient is dL/dlogits."""
 
     entry = "flce.cross_entropy"
+    class_weight_name = "weight"
 
     logits: torch.Tensor  # (N, V)
     target: torch.Tensor  # (N,)
@@ -407,6 +409,7 @@ def make_plan(
     ce_weight: torch.Tensor | None,  # (V,) fp32
     vocab: int,
     compute_dtype: torch.dtype,
+    class_weight_name: str = "ce_weight",  # the caller's argument, in the deferred checks' errors
 ) -> Plan:
     """Backend (and its split-row kernels, for vocabulary blocks), the batch statistics
     (launched on first use with asynchronous validation: ``BatchStatistics``) and the
@@ -415,7 +418,7 @@ def make_plan(
     GEMMs compute in ``compute_dtype`` may take the approximate one (``product_scalars``)."""
     backend = resolve_backend(options.backend, device)
     split_kernels = split_kernels_for(options, backend)
-    stats = batch_statistics(target, ce_weight, vocab, options.ignore_index)
+    stats = batch_statistics(target, ce_weight, vocab, options.ignore_index, class_weight_name)
     scalars = chunk_scalars(options, stats)
     approximate = options.softcap is not None and softcap_tanh_is_approximate(compute_dtype, device)
     product_scalars = chunk_scalars(options, stats, approximate_tanh=True) if approximate else scalars

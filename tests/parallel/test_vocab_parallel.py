@@ -873,3 +873,19 @@ def test_module_refuses_the_single_device_only_options(option):
     refuses the single-device sizing options instead of ignoring them."""
     with pytest.raises(TypeError, match=rf"unsupported option\(s\) \['{next(iter(option))}'\]"):
         VocabParallelFusedLinearCrossEntropyLoss(**option)
+
+
+@pytest.mark.parametrize(
+    "ce_weight_shard,error,message",
+    [
+        (torch.ones(5, dtype=torch.long), TypeError, "ce_weight_shard must be a floating-point tensor"),
+        (torch.ones(5, 1), ValueError, r"ce_weight_shard must have shape \(V,\)"),
+        (-torch.ones(5), ValueError, "ce_weight_shard must be finite and non-negative"),
+    ],
+    ids=["integer", "2-D", "negative"],
+)
+def test_module_refuses_bad_class_weights_when_built(ce_weight_shard, error, message):
+    """As flce's own loss modules: at construction, naming the argument, not at the first
+    collective call."""
+    with pytest.raises(error, match=rf"^{message}"):
+        VocabParallelFusedLinearCrossEntropyLoss(ce_weight_shard)

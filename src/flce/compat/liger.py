@@ -31,7 +31,6 @@ from flce.functional import (
     fused_linear_cross_entropy_with_options,
     fused_linear_distillation_with_options,
 )
-from flce.modules import register_class_weight
 from flce.options import (
     FLOAT_DTYPES,
     OPTION_FIELDS,
@@ -40,6 +39,7 @@ from flce.options import (
     NotScriptable,
     as_int,
     check_tensor_type,
+    register_class_weight,
     row_count,
 )
 from flce.output import CrossEntropyOutput

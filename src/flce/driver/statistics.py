@@ -167,8 +167,8 @@ def _host_statistics(
     return torch.tensor(values, dtype=torch.float32, device=target.device), values
 
 
-@lru_cache(maxsize=64)  # a few (vocab, ignore_index) pairs per process: one closure each
-def _describe(vocab: int, ignore_index: int):
+@lru_cache(maxsize=64)  # a few (vocab, ignore_index, name) triples per process: one closure each
+def _describe(vocab: int, ignore_index: int, class_weight_name: str):
     def describe(values: list[float]) -> str | None:
         """The statistics' values (``STATISTICS_LAYOUT``) -> the error message, or None."""
         bad_targets, bad_weights = int(values[_SLOT["bad_targets"]]), values[_SLOT["bad_weights"]]
@@ -178,14 +178,18 @@ def _describe(vocab: int, ignore_index: int):
                 f"found {bad_targets} out of range"
             )
         if bad_weights:
-            return "ce_weight must be finite and non-negative; it has negative, NaN or Inf entries"
+            return f"{class_weight_name} must be finite and non-negative; it has negative, NaN or Inf entries"
         return None
 
     return describe
 
 
 def batch_statistics(
-    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
+    target: torch.Tensor,
+    ce_weight: torch.Tensor | None,
+    vocab: int,
+    ignore_index: int,
+    class_weight_name: str = "ce_weight",  # the caller's argument, named by the error of bad weights
 ) -> BatchStatistics:
     """The call's statistics, computed on the device without a host sync (one launch where
     a backend registers the ``batch_statistics`` kernel for the device). Out-of-range
@@ -196,7 +200,9 @@ def batch_statistics(
     (``BatchStatistics``), after the call's first GEMM."""
     synchronous = validation.validates_synchronously(target.device)
     if not synchronous:
-        return BatchStatistics(compute=partial(_deferred_statistics, target, ce_weight, vocab, ignore_index))
+        return BatchStatistics(
+            compute=partial(_deferred_statistics, target, ce_weight, vocab, ignore_index, class_weight_name)
+        )
     host_values = None
     if target.device.type == "cpu":
         # Reading on the host is free here (and Triton runs on CPU only as its interpreter).
@@ -205,7 +211,7 @@ def batch_statistics(
         values = _device_statistics(target, ce_weight, vocab, ignore_index)
     # The host read of synchronous validation (done already on the CPU).
     host_values = values.tolist() if host_values is None else host_values
-    message = _describe(vocab, ignore_index)(host_values)
+    message = _describe(vocab, ignore_index, class_weight_name)(host_values)
     if message is not None:
         if host_values[_SLOT["bad_targets"]]:
             valid = target != ignore_index
@@ -216,12 +222,12 @@ def batch_statistics(
 
 
 def _deferred_statistics(
-    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int
+    target: torch.Tensor, ce_weight: torch.Tensor | None, vocab: int, ignore_index: int, class_weight_name: str
 ) -> torch.Tensor:
     """The statistics of asynchronous validation, on the device, and their checks' counts
     on their way to the host (``flce.driver.validation.defer``)."""
     values = _device_statistics(target, ce_weight, vocab, ignore_index)
-    validation.defer(values, _describe(vocab, ignore_index))
+    validation.defer(values, _describe(vocab, ignore_index, class_weight_name))
     return values
 
 

@@ -64,9 +64,9 @@ from flce.options import (
     LossOptions,
     NotScriptable,
     as_int,
-    check_optional_tensor_type,
     index_target,
     refuse_function_transforms,
+    register_class_weight,
     row_count,
     validate_ce_weight,
     validate_fused_inputs,
@@ -203,7 +203,7 @@ def _plan(
             ce_weight, agreed.shard_sizes, agreed.shard_starts, agreed.vocab, group, agreed.world_size
         )
     target_1d = index_target(target, options.ignore_index)
-    stats = batch_statistics(target_1d, ce_full, agreed.vocab, options.ignore_index)
+    stats = batch_statistics(target_1d, ce_full, agreed.vocab, options.ignore_index, "ce_weight_shard")
     n_rows = target_1d.numel()
     kernels = split_row_kernels(options.backend, input.device)
     chunk = options.chunk_size or default_chunk_size(
@@ -515,8 +515,7 @@ class VocabParallelFusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
         self.options = LossOptions(**options)
         self.process_group = process_group
         self.vocab_start = vocab_start
-        check_optional_tensor_type("ce_weight_shard", ce_weight_shard)
-        self.register_buffer("ce_weight_shard", ce_weight_shard, persistent=False)
+        register_class_weight(self, "ce_weight_shard", ce_weight_shard)
 
     def forward(
         self,
