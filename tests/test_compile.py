@@ -165,6 +165,42 @@ def test_a_liger_loss_module_built_inside_the_compiled_function():
     torch.testing.assert_close(compiled(x, w, t), loss_of(x, w, t))
 
 
+# A torch.func transform or forward-mode AD traced by torch.compile: the custom ops carry
+# no tangent (PyTorch gives them none, silently), so every entry point refuses by name
+# under compilation as it does eagerly, instead of a compiled jvp whose tangent is 0.
+TRANSFORMED_CALLS = {
+    "fused": lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t),
+    "cross_entropy": lambda x, w, t: flce.cross_entropy(x @ w.T, t),
+    "logprobs": lambda x, w, t: flce.fused_linear_logprobs(x, w, t).logprobs.sum(),
+    "distillation": lambda x, w, t: flce.fused_linear_distillation(x, w, x.detach(), w.detach(), t),
+}
+
+
+def _under_transform(transform, loss_of, x):
+    tangent = torch.ones_like(x)
+    if transform == "jvp":
+        return torch.func.jvp(loss_of, (x,), (tangent,))
+    if transform == "grad":
+        return torch.func.grad(loss_of)(x)
+    with torch.autograd.forward_ad.dual_level():
+        loss = loss_of(torch.autograd.forward_ad.make_dual(x, tangent))
+        return torch.autograd.forward_ad.unpack_dual(loss).tangent
+
+
+@pytest.mark.parametrize("transform", ["jvp", "dual", "grad"])
+@pytest.mark.parametrize("entry", list(TRANSFORMED_CALLS))
+def test_function_transforms_are_refused_under_compile(entry, transform):
+    x, w, _, t = _inputs("mean")
+    x, w, t = x.detach().reshape(-1, 16), w.detach(), t.reshape(-1)
+    loss_of = TRANSFORMED_CALLS[entry]
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x: _under_transform(transform, lambda v: loss_of(v, w, t), x), backend="aot_eager", fullgraph=True
+    )
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        compiled(x)
+
+
 # ------------------------------------------------------------------ the custom ops
 
 # Hidden states as a compiled model may hand them over: contiguous, transposed (a

@@ -33,6 +33,7 @@ from flce.options import (
     options_from_values,
     options_schema,
     refuse_create_graph,
+    refuse_function_transforms,
 )
 from flce.plan import LinearOperands, LogitsOperands, Operands, backward, make_plan, op_forward
 from flce.rows.cross_entropy import Reduced
@@ -484,8 +485,17 @@ def _wants_grad(t: Tensor | None) -> bool:
     return torch.is_grad_enabled() and t is not None and t.requires_grad
 
 
+def _refuse_transforms(operands) -> None:
+    """The eager entry points' refusal of ``torch.func`` transforms and forward-mode AD,
+    traced by the compiler into each compiled call: PyTorch gives a custom op no tangent
+    and raises nothing (a compiled ``jvp`` returned a tangent of 0, a dual tensor's
+    tangent was None) or fails in its internals (``grad``, ``vjp``)."""
+    refuse_function_transforms(operands.entry, operands.tensors())
+
+
 def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch.dtype) -> tuple:
     """The reduced outputs of a call under ``torch.compile``, through the ops above."""
+    _refuse_transforms(operands)
     values = option_values(options)
     if isinstance(operands, LogitsOperands):
         o = operands
@@ -502,6 +512,7 @@ def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch
 def compiled_logprobs(operands: LogprobsOperands, options: LogprobsOptions, compute_dtype: torch.dtype) -> tuple:
     """``(logprobs, entropy, predicted)`` of a call under ``torch.compile`` (entropy and
     predicted empty placeholders without ``return_entropy``/``return_predicted_tokens``)."""
+    _refuse_transforms(operands)
     o = operands
     logprobs, entropy, predicted, _ = fused_linear_logprobs_fwd(
         o.input, o.weight, o.bias, o.target, *option_values(options), compute_dtype
@@ -513,6 +524,7 @@ def compiled_distillation(
     operands: DistillationOperands, options: DistillationOptions, compute_dtype: torch.dtype, teacher_dtype
 ) -> tuple:
     """``(loss,)`` of a call under ``torch.compile``."""
+    _refuse_transforms(operands)
     o = operands
     outputs = fused_linear_distillation_fwd(
         o.input, o.weight, o.bias, o.teacher_input, o.teacher_weight, o.teacher_bias, o.target,
