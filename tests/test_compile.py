@@ -165,6 +165,42 @@ def test_a_liger_loss_module_built_inside_the_compiled_function():
     torch.testing.assert_close(compiled(x, w, t), loss_of(x, w, t))
 
 
+# A torch.func transform or forward-mode AD traced by torch.compile: the custom ops carry
+# no tangent (PyTorch gives them none, silently), so every entry point refuses by name
+# under compilation as it does eagerly, instead of a compiled jvp whose tangent is 0.
+TRANSFORMED_CALLS = {
+    "fused": lambda x, w, t: flce.fused_linear_cross_entropy(x, w, t),
+    "cross_entropy": lambda x, w, t: flce.cross_entropy(x @ w.T, t),
+    "logprobs": lambda x, w, t: flce.fused_linear_logprobs(x, w, t).logprobs.sum(),
+    "distillation": lambda x, w, t: flce.fused_linear_distillation(x, w, x.detach(), w.detach(), t),
+}
+
+
+def _under_transform(transform, loss_of, x):
+    tangent = torch.ones_like(x)
+    if transform == "jvp":
+        return torch.func.jvp(loss_of, (x,), (tangent,))
+    if transform == "grad":
+        return torch.func.grad(loss_of)(x)
+    with torch.autograd.forward_ad.dual_level():
+        loss = loss_of(torch.autograd.forward_ad.make_dual(x, tangent))
+        return torch.autograd.forward_ad.unpack_dual(loss).tangent
+
+
+@pytest.mark.parametrize("transform", ["jvp", "dual", "grad"])
+@pytest.mark.parametrize("entry", list(TRANSFORMED_CALLS))
+def test_function_transforms_are_refused_under_compile(entry, transform):
+    x, w, _, t = _inputs("mean")
+    x, w, t = x.detach().reshape(-1, 16), w.detach(), t.reshape(-1)
+    loss_of = TRANSFORMED_CALLS[entry]
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x: _under_transform(transform, lambda v: loss_of(v, w, t), x), backend="aot_eager", fullgraph=True
+    )
+    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+        compiled(x)
+
+
 # ------------------------------------------------------------------ the custom ops
 
 # Hidden states as a compiled model may hand them over: contiguous, transposed (a
@@ -334,3 +370,45 @@ def test_non_strict_export_keeps_a_dynamic_batch(head, leading):
     x, t = torch.randn(*other, 16), torch.randint(0, 37, other)
     t.view(-1)[0] = -100
     torch.testing.assert_close(exported.module()(x, t), model(x, t))
+
+
+EXPORTED_LOSSES = {
+    "fused-mean": lambda m, x, t: flce.fused_linear_cross_entropy(x, m.weight, t, bias=m.bias, label_smoothing=0.1),
+    "fused-none": lambda m, x, t: flce.fused_linear_cross_entropy(x, m.weight, t, bias=m.bias, reduction="none"),
+    "cross_entropy": lambda m, x, t: flce.cross_entropy(x @ m.weight.T + m.bias, t, reduction="sum"),
+    "distillation": lambda m, x, t: flce.fused_linear_distillation(
+        x, m.weight, x, m.weight.detach().flip(0), t, student_bias=m.bias
+    ),
+}
+
+
+class _TrainedHead(torch.nn.Module):
+    def __init__(self, loss: str) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        self.loss = loss
+        self.weight = torch.nn.Parameter(torch.randn(37, 16, generator=gen) * 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(37, generator=gen))
+
+    def forward(self, x, t):
+        loss = EXPORTED_LOSSES[self.loss](self, torch.tanh(x), t)
+        return loss if loss.dim() == 0 else (loss * torch.linspace(0.5, 2, loss.numel())).sum()
+
+
+@pytest.mark.parametrize("traced", ["no_grad", "input_without_grad"])
+@pytest.mark.parametrize("loss", list(EXPORTED_LOSSES))
+def test_an_exported_program_gives_the_gradients_its_run_needs(loss, traced):
+    """An exported program keeps which gradients its custom ops compute in the forward as
+    traced (none under torch.no_grad(); no dX for an input that did not require grad); run
+    with autograd where more are needed, it must still give them, as eager (it gave None)."""
+    model = _TrainedHead(loss)
+    x, t = torch.randn(9, 16, requires_grad=traced == "no_grad"), torch.randint(0, 37, (9,))
+    with torch.set_grad_enabled(traced != "no_grad"):
+        exported = torch.export.export(model, (x, t), strict=False).module()
+    x = torch.randn(9, 16, requires_grad=True)
+    params = dict(exported.named_parameters())
+    got = torch.autograd.grad(exported(x, t), (x, params["weight"], params["bias"]), allow_unused=True)
+    expected = torch.autograd.grad(model(x, t), (x, model.weight, model.bias))
+    for g, e in zip(got, expected, strict=True):
+        assert g is not None
+        torch.testing.assert_close(g, e)

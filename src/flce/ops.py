@@ -11,7 +11,9 @@ The forward op returns the gradients it computed as extra outputs (empty when no
 requested or deferred); backward scales them out of place (an op must not modify its
 saved outputs), so a repeated backward never compounds. ``reduction="none"`` (and the
 logprobs head, always) recomputes in a backward op with the per-token upstream
-gradients; the logprobs forward op returns the float64 lse the backward op needs.
+gradients; the logprobs forward op returns the float64 lse the backward op needs. So
+does a gradient autograd needs that the forward was not asked for (a ``torch.export``
+program traced under ``torch.no_grad()``, run with autograd).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from flce.options import (
     options_from_values,
     options_schema,
     refuse_create_graph,
+    refuse_function_transforms,
 )
 from flce.plan import LinearOperands, LogitsOperands, Operands, backward, make_plan, op_forward
 from flce.rows.cross_entropy import Reduced
@@ -57,22 +60,45 @@ def _split(args: tuple, n_tensors: int, options_type: type = LossOptions) -> tup
     return args[:n_tensors], options, args[n_tensors + n_options :]
 
 
-def _save_for_backward(ctx, arguments: tuple, options, inputs: tuple, gradients: tuple) -> None:
+def _save_for_backward(
+    ctx,
+    arguments: tuple,
+    options,
+    inputs: tuple,
+    gradients: tuple,
+    computed: tuple[bool, ...],
+    wanted: tuple[bool, ...],
+    backward_takes_flags: bool = True,
+) -> None:
     """What a loss op's backward needs: with ``reduction="none"`` (upstream gradients per
     token, known only then) its inputs and ``arguments`` for the backward op; otherwise the
-    gradients the forward computed, to be scaled."""
-    ctx.arguments = arguments
-    ctx.deferred = options.reduction == "none"
+    gradients the forward computed, to be scaled.
+
+    ``computed``: the differentiable inputs' gradients the forward was asked for (its
+    flags, fixed when the call was traced); ``wanted``: those autograd needs now
+    (``ctx.needs_input_grad``). They differ in a program exported by ``torch.export``
+    under ``torch.no_grad()``, or with an input that did not require grad, and then run
+    with autograd: a gradient wanted but not computed is recomputed by the backward op,
+    as for ``reduction="none"``, rather than silently missing. (Under ``torch.compile``
+    the flags are guarded: they always agree.) The backward op is asked for the wanted
+    gradients (its trailing flags, ``backward_takes_flags``)."""
+    ctx.wanted = wanted
+    ctx.deferred = options.reduction == "none" or any(w and not c for w, c in zip(wanted, computed, strict=True))
+    ctx.arguments = arguments + (wanted if backward_takes_flags else ())
+    ctx.n_arguments = len(arguments) + len(computed)  # the op's non-tensor arguments, flags included
     ctx.save_for_backward(*(inputs if ctx.deferred else gradients))
 
 
 def _backward_gradients(ctx, grad_loss: Tensor, backward_op) -> tuple:
-    """The gradients of ``_save_for_backward``'s op: computed by ``backward_op`` or scaled
-    out of place."""
+    """The gradients of ``_save_for_backward``'s op, None where not wanted: computed by
+    ``backward_op`` or scaled out of place."""
     if ctx.deferred:
         gradients = backward_op(grad_loss, *ctx.saved_tensors, *ctx.arguments)
-        return gradients if isinstance(gradients, tuple) else (gradients,)  # an op of one output returns it bare
-    return tuple(scaled_gradients(ctx.saved_tensors, grad_loss))
+        if not isinstance(gradients, tuple):
+            gradients = (gradients,)  # an op of one output returns it bare
+    else:
+        gradients = scaled_gradients(ctx.saved_tensors, grad_loss)
+    return tuple(g if wanted else None for g, wanted in zip(gradients, ctx.wanted, strict=True))
 
 
 def _or_empty(t: Tensor | None, like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -195,24 +221,17 @@ fused_linear_cross_entropy_bwd = _define(
 
 
 def _linear_setup_context(ctx, inputs, output):
-    tensors, options, rest = _split(inputs, 5)
-    ctx.flags = rest[1:]
-    ctx.has_bias = tensors[3] is not None
+    tensors, options, (_, *computed) = _split(inputs, 5)
+    needs = ctx.needs_input_grad
     ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient, as in eager
-    _save_for_backward(ctx, inputs[5:], options, tensors, output[4:])
+    wanted = (needs[0], needs[1], needs[3])  # input, weight, bias
+    _save_for_backward(ctx, inputs[5:-3], options, tensors, output[4:], tuple(computed), wanted)
 
 
 def _linear_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
     refuse_create_graph("flce.fused_linear_cross_entropy (compiled)")
-    grad_input, grad_weight, grad_bias = ctx.flags
     dx, dw, db = _backward_gradients(ctx, grad_loss, fused_linear_cross_entropy_bwd)
-    return (
-        dx if grad_input else None,
-        dw if grad_weight else None,
-        None,
-        db if grad_bias and ctx.has_bias else None,
-        None,
-    ) + (None,) * len(ctx.arguments)
+    return (dx, dw, None, db, None) + (None,) * ctx.n_arguments
 
 
 fused_linear_cross_entropy_fwd.register_autograd(_linear_backward_autograd, setup_context=_linear_setup_context)
@@ -270,17 +289,19 @@ cross_entropy_bwd = _define(
 
 def _logits_setup_context(ctx, inputs, output):
     tensors, options, (grad_logits,) = _split(inputs, 3)
-    ctx.grad_logits = grad_logits
     ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient, as in eager
-    _save_for_backward(ctx, inputs[3 : 3 + _N_OPTIONS], options, tensors, (output[4],))
+    wanted = ctx.needs_input_grad[:1]  # the logits
+    _save_for_backward(
+        ctx, inputs[3:-1], options, tensors, (output[4],), (grad_logits,), wanted, backward_takes_flags=False
+    )
 
 
 def _logits_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _grad):
     refuse_create_graph("flce.cross_entropy (compiled)")
-    if not ctx.grad_logits:
-        return (None,) * (4 + _N_OPTIONS)
+    if not ctx.wanted[0]:
+        return (None,) * (3 + ctx.n_arguments)
     (grad,) = _backward_gradients(ctx, grad_loss, cross_entropy_bwd)
-    return (grad,) + (None,) * (3 + _N_OPTIONS)
+    return (grad, None, None) + (None,) * ctx.n_arguments
 
 
 cross_entropy_fwd.register_autograd(_logits_backward_autograd, setup_context=_logits_setup_context)
@@ -457,21 +478,14 @@ fused_linear_distillation_bwd = _define(
 
 
 def _distillation_setup_context(ctx, inputs, output):
-    tensors, options, rest = _split(inputs, 7, DistillationOptions)
-    ctx.flags = rest[2:]
-    ctx.has_bias = tensors[2] is not None
-    _save_for_backward(ctx, inputs[7:], options, tensors, output[1:])
+    tensors, options, (_, _, *computed) = _split(inputs, 7, DistillationOptions)
+    wanted = ctx.needs_input_grad[:3]  # the student's input, weight, bias
+    _save_for_backward(ctx, inputs[7:-3], options, tensors, output[1:], tuple(computed), wanted)
 
 
 def _distillation_backward_autograd(ctx, grad_loss, _dx, _dw, _db):
     refuse_create_graph("flce.fused_linear_distillation (compiled)")
-    grad_input, grad_weight, grad_bias = ctx.flags
-    dx, dw, db = _backward_gradients(ctx, grad_loss, fused_linear_distillation_bwd)
-    return (
-        dx if grad_input else None,
-        dw if grad_weight else None,
-        db if grad_bias and ctx.has_bias else None,
-    ) + (None,) * (4 + len(ctx.arguments))
+    return _backward_gradients(ctx, grad_loss, fused_linear_distillation_bwd) + (None,) * (4 + ctx.n_arguments)
 
 
 fused_linear_distillation_fwd.register_autograd(
@@ -486,8 +500,17 @@ def _wants_grad(t: Tensor | None) -> bool:
     return torch.is_grad_enabled() and t is not None and t.requires_grad
 
 
+def _refuse_transforms(operands) -> None:
+    """The eager entry points' refusal of ``torch.func`` transforms and forward-mode AD,
+    traced by the compiler into each compiled call: PyTorch gives a custom op no tangent
+    and raises nothing (a compiled ``jvp`` returned a tangent of 0, a dual tensor's
+    tangent was None) or fails in its internals (``grad``, ``vjp``)."""
+    refuse_function_transforms(operands.entry, operands.tensors())
+
+
 def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch.dtype) -> tuple:
     """The reduced outputs of a call under ``torch.compile``, through the ops above."""
+    _refuse_transforms(operands)
     values = option_values(options)
     if isinstance(operands, LogitsOperands):
         o = operands
@@ -504,6 +527,7 @@ def compiled_loss(operands: Operands, options: LossOptions, compute_dtype: torch
 def compiled_logprobs(operands: LogprobsOperands, options: LogprobsOptions, compute_dtype: torch.dtype) -> tuple:
     """``(logprobs, entropy, predicted)`` of a call under ``torch.compile`` (entropy and
     predicted empty placeholders without ``return_entropy``/``return_predicted_tokens``)."""
+    _refuse_transforms(operands)
     o = operands
     logprobs, entropy, predicted, _ = fused_linear_logprobs_fwd(
         o.input, o.weight, o.bias, o.target, *option_values(options), compute_dtype
@@ -515,6 +539,7 @@ def compiled_distillation(
     operands: DistillationOperands, options: DistillationOptions, compute_dtype: torch.dtype, teacher_dtype
 ) -> tuple:
     """``(loss,)`` of a call under ``torch.compile``."""
+    _refuse_transforms(operands)
     o = operands
     outputs = fused_linear_distillation_fwd(
         o.input, o.weight, o.bias, o.teacher_input, o.teacher_weight, o.teacher_bias, o.target,
