@@ -372,6 +372,38 @@ def test_non_strict_export_keeps_a_dynamic_batch(head, leading):
     torch.testing.assert_close(exported.module()(x, t), model(x, t))
 
 
+STRUCTURED_OUTPUTS = {
+    "cross_entropy": lambda m, x, t: flce.fused_linear_cross_entropy(
+        x, m.weight, t, lse_square_scale=1e-3, return_z_loss=True, return_predicted_tokens=True
+    ),
+    "logprobs": lambda m, x, t: flce.fused_linear_logprobs(x, m.weight, t, return_entropy=True),
+}
+
+
+@pytest.mark.parametrize("head", list(STRUCTURED_OUTPUTS))
+def test_a_model_returning_a_structured_output_exports(head):
+    """``CrossEntropyOutput`` and ``LogprobsOutput`` are pytree nodes: a model returning one
+    exports (torch.export refused it as an unknown output type) and its program returns
+    the same object, its None fields included."""
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(37, 16, generator=torch.Generator().manual_seed(3)))
+
+        def forward(self, x, t):
+            return STRUCTURED_OUTPUTS[head](self, x, t)
+
+    model, x, t = Head(), torch.randn(9, 16), torch.randint(0, 37, (9,))
+    got, expected = torch.export.export(model, (x, t)).module()(x, t), model(x, t)
+    assert type(got) is type(expected)
+    for name, value in vars(expected).items():
+        if value is None:
+            assert getattr(got, name) is None, name
+        else:
+            torch.testing.assert_close(getattr(got, name), value)
+
+
 EXPORTED_LOSSES = {
     "fused-mean": lambda m, x, t: flce.fused_linear_cross_entropy(x, m.weight, t, bias=m.bias, label_smoothing=0.1),
     "fused-none": lambda m, x, t: flce.fused_linear_cross_entropy(x, m.weight, t, bias=m.bias, reduction="none"),

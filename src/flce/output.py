@@ -32,6 +32,12 @@ class LogprobsOutput:
     predicted_tokens: torch.Tensor | None = None  # first argmax_i z_i, with return_predicted_tokens
 
 
+# Pytree nodes, so that a model returning them can be traced by torch.export (which
+# refuses unknown output types) and its program run; None fields are allowed.
+for _output in (CrossEntropyOutput, LogprobsOutput):
+    torch.export.register_dataclass(_output, serialized_type_name=f"flce.{_output.__name__}")
+
+
 def package_result(
     options: LossOptions,
     target_shape: tuple[int, ...],
