@@ -120,12 +120,30 @@ def _compiled_eager() -> Callable[..., EagerResult]:
     return torch.compile(eager_loss, dynamic=False)
 
 
+# The cases the compiled loss was made for: one graph each (``dynamic=False`` compiles each
+# shape for itself, as a training loop at one shape gets it; dtype, grad mode and the loss
+# settings, the class weights and the bias among them, are guards too).
+_compiled_cases: set[tuple] = set()
+
+
+def _allow_a_graph_per_case(case: BenchCase) -> None:
+    """Raise dynamo's recompile limit to the number of cases compiled so far. Past the limit
+    (8 graphs by default) dynamo runs the function eagerly and says so in a log line only:
+    a sweep of more shapes would time eager PyTorch under the torch.compile label."""
+    grad = case.mode != "fwd"
+    _compiled_cases.add((case.shape, case.dtype, case.device, grad, case.loss))
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+    setattr(config, name, max(getattr(config, name), len(_compiled_cases)))
+
+
 def _compile_check(case: BenchCase) -> str | None:
     return None if hasattr(torch, "compile") else "torch.compile is missing"
 
 
 def _compile_make(case: BenchCase, inputs: Inputs) -> LossFn:
     fn = _compiled_eager()
+    _allow_a_graph_per_case(case)
     return lambda: as_loss(fn(inputs.x, inputs.w, inputs.target, inputs.ce_weight, case.loss, inputs.bias))
 
 
