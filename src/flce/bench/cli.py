@@ -315,6 +315,15 @@ def _title(config: BenchConfig, env: dict[str, Any]) -> str:
     return f"flce bench: {report.MODE_TEXT[config.mode]}{graph}, {dtype_name(config.dtype)}, {features} on {where}"
 
 
+def _graph_skipped(config: BenchConfig) -> bool:
+    """Whether ``--graph`` asks for CUDA graphs off CUDA, said as a skip, not an error (exit
+    code 0), so that a script can ask for it on any machine."""
+    if config.graph and config.device.type != "cuda":
+        print(f"flce bench --graph: skipped: CUDA graphs need a CUDA device (this run's device is {config.device})")
+        return True
+    return False
+
+
 def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, title: str) -> list[Path]:
     """JSON, CSV and (optionally) PNG files under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -460,9 +469,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for m in all_methods(args.chunk_size or (None,)):
             print(f"{m.name:28s} {m.label}")
         return 0
-    if config.graph and config.device.type != "cuda":
-        # A skip, not an error (exit code 0), so that a script can ask for it on any machine.
-        print(f"flce bench --graph: skipped: CUDA graphs need a CUDA device (this run's device is {config.device})")
+    if _graph_skipped(config):
         return 0
     env = report.environment(config.device)
     title = _title(config, env)
@@ -543,19 +550,22 @@ def run_head_bench(args: argparse.Namespace, device: torch.device) -> int:
         for m in heads.head_methods(args.loss):
             print(f"{m.name:28s} {m.label}")
         return 0
+    if _graph_skipped(config):
+        return 0
     env = report.environment(config.device)
     env["gpu_state_before"] = report.gpu_state(config.device)
     with progress_reporter(len(config.shapes) * config.steps_per_case(len(methods))) as tick:
         results = run_sweep(config, methods, tick)
     env["gpu_state_after"] = report.gpu_state(config.device)
     payload = heads.head_payload(args, config, methods, results, env, command_line())
-    title = f"flce bench --loss {args.loss}: {report.MODE_TEXT[config.mode]}, {dtype_name(config.dtype)} on " + (
+    graph = ", replayed from a CUDA graph" if config.graph else ""
+    title = f"flce bench --loss {args.loss}: {report.MODE_TEXT[config.mode]}{graph}, {dtype_name(config.dtype)} on " + (
         env.get("gpu") or str(config.device)
     )
     report.print_table(payload["results"], title)
     written = []
     if args.out is not None:
-        stem = f"bench-{args.loss}-{args.mode}-{payload['config']['dtype']}"
+        stem = f"bench-{args.loss}-{args.mode}-{payload['config']['dtype']}" + ("-graph" if config.graph else "")
         written = write_outputs(args.out, stem, payload, not args.no_plots, title)
     _saved_or_how(args.out, written)
     return 0 if any(r.ok and not r.is_floor for r in results) else 1

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import flce
 from flce.bench import report
 from flce.bench.cases import BenchCase, Inputs, Shape, dtype_name
-from flce.bench.methods import FLOOR, LossFn, Method, floor_workload, select_methods
+from flce.bench.graph import GraphStep, capture
+from flce.bench.methods import FLOOR, GRAPH_MODES, LossFn, Method, floor_workload, select_methods
 from flce.bench.peers.optional import first_reason, needs_cuda, optional_import
 from flce.bench.runner import BenchConfig, Result
 from flce.bench.timing import Workload
@@ -180,6 +181,20 @@ class HeadFloor(Method):
     head: str = "logprobs"
 
     def workload(self, case: BenchCase, inputs: Inputs) -> Workload:
+        """The floor's GEMMs; with ``case.graph`` captured once and replayed, as the methods
+        timed against it are."""
+        if case.graph:
+            return capture(self.graph_step(case, inputs), case.device)
+        return self.gemm_workload(case, inputs)
+
+    def graph_step(self, case: BenchCase, inputs: Inputs) -> GraphStep:
+        if case.mode not in GRAPH_MODES:
+            raise ValueError(f"a CUDA graph captures the modes {GRAPH_MODES}, not {case.mode!r}")
+        run = self.gemm_workload(case, inputs).run
+        return lambda: (run(None),)
+
+    def gemm_workload(self, case: BenchCase, inputs: Inputs) -> Workload:
+        """The GEMMs as plain calls."""
         if self.head == "logprobs" or case.mode == "bwd":
             return floor_workload(case, inputs)
         x, w = inputs.x.detach(), inputs.w.detach()
@@ -261,5 +276,6 @@ def head_payload(
         "objective": LOGPROBS_OBJECTIVE if args.loss == "logprobs" else f"generalized JSD, beta {BETA}, mean",
         "floor": FLOOR_TEXT[args.loss],
         "methods": [m.name for m in methods],
+        "graph": config.graph,
     }
     return report.run_record(command, environment, config_record, [report.result_row(r) for r in results])
