@@ -562,6 +562,23 @@ def test_errors_name_the_least_budget(monkeypatch):
     flce.fused_linear_cross_entropy(x, w, t).backward()
 
 
+@pytest.mark.parametrize("v,h", [(128256, 4096), (262144, 8192)])
+def test_the_least_budget_in_mib_is_enough_above_a_thousand_mib(monkeypatch, v, h):
+    """Under autocast an fp32 head's bf16 copy is workspace no scheme saves: the least
+    budget passes 1000 MiB (1002.26 and 4096.53 MiB here), and the value the message asks
+    for keeps every decimal it needs (six significant digits fell short by 267 and 1311
+    bytes)."""
+    fp32, bf16 = torch.float32, torch.bfloat16
+    call = CallShape(8192, v, h, input_dtype=fp32, weight_dtype=fp32, compute_dtype=bf16, accumulator_dtype=fp32)
+    need = smallest_scheme(call).memory.workspace
+    assert need > 1000 * MIB
+    with pytest.raises(MemoryBudgetError) as info:
+        choose_scheme(call, 1, "FLCE_MEMORY_BUDGET_MIB")
+    setting = re.search(r"set FLCE_MEMORY_BUDGET_MIB to at least ([0-9.]+) \(MiB\)", str(info.value)).group(1)
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", setting)
+    assert scheme_for_call(call, LossOptions(), CPU).memory.workspace == need
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
 def test_the_budget_variable_is_validated(monkeypatch, value):
     x, w, t = _problem()

@@ -300,7 +300,10 @@ def _too_small(call: CallShape, budget: int, source: str) -> str:
     least = smallest_scheme(call)
     need = least.memory.workspace
     if source == MEMORY_BUDGET_ENV_VAR:  # MiB, rounded up so that the value given is enough
-        minimum = f"{math.ceil(need * 1000 / MIB + 1e-6) / 1000:g} (MiB)"
+        thousandths = math.ceil(need * 1000 / MIB + 1e-6)
+        # Every decimal written out: six significant digits (``:g``) cut the thousandths of
+        # a value of 1000 MiB or more, and the value asked for fell short of the workspace.
+        minimum = f"{thousandths / 1000:.3f}".rstrip("0").rstrip(".") + " (MiB)"
     else:
         minimum = f"{need} (bytes)"
     return (
