@@ -579,6 +579,31 @@ def test_the_least_budget_in_mib_is_enough_above_a_thousand_mib(monkeypatch, v, 
     assert scheme_for_call(call, LossOptions(), CPU).memory.workspace == need
 
 
+def test_the_distillation_head_sizes_its_chunks_by_the_budget_variable(monkeypatch):
+    """The distillation head takes no ``memory_budget``, but ``FLCE_MEMORY_BUDGET_MIB``
+    sets the budget of the whole process: its chunks fit it (it ran one chunk of every
+    row, 16x the budget here), a budget no chunk fits is refused naming the least, and
+    that least runs."""
+    n, v, h = 48, 256, 20
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, generator=gen) * 0.3).to(torch.bfloat16).requires_grad_()
+    teacher_x, teacher_w = torch.randn(n, 24, generator=gen).bfloat16(), torch.randn(v, 24, generator=gen).bfloat16()
+    gradients = (n + v) * h * 2
+    for budget_mib in ("0.02", "0.05"):
+        monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", budget_mib)
+        with AllocationTracker(x, w, teacher_x, teacher_w) as tracker:
+            flce.fused_linear_distillation(x, w, teacher_x, teacher_w, backend="torch").backward()
+        x.grad = w.grad = None
+        assert tracker.peak - gradients <= float(budget_mib) * MIB + _vectors_left_out(n, v), budget_mib
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", "0.001")
+    with pytest.raises(MemoryBudgetError, match=r"FLCE_MEMORY_BUDGET_MIB: a workspace of 1048 bytes") as info:
+        flce.fused_linear_distillation(x, w, teacher_x, teacher_w, backend="torch")
+    setting = re.search(r"set FLCE_MEMORY_BUDGET_MIB to at least ([0-9.]+) \(MiB\)", str(info.value)).group(1)
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", setting)
+    flce.fused_linear_distillation(x, w, teacher_x, teacher_w, backend="torch").backward()
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
 def test_the_budget_variable_is_validated(monkeypatch, value):
     x, w, t = _problem()
