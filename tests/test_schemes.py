@@ -626,6 +626,17 @@ def test_the_budget_option_is_validated(value, error, message):
         LossOptions(memory_budget=value)
 
 
+def test_a_budget_beyond_int64_is_no_bound_under_torch_compile_too():
+    """A budget (or chunk size) beyond int64 bounds nothing, as in eager: the custom ops
+    take the options as int64, and such a Python int failed inside the compiled call."""
+    x, w, t = _problem(dtype=torch.float32)
+    for option in ("memory_budget", "chunk_size"):
+        eager = flce.fused_linear_cross_entropy(x, w, t, backend="torch", **{option: 2**70})
+        compiled = torch.compile(flce.fused_linear_cross_entropy, backend="eager", fullgraph=True)
+        assert LossOptions(**{option: 2**70}) == LossOptions(**{option: 2**63 - 1})
+        torch.testing.assert_close(compiled(x, w, t, backend="torch", **{option: 2**70}), eager)
+
+
 def test_the_budget_applies_to_the_fused_loss_only():
     logits, t = torch.randn(4, 9), torch.randint(0, 9, (4,))
     with pytest.raises(ValueError, match="memory_budget applies to the fused linear loss only"):
