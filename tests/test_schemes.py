@@ -562,6 +562,48 @@ def test_errors_name_the_least_budget(monkeypatch):
     flce.fused_linear_cross_entropy(x, w, t).backward()
 
 
+@pytest.mark.parametrize("v,h", [(128256, 4096), (262144, 8192)])
+def test_the_least_budget_in_mib_is_enough_above_a_thousand_mib(monkeypatch, v, h):
+    """Under autocast an fp32 head's bf16 copy is workspace no scheme saves: the least
+    budget passes 1000 MiB (1002.26 and 4096.53 MiB here), and the value the message asks
+    for keeps every decimal it needs (six significant digits fell short by 267 and 1311
+    bytes)."""
+    fp32, bf16 = torch.float32, torch.bfloat16
+    call = CallShape(8192, v, h, input_dtype=fp32, weight_dtype=fp32, compute_dtype=bf16, accumulator_dtype=fp32)
+    need = smallest_scheme(call).memory.workspace
+    assert need > 1000 * MIB
+    with pytest.raises(MemoryBudgetError) as info:
+        choose_scheme(call, 1, "FLCE_MEMORY_BUDGET_MIB")
+    setting = re.search(r"set FLCE_MEMORY_BUDGET_MIB to at least ([0-9.]+) \(MiB\)", str(info.value)).group(1)
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", setting)
+    assert scheme_for_call(call, LossOptions(), CPU).memory.workspace == need
+
+
+def test_the_distillation_head_sizes_its_chunks_by_the_budget_variable(monkeypatch):
+    """The distillation head takes no ``memory_budget``, but ``FLCE_MEMORY_BUDGET_MIB``
+    sets the budget of the whole process: its chunks fit it (it ran one chunk of every
+    row, 16x the budget here), a budget no chunk fits is refused naming the least, and
+    that least runs."""
+    n, v, h = 48, 256, 20
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(n, h, generator=gen).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, generator=gen) * 0.3).to(torch.bfloat16).requires_grad_()
+    teacher_x, teacher_w = torch.randn(n, 24, generator=gen).bfloat16(), torch.randn(v, 24, generator=gen).bfloat16()
+    gradients = (n + v) * h * 2
+    for budget_mib in ("0.02", "0.05"):
+        monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", budget_mib)
+        with AllocationTracker(x, w, teacher_x, teacher_w) as tracker:
+            flce.fused_linear_distillation(x, w, teacher_x, teacher_w, backend="torch").backward()
+        x.grad = w.grad = None
+        assert tracker.peak - gradients <= float(budget_mib) * MIB + _vectors_left_out(n, v), budget_mib
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", "0.001")
+    with pytest.raises(MemoryBudgetError, match=r"FLCE_MEMORY_BUDGET_MIB: a workspace of 1048 bytes") as info:
+        flce.fused_linear_distillation(x, w, teacher_x, teacher_w, backend="torch")
+    setting = re.search(r"set FLCE_MEMORY_BUDGET_MIB to at least ([0-9.]+) \(MiB\)", str(info.value)).group(1)
+    monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", setting)
+    flce.fused_linear_distillation(x, w, teacher_x, teacher_w, backend="torch").backward()
+
+
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf"])
 def test_the_budget_variable_is_validated(monkeypatch, value):
     x, w, t = _problem()
@@ -582,6 +624,17 @@ def test_the_budget_variable_is_validated(monkeypatch, value):
 def test_the_budget_option_is_validated(value, error, message):
     with pytest.raises(error, match=message):
         LossOptions(memory_budget=value)
+
+
+def test_a_budget_beyond_int64_is_no_bound_under_torch_compile_too():
+    """A budget (or chunk size) beyond int64 bounds nothing, as in eager: the custom ops
+    take the options as int64, and such a Python int failed inside the compiled call."""
+    x, w, t = _problem(dtype=torch.float32)
+    for option in ("memory_budget", "chunk_size"):
+        eager = flce.fused_linear_cross_entropy(x, w, t, backend="torch", **{option: 2**70})
+        compiled = torch.compile(flce.fused_linear_cross_entropy, backend="eager", fullgraph=True)
+        assert LossOptions(**{option: 2**70}) == LossOptions(**{option: 2**63 - 1})
+        torch.testing.assert_close(compiled(x, w, t, backend="torch", **{option: 2**70}), eager)
 
 
 def test_the_budget_applies_to_the_fused_loss_only():

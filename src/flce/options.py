@@ -267,13 +267,16 @@ def as_ignore_index(value) -> int:
 
 
 def as_positive_int_or_none(name: str, value) -> int | None:
-    """A size option (``chunk_size``, ...): a positive int, or None for the default."""
+    """A size option (``chunk_size``, ...): a positive int, or None for the default. Each
+    is an upper bound (rows, columns, bytes), so one beyond int64 is stored as
+    ``INT64_MAX``, which bounds the same: the custom ops (``flce.ops``) take the options
+    as int64 and refused a larger Python int from inside ``torch.compile``."""
     if value is None:
         return None
     number = as_int(name, value)
     if number <= 0:
         raise ValueError(f"{name} must be a positive int or None, got {value}")
-    return number
+    return min(number, INT64_MAX)
 
 
 # The kernels multiply the logits by 1 / temperature in fp32: below this it is not finite.

@@ -5,8 +5,9 @@ backend (``flce.dispatch``), the compute dtype, the batch statistics and the ker
 scalars (``flce.driver.statistics``). ``Plan.run`` picks the scheme for the operands:
 
 - given logits (``LogitsOperands``, ``flce.cross_entropy``): the chunk kernel over them;
-- a call without gradients, where the backend has a ``loss_only`` slot that applies:
-  whole-row statistics from one fused GEMM, no logits buffer (``flce.driver.fused``);
+- a call without gradients, where the backend has a ``loss_only`` slot that applies and
+  its workspace fits the memory budget: whole-row statistics from one fused GEMM, no
+  logits buffer (``flce.driver.fused``);
 - otherwise token chunks (``flce.driver.chunks``) or token chunks x vocabulary blocks
   (``flce.driver.vocab_blocks``): ``chunk_size``/``vocab_chunk_size`` when given, else
   the fastest that fits the memory budget (``flce.driver.schemes``). Where the same
@@ -65,7 +66,14 @@ from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks,
 from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row_statistics_refusal
 from flce.driver.graphs import GRAPHED_CALLS, MAX_GRAPHED_WORK, Replay, copied_key, graph_applies, tensor_key
 from flce.driver.scaling import scale_gradients_, scaled_gradients
-from flce.driver.schemes import Scheme, budget_environment, options_for_scheme, scheme_of_call
+from flce.driver.schemes import (
+    Scheme,
+    budget_environment,
+    describe_call,
+    loss_only_fits_budget,
+    options_for_scheme,
+    scheme_of_call,
+)
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.driver.validation import pending_checks, raise_pending
 from flce.driver.vocab_blocks import run_vocab_blocks
@@ -328,11 +336,7 @@ class Plan(CrossEntropyPlan):
                 loss_only=loss_only,
             )
 
-        if not request.any and fused_applies(loss_only=True):
-            return Route(loss_only=True)
-        # The vocabulary blocks' first pass from the fused statistics, where they apply.
-        whole_rows = self.backend.loss_only if fused_applies(loss_only=False) else None
-        scheme = scheme_of_call(
+        describes = (
             o.input,
             o.weight,
             o.bias,
@@ -341,8 +345,16 @@ class Plan(CrossEntropyPlan):
             self.compute_dtype,
             self.backend,
             self.split_kernels,
-            whole_row_statistics=whole_rows,
         )
+        if not request.any and fused_applies(loss_only=True):
+            # The fused statistics alone where their workspace fits the memory budget; below
+            # it, the chooser's scheme that fits (or its MemoryBudgetError).
+            call = describe_call(*describes, whole_row_statistics=self.backend.loss_only)
+            if loss_only_fits_budget(call, self.options, o.input.device):
+                return Route(loss_only=True)
+        # The vocabulary blocks' first pass from the fused statistics, where they apply.
+        whole_rows = self.backend.loss_only if fused_applies(loss_only=False) else None
+        scheme = scheme_of_call(*describes, whole_row_statistics=whole_rows)
         # The second pass from the block-gradient GEMM where the first is fused (same operands).
         block_gradient = self.backend.block_gradient if whole_rows is not None else None
         return Route(

@@ -40,7 +40,7 @@ from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
 from flce.dispatch import get_backend, split_rows_of
 from flce.driver import fused, vocab_blocks
 from flce.driver.chunks import GradRequest, allocate_rows
-from flce.driver.schemes import describe_call, predicted_seconds, scheme_for_call
+from flce.driver.schemes import MemoryBudgetError, describe_call, predicted_seconds, scheme_for_call
 from flce.driver.statistics import batch_statistics, chunk_scalars
 from flce.options import LossOptions
 from flce.reference import fused_linear_cross_entropy_reference
@@ -355,6 +355,30 @@ def test_cpu_every_loss_only_mode_uses_it(fused_on_cpu, mode):
     assert len(fused_on_cpu) == 1
     torch.testing.assert_close(out.loss, chunked.loss.detach(), rtol=1e-2, atol=0)
     torch.testing.assert_close(out.z_loss, chunked.z_loss, rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("budget_from", ["option", "environment"])
+def test_cpu_it_runs_only_within_the_memory_budget(fused_on_cpu, monkeypatch, budget_from):
+    """The fused statistics' workspace (one launch's tile statistics and the row outputs)
+    is the loss-only route's: a memory budget below it runs the chooser's scheme that fits
+    instead (token chunks here), and a budget nothing fits is refused as for any call."""
+    x, w, _, y = _problem(n=512, h=64, v=2048)
+    fused_workspace = cutedsl.fused_forward_workspace_bytes(512, 2048, False, False)
+
+    def loss_under(budget: int) -> torch.Tensor:
+        monkeypatch.delenv("FLCE_MEMORY_BUDGET_MIB", raising=False)
+        if budget_from == "option":
+            return flce.fused_linear_cross_entropy(x, w, y, backend="cutedsl", memory_budget=budget)
+        monkeypatch.setenv("FLCE_MEMORY_BUDGET_MIB", repr(budget / 2**20))
+        return flce.fused_linear_cross_entropy(x, w, y, backend="cutedsl")
+
+    expected = loss_under(fused_workspace + 2**20)
+    assert len(fused_on_cpu) == 1
+    budget = fused_workspace * 2 // 3  # above one row of logits and its kernel's workspace (28 KiB)
+    torch.testing.assert_close(loss_under(budget), expected, rtol=1e-2, atol=0)
+    assert len(fused_on_cpu) == 1
+    with pytest.raises(MemoryBudgetError, match="is below the least this call can run in"):
+        loss_under(2**10)
 
 
 def test_cpu_gradients_never_use_it(fused_on_cpu):

@@ -30,6 +30,7 @@ from flce.backends.base import BackendSpec
 from flce.driver.gemm import (
     accumulate_column_sums,
     accumulate_product,
+    fp32_output_gemm_supported,
     full_precision_reductions,
     logits_product,
     weight_accumulator_dtype,
@@ -186,6 +187,7 @@ def run_token_chunks(
         weight.dtype,
         extra_bytes,
         accumulator_dtype == torch.float32,
+        upcast_operands=not fp32_output_gemm_supported(device),
     )
     chunk = n_rows if kept_logits is not None else max(1, min(chunk, n_rows))
     dw_direct = request.weight and weight_grad_in_one_gemm(

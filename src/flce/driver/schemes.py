@@ -90,6 +90,8 @@ from flce.driver.sizing import (
     MEMORY_BUDGET_ENV_VAR,
     CallShape,
     Memory,
+    MemoryBudgetError,
+    budget_too_small,
     default_chunk_size,
     default_memory_budget,
     device_memory_bytes,
@@ -110,11 +112,6 @@ LOGITS_PASS_BYTES_PER_SECOND = 2.83e12
 ACCUMULATOR_BYTES_PER_SECOND = 6.37e12
 SECONDS_PER_STEP = 0.12e-3
 FUSED_STATISTICS_GEMM_SLOWDOWN = 1.05
-MIB = 2**20
-
-
-class MemoryBudgetError(ValueError):
-    """A memory budget below the least workspace any scheme of the call needs."""
 
 
 @dataclass(frozen=True)
@@ -296,19 +293,6 @@ def smallest_scheme(call: CallShape) -> Scheme:
     return min(candidates, key=lambda s: (s.memory.workspace, s.seconds))
 
 
-def _too_small(call: CallShape, budget: int, source: str) -> str:
-    least = smallest_scheme(call)
-    need = least.memory.workspace
-    if source == MEMORY_BUDGET_ENV_VAR:  # MiB, rounded up so that the value given is enough
-        minimum = f"{math.ceil(need * 1000 / MIB + 1e-6) / 1000:g} (MiB)"
-    else:
-        minimum = f"{need} (bytes)"
-    return (
-        f"{source}: a workspace of {budget} bytes ({budget / MIB:.3f} MiB) is below the least this call can run "
-        f"in, {need} bytes ({need / MIB:.3f} MiB: {least.describe(call.n_rows)}); set {source} to at least {minimum}"
-    )
-
-
 @functools.lru_cache(maxsize=512)
 def choose_scheme(call: CallShape, budget: int, source: str = "memory_budget") -> Scheme:
     """The fastest scheme whose workspace fits ``budget`` bytes; ``MemoryBudgetError``
@@ -322,7 +306,8 @@ def choose_scheme(call: CallShape, budget: int, source: str = "memory_budget") -
     ):
         candidates += _block_schemes(call, budget)
     if not candidates:
-        raise MemoryBudgetError(_too_small(call, budget, source))
+        least = smallest_scheme(call)
+        raise budget_too_small(budget, least.memory.workspace, least.describe(call.n_rows), source)
     return min(candidates, key=lambda s: (s.seconds, s.memory.workspace))
 
 
@@ -420,6 +405,19 @@ def scheme_of_call(
         whole_row_statistics=whole_row_statistics,
     )
     return scheme_for_call(call, options, input.device)
+
+
+def loss_only_fits_budget(call: CallShape, options: LossOptions, device: torch.device) -> bool:
+    """Whether a call without gradients may run on the backend's fused statistics alone
+    (``flce.plan``'s loss-only route; ``call`` described with them): their workspace (one
+    launch's tile statistics and the row outputs), the operands cast to the compute dtype
+    with it, within the budget the chooser would size the call's chunks by."""
+    cast_input = (
+        call.n_rows * call.hidden * call.compute_dtype.itemsize if call.input_dtype != call.compute_dtype else 0
+    )
+    workspace = (call.whole_row_statistics_bytes or 0) + call.weight_cast_bytes() + cast_input
+    budget, _ = _budget(call, options, device_memory_bytes(device))
+    return workspace <= budget
 
 
 def _budget(call: CallShape, options: LossOptions, device_memory: int | None) -> tuple[int, str | None]:

@@ -80,7 +80,8 @@ import torch
 
 from flce.driver.gemm import weight_grad_in_one_gemm
 
-DEFAULT_CHUNK_BUDGET_BYTES = 512 * 2**20
+MIB = 2**20
+DEFAULT_CHUNK_BUDGET_BYTES = 512 * MIB
 CHUNK_BUDGET_ENV_VAR = "FLCE_CHUNK_BUDGET_MIB"
 MEMORY_BUDGET_ENV_VAR = "FLCE_MEMORY_BUDGET_MIB"
 # The default budget never exceeds this fraction of the device's memory: a loss that
@@ -149,6 +150,27 @@ def legacy_chunk_budget_bytes() -> int | None:
 def env_memory_budget_bytes() -> int | None:
     """``FLCE_MEMORY_BUDGET_MIB`` in bytes when set, else None."""
     return _positive_mib(MEMORY_BUDGET_ENV_VAR)
+
+
+class MemoryBudgetError(ValueError):
+    """A memory budget below the least workspace any scheme of the call needs."""
+
+
+def budget_too_small(budget: int, need: int, least: str, source: str) -> MemoryBudgetError:
+    """The error of a ``budget`` (bytes, from ``source``: the option or the variable) below
+    the ``need`` bytes of the call's least workspace (``least``: that scheme, described),
+    naming the setting that is enough."""
+    if source == MEMORY_BUDGET_ENV_VAR:  # MiB, rounded up so that the value given is enough
+        thousandths = math.ceil(need * 1000 / MIB + 1e-6)
+        # Every decimal written out: six significant digits (``:g``) cut the thousandths of
+        # a value of 1000 MiB or more, and the value asked for fell short of the workspace.
+        minimum = f"{thousandths / 1000:.3f}".rstrip("0").rstrip(".") + " (MiB)"
+    else:
+        minimum = f"{need} (bytes)"
+    return MemoryBudgetError(
+        f"{source}: a workspace of {budget} bytes ({budget / MIB:.3f} MiB) is below the least this call can run "
+        f"in, {need} bytes ({need / MIB:.3f} MiB: {least}); set {source} to at least {minimum}"
+    )
 
 
 @functools.cache
@@ -533,12 +555,13 @@ def whole_row_chunk_size(
     weight_dtype: torch.dtype,
     extra_bytes_per_logit: int,
     fp32_weight_accumulator: bool,
+    upcast_operands: bool = False,  # CallShape.upcast_operands
 ) -> int:
-    """``run_chunks``'s rows per chunk when no scheme was chosen for it: the token chunks
-    of the default budget (``FLCE_CHUNK_BUDGET_MIB``'s logits budget when set)."""
-    legacy = legacy_chunk_budget_bytes()
-    if legacy is not None:
-        return default_chunk_size(n_rows, vocab, compute_dtype, extra_bytes_per_logit, legacy)
+    """``run_token_chunks``'s rows per chunk when no scheme was chosen for it (the
+    distillation head): the most that fit ``FLCE_MEMORY_BUDGET_MIB`` when set
+    (``MemoryBudgetError`` when not even one row does), else ``FLCE_CHUNK_BUDGET_MIB``'s
+    logits budget when set, else the token chunks of the default budget: the precedence
+    of ``flce.driver.schemes``."""
     call = CallShape(
         n_rows,
         vocab,
@@ -549,7 +572,20 @@ def whole_row_chunk_size(
         accumulator_dtype=torch.float32 if fp32_weight_accumulator else weight_dtype,
         grad_input=False,
         chunk_extra_bytes_per_logit=extra_bytes_per_logit,
+        upcast_operands=upcast_operands,
     )
+    from_env = env_memory_budget_bytes()
+    if from_env is not None:
+        rows = largest_token_rows(call, from_env)
+        if rows is None:
+            least = min((1, n_rows), key=lambda rows: token_chunk_memory(call, rows).workspace)
+            need = token_chunk_memory(call, least).workspace
+            described = f"one chunk of {n_rows} rows" if least >= n_rows else "token chunks of 1 rows"
+            raise budget_too_small(from_env, need, described, MEMORY_BUDGET_ENV_VAR)
+        return rows
+    legacy = legacy_chunk_budget_bytes()
+    if legacy is not None:
+        return default_chunk_size(n_rows, vocab, compute_dtype, extra_bytes_per_logit, legacy)
     return largest_token_rows(call, default_memory_budget(call, None)) or 1
 
 
