@@ -35,9 +35,11 @@ from flce.driver.schemes import (
 from flce.driver.sizing import (
     BLOCK_ALIGNMENT,
     CallShape,
+    block_workspace,
     default_chunk_size,
     default_memory_budget,
     largest_block,
+    least_workspace_block,
     logits_row_stride,
     peak_extra_bytes,
     token_chunk_memory,
@@ -917,3 +919,21 @@ def test_device_memory_of_an_unindexed_cuda_device_is_the_current_devices(monkey
         assert sizing.device_memory_bytes(torch.device("cuda", 0)) == memories[0]
     finally:
         sizing._cuda_memory_bytes.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "shape", [(8192, 151936, 4096), (8192, 128256, 4096), (16384, 151936, 4096), (8192, 32000, 4096)]
+)
+@pytest.mark.parametrize("inside_dw", [False, True], ids=["beside-dW", "inside-dW"])
+def test_the_least_workspace_block_is_the_least_over_every_aligned_width(shape, inside_dw):
+    """The balanced optimum lay two alignments from the least aligned width at
+    N = 8192, V = 151936 (896 columns where 1024 need less, inside dW), and a budget of
+    the least workspace was refused although a scheme fits it (``flce bench --frontier``
+    failed there)."""
+    n, v, h = shape
+    call = CallShape(n, v, h)
+    widths = range(BLOCK_ALIGNMENT, v, BLOCK_ALIGNMENT)
+    least = min(block_workspace(call, n, width, inside_dw) for width in widths)
+    block = least_workspace_block(call, n, inside_dw)
+    assert block_workspace(call, n, block, inside_dw) == least
+    assert largest_block(call, n, int(least), inside_dw) is not None
