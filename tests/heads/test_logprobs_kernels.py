@@ -7,11 +7,15 @@ the tests marked ``gpu`` need CUDA.
 
 from __future__ import annotations
 
+import math
+import weakref
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from flce.backends.torch.logprobs import EXTRA_BYTES_PER_LOGIT
 from flce.reference import logprobs_from_logits_reference
 from flce.rows import logprobs as rows
 
@@ -433,3 +437,47 @@ def test_gpu_row_offsets_beyond_int32():
     )
     torch.testing.assert_close(forward["logprob"][tail], expected_forward["logprob"])
     torch.testing.assert_close(logits[tail], expected_grad)
+
+
+class _FreshBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most bytes of tensors that ops allocate (not their in-place results or views)
+    alive at once, each counted until its tensor is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        known = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t._base is None and t.untyped_storage().data_ptr() not in known:
+                nbytes = t.untyped_storage().nbytes()
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, nbytes)
+        return out
+
+    def _free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+def test_the_logits_gradient_holds_two_fp32_temporaries_per_logit():
+    """``logits_gradient`` consumes z and allocates p and the gradient: the 12 bytes per
+    logit the torch backend's chunk sizing counts (z, p, grad: ``EXTRA_BYTES_PER_LOGIT``). With the entropy it held
+    three more (M, V) temporaries at once (p * log p, its mask and the ``where``), so a call
+    under a ``memory_budget`` ran 1.66x over it."""
+    gen = torch.Generator().manual_seed(0)
+    m, v = 64, 1000
+    z = torch.randn(m, v, generator=gen) * 3
+    z[0, 5] = -math.inf  # a masked column: p = 0 there, and its term must stay 0
+    lse = torch.logsumexp(z, dim=1)
+    p = torch.softmax(z, dim=1)
+    entropy = -(p * torch.where(p > 0, p.log(), 0.0)).sum(dim=1)
+    target = torch.randint(0, v, (m,), generator=gen)
+    coef = torch.rand(m, generator=gen)
+    with _FreshBytes() as tracked:  # z's copy, p and the gradient: 12 bytes per logit
+        grad = rows.logits_gradient(z.clone(), target, lse, entropy, coef, coef)
+    assert tracked.peak <= EXTRA_BYTES_PER_LOGIT * m * v + 64 * m, tracked.peak / (m * v)
+    assert torch.isfinite(grad).all()

@@ -245,7 +245,10 @@ def logits_gradient(
     else:
         grad = torch.zeros_like(p)
     if coef_entropy is not None:
-        # p_i (log p_i + H), 0 where p_i is (a -inf logit: 0 * -inf would be NaN)
-        spread = torch.where(p > 0, p * log_p.add_(entropy[:, None]), 0.0)
-        grad.sub_(spread.mul_(coef_entropy[:, None]))
+        # p_i (log p_i + H) in p's storage: no (M, V) temporary beyond z, p and the gradient
+        # (the chunk's workspace per logit, EXTRA_BYTES_PER_LOGIT of the backends). A -inf
+        # logit's log p is clamped to the least finite float first, so that its p = 0 gives
+        # 0, not 0 * -inf = NaN; a NaN still propagates.
+        log_p.clamp_(min=torch.finfo(torch.float32).min).add_(entropy[:, None])
+        grad.sub_(p.mul_(log_p).mul_(coef_entropy[:, None]))
     return grad
