@@ -186,3 +186,15 @@ def test_markdown_shows_the_host_columns_when_the_run_has_them() -> None:
     assert "|---|---|---:|---:|---:|---:|---:|---:|" in markdown
     assert "| 32 × 500 × 48 | flce:triton | 3.00 (2–4) | 0.50 | 0 | 1.50 | n/a | n/a |" in markdown
     assert "|  | cce | skipped (1) | | | | | |" in markdown
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_loss_is_noted(value):
+    """A method whose loss is NaN or infinite keeps its timing, with a note saying the
+    result is wrong (the loss was only in the JSON and CSV, as a bare NaN)."""
+    run = Running(floor_method(), Workload(setup=lambda: None, run=lambda _: torch.tensor(value)))
+    runner._probe(run)
+    assert run.notes == [f"the loss is {value}: this method's result is wrong at this case"]
+    finite = Running(floor_method(), Workload(setup=lambda: None, run=lambda _: torch.tensor(2.5)))
+    runner._probe(finite)
+    assert finite.loss == 2.5 and finite.notes == []

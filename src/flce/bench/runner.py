@@ -192,10 +192,14 @@ NOTED_WARNINGS = (UserWarning, RuntimeWarning)
 
 
 def _probe(run: Running) -> None:
-    """The first call: catches errors and warnings (kept as notes) and the loss value."""
+    """The first call: catches errors and warnings (kept as notes) and the loss value; a
+    loss that is NaN or infinite is noted, so that a time of a wrong result never reads as
+    a plain one (the tables print the loss only in the JSON and CSV)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run.loss = _scalar(call_once(run.workload))
+    if run.loss is not None and not math.isfinite(run.loss):
+        run.notes.append(f"the loss is {run.loss}: this method's result is wrong at this case")
     for w in caught:
         if w.category not in NOTED_WARNINGS:
             continue
