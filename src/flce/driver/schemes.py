@@ -412,12 +412,8 @@ def loss_only_fits_budget(call: CallShape, options: LossOptions, device: torch.d
     (``flce.plan``'s loss-only route; ``call`` described with them): their workspace (one
     launch's tile statistics and the row outputs), the operands cast to the compute dtype
     with it, within the budget the chooser would size the call's chunks by."""
-    cast_input = (
-        call.n_rows * call.hidden * call.compute_dtype.itemsize if call.input_dtype != call.compute_dtype else 0
-    )
-    workspace = (call.whole_row_statistics_bytes or 0) + call.weight_cast_bytes() + cast_input
     budget, _ = _budget(call, options, device_memory_bytes(device))
-    return workspace <= budget
+    return call.fused_statistics_bytes() <= budget
 
 
 def _budget(call: CallShape, options: LossOptions, device_memory: int | None) -> tuple[int, str | None]:

@@ -264,6 +264,16 @@ class CallShape:
             return 0
         return self.vocab * self.hidden * self.compute_dtype.itemsize
 
+    def fused_statistics_bytes(self) -> int:
+        """The fused statistics GEMM's pass over the whole rows (``whole_row_statistics_bytes``:
+        its workspace and row outputs), with the operands cast to the compute dtype for it
+        (autocast): the loss-only route's workspace, and the vocabulary blocks' first pass
+        beside their per-block flags."""
+        cast_input = (
+            self.n_rows * self.hidden * self.compute_dtype.itemsize if self.input_dtype != self.compute_dtype else 0
+        )
+        return (self.whole_row_statistics_bytes or 0) + self.weight_cast_bytes() + cast_input
+
     def fixed_workspace_bytes(self) -> int:
         """The workspace every scheme of the call holds, whatever its chunking: the weight
         cast to the compute dtype (autocast) and db's fp32 sum beyond the returned db."""
@@ -364,8 +374,7 @@ def vocab_block_memory(call: CallShape, rows: int, block: int, workspace_in_weig
         # The fused GEMM's workspace and outputs (the input cast to the compute dtype with
         # it under autocast); of the per-block statistics only the target-ownership flags.
         statistics = n_blocks * n
-        cast_input = n * h * c if call.input_dtype != call.compute_dtype else 0
-        pass_one = call.weight_cast_bytes() + statistics + call.whole_row_statistics_bytes + cast_input
+        pass_one = statistics + call.fused_statistics_bytes()
         resident = call.weight_cast_bytes() + statistics + buffer
     if not call.any_gradient:
         return Memory(pass_one, pass_one)
