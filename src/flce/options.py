@@ -385,14 +385,25 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
         )
 
 
+def _check_class_weight_kind(name: str, class_weight: torch.Tensor) -> None:
+    """What class weights must be whatever the vocabulary: dense and floating-point."""
+    refuse_non_dense(name, class_weight)
+    if not class_weight.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {class_weight.dtype}")
+
+
+def bad_class_weights_message(name: str) -> str:
+    """The error of class weights with negative, NaN or Inf entries (checked when a module
+    is built, and by the call's batch statistics)."""
+    return f"{name} must be finite and non-negative; it has negative, NaN or Inf entries"
+
+
 def validate_ce_weight(ce_weight: torch.Tensor | None, vocab: int, device: torch.device, name: str) -> None:
     if ce_weight is None:
         return
     if not isinstance(ce_weight, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape ({vocab},) or None, got {type(ce_weight).__name__}")
-    refuse_non_dense(name, ce_weight)
-    if not ce_weight.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {ce_weight.dtype}")
+    _check_class_weight_kind(name, ce_weight)
     if ce_weight.shape != (vocab,):
         raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(ce_weight.shape)}")
     if ce_weight.device != device:
@@ -766,14 +777,12 @@ def register_class_weight(module: torch.nn.Module, name: str, class_weight: torc
     rest (shape (V,), device) against its operands."""
     if class_weight is not None:
         check_tensor_type(name, class_weight)
-        refuse_non_dense(name, class_weight)
-        if not class_weight.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {class_weight.dtype}")
+        _check_class_weight_kind(name, class_weight)
         if class_weight.dim() != 1:
             raise ValueError(f"{name} must have shape (V,) (one weight per class), got {tuple(class_weight.shape)}")
         # One host read, once per module; none for a meta tensor (no values yet) or while
         # torch.compile traces a forward that builds the loss (the call checks them then).
         readable = class_weight.device.type != "meta" and not torch.compiler.is_compiling()
         if readable and not bool(((class_weight >= 0) & class_weight.isfinite()).all()):
-            raise ValueError(f"{name} must be finite and non-negative; it has negative, NaN or Inf entries")
+            raise ValueError(bad_class_weights_message(name))
     module.register_buffer(name, class_weight, persistent=False)

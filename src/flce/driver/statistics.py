@@ -15,7 +15,7 @@ import torch
 from flce.backends.base import STATISTICS_LAYOUT
 from flce.dispatch import device_helper
 from flce.driver import validation
-from flce.options import LossOptions
+from flce.options import LossOptions, bad_class_weights_message
 from flce.rows.cross_entropy import ChunkScalars
 
 _SLOT = {name: index for index, name in enumerate(STATISTICS_LAYOUT)}
@@ -178,7 +178,7 @@ def _describe(vocab: int, ignore_index: int, class_weight_name: str):
                 f"found {bad_targets} out of range"
             )
         if bad_weights:
-            return f"{class_weight_name} must be finite and non-negative; it has negative, NaN or Inf entries"
+            return bad_class_weights_message(class_weight_name)
         return None
 
     return describe
