@@ -311,6 +311,55 @@ def _compile(kernel_cls, key, config: KernelConfig, args: tuple):
     return compile_cached((kernel_cls, key, config), lambda: compile_launcher(kernel_cls(key, config), *args))
 
 
+def _row_pointers(key: StatisticsKey | GradientKey, fp32_rows: int) -> tuple:
+    """Placeholders of the launch arguments both kernels share: the logits (aligned to one
+    vector), the targets, the 16-byte aligned class weights, then ``fp32_rows`` fp32 vectors
+    (per row, or the class weights' sum)."""
+    target_t = Int64 if key.target_int64 else Int32
+    esize = torch.empty((), dtype=key.dtype).element_size()
+    return (
+        null_ptr(TORCH_TO_CUTE[key.dtype], key.vec * esize),
+        null_ptr(target_t, target_t.width // 8),
+        null_ptr(Float32, 16),
+        *(null_ptr(Float32, 4) for _ in range(fp32_rows)),
+    )
+
+
+def compile_statistics(key: StatisticsKey):
+    """The compiled ``PartialStatistics`` for ``key`` (cached)."""
+    return _compile(
+        PartialStatistics,
+        key,
+        default_config(key.vocab, key.vec),
+        (
+            *_row_pointers(key, fp32_rows=5),  # weight_sum, row_max, row_sum, target_shifted, smooth
+            null_ptr(Int64, 8),  # argmax
+            Int32(1),
+            Int64(key.vocab),
+            Float32(1.0),
+            Float32(1.0),
+            cuda.CUstream(0),
+        ),
+    )
+
+
+def compile_gradient(key: GradientKey):
+    """The compiled ``PartialGradient`` for ``key`` (cached)."""
+    return _compile(
+        PartialGradient,
+        key,
+        default_config(key.vocab, key.vec),
+        (
+            *_row_pointers(key, fp32_rows=6),  # row_max, inv_sum, onehot, smooth, z coefficients, weight_sum
+            Int32(1),
+            Int64(key.vocab),
+            Float32(1.0),
+            Float32(1.0),
+            cuda.CUstream(0),
+        ),
+    )
+
+
 def _check_logits(logits: torch.Tensor) -> None:
     if logits.dim() != 2:
         raise ValueError(f"{_NAME}: logits must be 2-D (M, V_r), got shape {tuple(logits.shape)}")
@@ -400,27 +449,7 @@ def partial_statistics(
     dtype = TORCH_TO_CUTE[key.dtype]
     align = key.vec * logits.element_size()
     target_t = Int64 if key.target_int64 else Int32
-    fn = _compile(
-        PartialStatistics,
-        key,
-        default_config(key.vocab, key.vec),
-        (
-            null_ptr(dtype, align),
-            null_ptr(target_t, target_t.width // 8),
-            null_ptr(Float32, 16),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Int64, 8),
-            Int32(1),
-            Int64(vocab_local),
-            Float32(1.0),
-            Float32(1.0),
-            cuda.CUstream(0),
-        ),
-    )
+    fn = compile_statistics(key)
     with device_guard(device):
         fn(
             gmem_ptr(logits, dtype, align),
@@ -481,27 +510,7 @@ def partial_gradient(
     dtype = TORCH_TO_CUTE[key.dtype]
     align = key.vec * logits.element_size()
     target_t = Int64 if key.target_int64 else Int32
-    fn = _compile(
-        PartialGradient,
-        key,
-        default_config(key.vocab, key.vec),
-        (
-            null_ptr(dtype, align),
-            null_ptr(target_t, target_t.width // 8),
-            null_ptr(Float32, 16),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            null_ptr(Float32, 4),
-            Int32(1),
-            Int64(vocab_local),
-            Float32(1.0),
-            Float32(1.0),
-            cuda.CUstream(0),
-        ),
-    )
+    fn = compile_gradient(key)
     weight_sum = weight_sum.to(device=logits.device, dtype=torch.float32).reshape(1)
     with device_guard(logits.device):
         fn(
