@@ -230,6 +230,34 @@ def test_every_token_ignored(reduction):
     assert all(not leaf.grad.any() for leaf in leaves)
 
 
+def test_class_weights_summing_to_zero_give_the_all_ignored_rule():
+    """Liger 0.8.5 divides the mean's cross-entropy part by the targets' class weights'
+    sum: 0/0 = NaN loss and gradients where it is 0; flce gives that part 0 and gradient 0
+    (the documented difference), the z-loss part still divided by the valid tokens."""
+    x, w, b, t, _, _ = _inputs(seed=8)
+    leaves = [tensor.clone().requires_grad_() for tensor in (x, w, b)]
+    class_weights = torch.zeros(V)
+    out = liger.liger_fused_linear_cross_entropy(
+        *leaves[:2], t, leaves[2], class_weights, lse_square_scale=1e-2, return_z_loss=True
+    )
+    out.loss.backward()
+    truth = _liger_semantics(x @ w.T + b, t, None, -100, 1e-2, 0.0, "mean", None, False)
+    torch.testing.assert_close(out.loss, truth[1])  # the z-loss part alone
+    torch.testing.assert_close(out.z_loss, truth[1])
+    assert all(leaf.grad.isfinite().all() for leaf in leaves)
+
+
+def test_low_precision_class_weights_are_summed_exactly():
+    """Liger 0.8.5 sums bf16 class weights in bf16 for the mean's divisor (observed: 4.4070
+    where the exact loss of the same weights is 4.4102); flce's divisor is the exact sum of
+    the weights as given (the documented difference)."""
+    x, w, b, t, class_weights, _ = _inputs(seed=9)
+    class_weights = (class_weights * 3).bfloat16()
+    loss = liger.liger_fused_linear_cross_entropy(x, w, t, b, class_weights)
+    exact = torch.nn.functional.cross_entropy((x @ w.T + b).double(), t, weight=class_weights.double())
+    torch.testing.assert_close(loss, exact.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_losses_are_fp32_for_low_precision_inputs(dtype):
     """Liger 0.8.5 returns the standalone cross-entropy's loss and z-loss in the logits'

@@ -9,10 +9,12 @@ raise, and the caller's logits are never overwritten by the standalone cross-ent
 (``liger_cross_entropy``, ``LigerCrossEntropyLoss``). Where Liger rounds or divides by
 zero, flce keeps the exact value: the loss and the z-loss are fp32 whatever the inputs'
 dtype (Liger's standalone cross-entropy returns both in the logits' dtype, its fused loss
-the z-loss in the input's: bf16/fp16-rounded), dW and db are accumulated in fp32 unless
+the z-loss in the input's: bf16/fp16-rounded), the mean's sum of bf16/fp16 class weights
+is not rounded to their dtype (Liger's is), dW and db are accumulated in fp32 unless
 ``accum_dtype`` names the weight's dtype (Liger's default accumulates in the weight's),
-and the token accuracy of a batch whose every token is ignored is 0 (Liger's is 0/0 =
-NaN). Arguments that Liger's functions take unchecked raise, as docs/errors.md lists: a
+the token accuracy of a batch whose every token is ignored is 0 (Liger's is 0/0 = NaN),
+and so is the cross-entropy part of a ``"mean"`` whose targets' class weights sum to 0
+(Liger's loss and gradients are NaN). Arguments that Liger's functions take unchecked raise, as docs/errors.md lists: a
 negative ``label_smoothing`` or ``lse_square_scale``, an unknown ``reduction``, ``softcap
 <= 0`` (a wrong or NaN result in Liger), negative class weights, and an ``accum_dtype``
 other than None, torch.float32 or the weight's dtype (float64 too: flce accumulates dW in
