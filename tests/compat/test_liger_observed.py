@@ -247,6 +247,23 @@ def test_class_weights_summing_to_zero_give_the_all_ignored_rule():
     assert all(leaf.grad.isfinite().all() for leaf in leaves)
 
 
+def test_z_loss_and_accuracy_carry_no_gradient():
+    """Liger 0.8.5 returns the z-loss and the accuracy with a grad_fn whose backward ignores
+    their upstream gradients (``z_loss.backward()`` gives zero gradients there); flce
+    returns them detached: ``loss + z_loss`` has the gradients of ``loss`` in both."""
+    x, w, b, t, _, _ = _inputs(seed=10)
+    leaves = [tensor.clone().requires_grad_() for tensor in (x, w, b)]
+    loss, z_loss, accuracy, _ = liger.LigerFusedLinearCrossEntropyFunction.apply(
+        *leaves[:2], t, leaves[2], None, -100, 1e-2, 0.0, "mean", None, True, None, False, True
+    )
+    assert not z_loss.requires_grad and not accuracy.requires_grad
+    (loss + z_loss).backward()
+    expected = [tensor.clone().requires_grad_() for tensor in (x, w, b)]
+    liger.liger_fused_linear_cross_entropy(*expected[:2], t, expected[2], lse_square_scale=1e-2).backward()
+    for leaf, reference in zip(leaves, expected, strict=True):
+        torch.testing.assert_close(leaf.grad, reference.grad, rtol=0, atol=0)
+
+
 def test_low_precision_class_weights_are_summed_exactly():
     """Liger 0.8.5 sums bf16 class weights in bf16 for the mean's divisor (observed: 4.4070
     where the exact loss of the same weights is 4.4102); flce's divisor is the exact sum of

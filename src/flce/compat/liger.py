@@ -14,12 +14,14 @@ is not rounded to their dtype (Liger's is), dW and db are accumulated in fp32 un
 ``accum_dtype`` names the weight's dtype (Liger's default accumulates in the weight's),
 the token accuracy of a batch whose every token is ignored is 0 (Liger's is 0/0 = NaN),
 and so is the cross-entropy part of a ``"mean"`` whose targets' class weights sum to 0
-(Liger's loss and gradients are NaN). Arguments that Liger's functions take unchecked raise, as docs/errors.md lists: a
-negative ``label_smoothing`` or ``lse_square_scale``, an unknown ``reduction``, ``softcap
-<= 0`` (a wrong or NaN result in Liger), negative class weights, and an ``accum_dtype``
-other than None, torch.float32 or the weight's dtype (float64 too: flce accumulates dW in
-fp32 and never below what is asked). ``ce_mode`` is accepted and ignored;
-``ce_impl`` selects an flce backend ("torch", "triton", "cutedsl"; Liger's names
+(Liger's loss and gradients are NaN). The z-loss and the accuracy are returned detached
+(Liger's carry a grad_fn through which no gradient flows: ``loss + z_loss`` has the same
+gradients either way). Arguments that Liger's functions take unchecked raise, as
+docs/errors.md lists: a negative ``label_smoothing`` or ``lse_square_scale``, an unknown
+``reduction``, ``softcap <= 0`` (a wrong or NaN result in Liger), negative class weights,
+and an ``accum_dtype`` other than None, torch.float32 or the weight's dtype (float64 too:
+flce accumulates dW in fp32 and never below what is asked). ``ce_mode`` is accepted and
+ignored; ``ce_impl`` selects an flce backend ("torch", "triton", "cutedsl"; Liger's names
 "nvidia-triton" and "nvidia-cutedsl" mean "triton" and "cutedsl"). The modules' class
 weights are checked when the module is built and kept as buffers outside the state dict
 (Liger's are plain attributes, which ``.to()``/``.cuda()`` leave behind). (B, T, H) inputs
