@@ -306,7 +306,7 @@ def test_ce_impl_takes_liger_implementation_names(ce_impl):
         x, w, t, b, None, -100, 0.0, 0.0, "mean", None, False, None, False, False, False, ce_impl, "default"
     )[0]
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
-    assert liger._backend_from_impl("ce_impl", "nvidia-cutedsl") == "cutedsl"
+    assert liger._backend_from_ce_impl("nvidia-cutedsl") == "cutedsl"
     with pytest.raises(ValueError, match="ce_impl must be None or one of"):
         liger.LigerFusedLinearCrossEntropyFunction.apply(
             x, w, t, b, None, -100, 0.0, 0.0, "mean", None, False, None, False, False, False, "nvidia-cutile"

@@ -87,9 +87,9 @@ _LIGER_IMPL_ALIASES = {
 }
 
 
-def _backend_from_impl(name: str, impl) -> str | None:
-    """Liger's ``ce_impl``/``jsd_impl`` (``name``) as an flce backend name; case-insensitive,
-    as ``backend=``."""
+def _backend_from_ce_impl(impl, name: str = "ce_impl") -> str | None:
+    """Liger's ``ce_impl`` (or ``jsd_impl``, named by ``name``) as an flce backend name;
+    case-insensitive, as ``backend=``."""
     if impl is None:
         return None
     key = impl.strip().lower() if isinstance(impl, str) else None
@@ -137,7 +137,7 @@ def _options(arguments: dict, **overrides) -> LossOptions:
 def _fused(input, weight, target, bias, ce_weight, arguments: dict, ce_impl=None, chunk_mem_const=1):
     options = _options(
         arguments,
-        backend=_backend_from_impl("ce_impl", ce_impl),
+        backend=_backend_from_ce_impl(ce_impl),
         chunk_size=_chunk_size_for(input, weight, chunk_mem_const),
     )
     return fused_linear_cross_entropy_with_options(input, weight, target, bias, ce_weight, options)
@@ -358,7 +358,7 @@ def _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype, jsd_impl=None
     ``ce_impl`` does."""
     if accum_dtype is not None and accum_dtype not in FLOAT_DTYPES:
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}")
-    backend = _backend_from_impl("jsd_impl", jsd_impl)
+    backend = _backend_from_ce_impl(jsd_impl, name="jsd_impl")
     try:
         return DistillationOptions(
             beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean", backend=backend
