@@ -24,8 +24,9 @@ flce accumulates dW in fp32 and never below what is asked). ``ce_mode`` is accep
 ignored; ``ce_impl`` selects an flce backend ("torch", "triton", "cutedsl"; Liger's names
 "nvidia-triton" and "nvidia-cutedsl" mean "triton" and "cutedsl"). The modules' class
 weights are checked when the module is built and kept as buffers outside the state dict
-(Liger's are plain attributes, which ``.to()``/``.cuda()`` leave behind). (B, T, H) inputs
-(Liger's take (BT, H) only) are taken too.
+(Liger's are plain attributes, which ``.to()``/``.cuda()`` leave behind; a dtype
+conversion, ``.to(torch.bfloat16)``, rounds them as it rounds ``torch.nn.CrossEntropyLoss``'s
+weight). (B, T, H) inputs (Liger's take (BT, H) only) are taken too.
 
 The fused linear JSD (``LigerFusedLinearJSD``, ``liger_fused_linear_jsd``,
 ``LigerFusedLinearJSDFunction``) runs ``flce.fused_linear_distillation`` with
