@@ -15,7 +15,8 @@ from flce.testing import EPS, TOLERANCE_FACTOR
 _NO_DEFAULT = inspect.Parameter.empty
 # (name, default) per parameter, copied from liger-kernel 0.8.5's source
 # (transformers/fused_linear_jsd.py, transformers/functional.py, ops/fused_linear_jsd.py);
-# ``accum_dtype`` is in all three since 0.8.2.
+# ``accum_dtype`` is in all three since 0.8.2; the autograd function's ``jsd_impl`` and
+# ``jsd_mode``, which Liger's own functional and module pass (as None), in 0.8.5.
 LIGER_0_8_5 = {
     "LigerFusedLinearJSD.__init__": [
         ("self", _NO_DEFAULT),
@@ -54,6 +55,8 @@ LIGER_0_8_5 = {
         ("ignore_index", -100),
         ("temperature", 1.0),
         ("accum_dtype", None),
+        ("jsd_impl", None),
+        ("jsd_mode", None),
     ],
 }
 
@@ -183,3 +186,30 @@ def test_a_bad_accum_dtype_is_refused():
         liger.LigerFusedLinearJSD(accum_dtype=torch.int32)
     with pytest.raises(ValueError, match="accum_dtype must be None"):
         liger.liger_fused_linear_jsd(*_inputs()[:4], accum_dtype=torch.float64)
+
+
+def test_function_takes_liger_s_eleven_arguments_and_implementation_names():
+    """Liger 0.8.5's ``liger_fused_linear_jsd`` and ``LigerFusedLinearJSD`` call
+    ``LigerFusedLinearJSDFunction.apply`` with eleven arguments (``..., accum_dtype, None,
+    None``): its ``jsd_impl`` ("nvidia-triton", "nvidia-cutedsl" or their legacy bare names)
+    selects that flce backend, its ``jsd_mode`` is ignored, and an implementation flce does
+    not have is refused by name."""
+    x, w, xt, wt, labels = _inputs(seed=6)
+    expected = flce.fused_linear_distillation(x, w, xt, wt, labels, beta=0.3, temperature=1.5)
+    loss = liger.LigerFusedLinearJSDFunction.apply(x, w, xt, wt, labels, 0.3, -100, 1.5, None, None, None)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+    on_triton = flce.fused_linear_distillation(x, w, xt, wt, labels, beta=0.3, temperature=1.5, backend="triton")
+    for jsd_impl in ("nvidia-triton", "triton"):
+        loss = liger.LigerFusedLinearJSDFunction.apply(x, w, xt, wt, labels, 0.3, -100, 1.5, None, jsd_impl, "default")
+        torch.testing.assert_close(loss, on_triton, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="jsd_impl must be None or one of"):
+        liger.LigerFusedLinearJSDFunction.apply(x, w, xt, wt, labels, 0.3, -100, 1.5, None, "nvidia-cutile")
+
+
+def test_labels_liger_would_read_as_kept_tokens_are_refused():
+    """Liger 0.8.5 compares each label with ``ignore_index`` only (a label out of [0, V),
+    or -100 under ``ignore_index=3``, is a kept token there); flce refuses such labels,
+    as every target it takes (the documented difference)."""
+    x, w, xt, wt, labels = _inputs(seed=7)
+    with pytest.raises(ValueError, match="target values must be in"):
+        liger.liger_fused_linear_jsd(x, w, xt, wt, labels, ignore_index=3)

@@ -2,22 +2,42 @@
 
 Swap ``from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy``
 for ``from flce.compat.liger import liger_fused_linear_cross_entropy``. Behaviour matches
-Liger's except for its known defects, which flce does not have: only-weight-requires-grad
-returns the weight gradient, repeated backward does not compound the upstream scaling,
-out-of-range targets raise, and the caller's logits are never overwritten by the
-standalone cross-entropy (``liger_cross_entropy``, ``LigerCrossEntropyLoss``). ``ce_mode`` is
-accepted and ignored; ``ce_impl`` selects an flce backend ("torch", "triton", "cutedsl";
-Liger's "nvidia-cutedsl" means "cutedsl"). The modules' class weights are checked when the
-module is built and kept as buffers outside the state dict (Liger's are plain attributes,
-which ``.to()``/``.cuda()`` leave behind).
+Liger's (values, gradients, which results are returned and which are None) except for its
+known defects, which flce does not have: only-weight-requires-grad returns the weight
+gradient, repeated backward does not compound the upstream scaling, out-of-range targets
+raise, and the caller's logits are never overwritten by the standalone cross-entropy
+(``liger_cross_entropy``, ``LigerCrossEntropyLoss``). Where Liger rounds or divides by
+zero, flce keeps the exact value: the loss and the z-loss are fp32 whatever the inputs'
+dtype (Liger's standalone cross-entropy returns both in the logits' dtype, its fused loss
+the z-loss in the input's: bf16/fp16-rounded), the mean's sum of bf16/fp16 class weights
+is not rounded to their dtype (Liger's is), dW and db are accumulated in fp32 unless
+``accum_dtype`` names the weight's dtype (Liger's default accumulates in the weight's),
+the token accuracy of a batch whose every token is ignored is 0 (Liger's is 0/0 = NaN),
+and so is the cross-entropy part of a ``"mean"`` whose targets' class weights sum to 0
+(Liger's loss and gradients are NaN). The z-loss and the accuracy are returned detached
+(Liger's carry a grad_fn through which no gradient flows: ``loss + z_loss`` has the same
+gradients either way). Arguments that Liger's functions take unchecked raise, as
+docs/errors.md lists: a negative ``label_smoothing`` or ``lse_square_scale``, an unknown
+``reduction``, ``softcap <= 0`` (a wrong or NaN result in Liger), negative class weights,
+and an ``accum_dtype`` other than None, torch.float32 or the weight's dtype (float64 too:
+flce accumulates dW in fp32 and never below what is asked). ``ce_mode`` is accepted and
+ignored; ``ce_impl`` selects an flce backend ("torch", "triton", "cutedsl"; Liger's names
+"nvidia-triton" and "nvidia-cutedsl" mean "triton" and "cutedsl"). The modules' class
+weights are checked when the module is built and kept as buffers outside the state dict
+(Liger's are plain attributes, which ``.to()``/``.cuda()`` leave behind; a dtype
+conversion, ``.to(torch.bfloat16)``, rounds them as it rounds ``torch.nn.CrossEntropyLoss``'s
+weight). (B, T, H) inputs (Liger's take (BT, H) only) are taken too.
 
 The fused linear JSD (``LigerFusedLinearJSD``, ``liger_fused_linear_jsd``,
 ``LigerFusedLinearJSDFunction``) runs ``flce.fused_linear_distillation`` with
 ``reduction="mean"``: the same loss, the mean over the tokens whose label is not
-``ignore_index``; unlike Liger's, it never materializes a chunk's fp32 log-probabilities
-beside the logits, returns 0 (not NaN) when every token is ignored, refuses bad
-arguments with exceptions instead of asserts, and takes (B, T, H) inputs too. Its
-``accum_dtype`` is checked and selects nothing: dW is accumulated in fp32.
+``ignore_index`` (0 when every token is ignored, as Liger's); unlike Liger's, it never
+materializes a chunk's fp32 log-probabilities beside the logits, refuses bad arguments
+with exceptions instead of asserts or NaN (``jsd_beta`` outside [0, 1], ``temperature <=
+0``, a label neither in [0, V) nor ``ignore_index``, which Liger reads as a kept token),
+and takes (B, T, H) inputs with (B, T) labels too. Its ``accum_dtype`` is checked and
+selects nothing: dW is accumulated in fp32; ``jsd_impl`` selects a backend as ``ce_impl``
+does and ``jsd_mode`` is ignored.
 """
 
 from __future__ import annotations
@@ -57,17 +77,26 @@ __all__ = [
     "liger_fused_linear_jsd",
 ]
 
-_LIGER_IMPL_ALIASES = {"nvidia-cutedsl": "cutedsl", "cutedsl": "cutedsl", "triton": "triton", "torch": "torch"}
+# Liger's implementation names (``nvidia-<dsl>``, and the bare ``<dsl>`` it also takes) and
+# flce's own backend names, each as the flce backend that runs it.
+_LIGER_IMPL_ALIASES = {
+    "nvidia-triton": "triton",
+    "triton": "triton",
+    "nvidia-cutedsl": "cutedsl",
+    "cutedsl": "cutedsl",
+    "torch": "torch",
+}
 
 
-def _backend_from_ce_impl(ce_impl) -> str | None:
-    """Liger's ``ce_impl`` as an flce backend name; case-insensitive, as ``backend=``."""
-    if ce_impl is None:
+def _backend_from_ce_impl(impl, name: str = "ce_impl") -> str | None:
+    """Liger's ``ce_impl`` (or ``jsd_impl``, named by ``name``) as an flce backend name;
+    case-insensitive, as ``backend=``."""
+    if impl is None:
         return None
-    name = ce_impl.strip().lower() if isinstance(ce_impl, str) else None
-    if name not in _LIGER_IMPL_ALIASES:
-        raise ValueError(f"ce_impl must be None or one of {sorted(_LIGER_IMPL_ALIASES)}, got {ce_impl!r}")
-    return _LIGER_IMPL_ALIASES[name]
+    key = impl.strip().lower() if isinstance(impl, str) else None
+    if key not in _LIGER_IMPL_ALIASES:
+        raise ValueError(f"{name} must be None or one of {sorted(_LIGER_IMPL_ALIASES)}, got {impl!r}")
+    return _LIGER_IMPL_ALIASES[key]
 
 
 def _liger_chunk_size(n_rows: int, vocab: int, hidden: int, chunk_mem_const) -> int | None:
@@ -323,14 +352,18 @@ def liger_cross_entropy(
 # --------------------------------------------------------------- fused linear JSD
 
 
-def _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype) -> DistillationOptions:
+def _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype, jsd_impl=None) -> DistillationOptions:
     """The distillation's options from Liger's arguments. ``accum_dtype`` (Liger's dW
     accumulation dtype) is checked and has nothing to select: flce accumulates dW in fp32,
-    never less precise than any dtype it may name."""
+    never less precise than any dtype it may name. ``jsd_impl`` selects a backend, as
+    ``ce_impl`` does."""
     if accum_dtype is not None and accum_dtype not in FLOAT_DTYPES:
         raise ValueError(f"accum_dtype must be None, torch.float32 or the weight's dtype, got {accum_dtype!r}")
+    backend = _backend_from_ce_impl(jsd_impl, name="jsd_impl")
     try:
-        return DistillationOptions(beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean")
+        return DistillationOptions(
+            beta=jsd_beta, temperature=temperature, ignore_index=ignore_index, reduction="mean", backend=backend
+        )
     except (TypeError, ValueError) as error:  # named as the caller spelled it: jsd_beta, not beta
         message = str(error)
         if message.startswith("beta "):
@@ -347,7 +380,9 @@ def _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_lab
 class LigerFusedLinearJSDFunction:
     """``LigerFusedLinearJSDFunction.apply(student_input, student_weight, teacher_input,
     teacher_weight, shift_labels=None, jsd_beta=0.5, ignore_index=-100, temperature=1.0,
-    accum_dtype=None)`` -> the loss, as Liger's autograd function."""
+    accum_dtype=None, jsd_impl=None, jsd_mode=None)`` -> the loss, as Liger's autograd
+    function (Liger's own functional and module pass all eleven). ``jsd_impl`` selects an
+    flce backend as ``ce_impl`` does; ``jsd_mode`` is accepted and ignored."""
 
     @staticmethod
     def forward(
@@ -361,8 +396,10 @@ class LigerFusedLinearJSDFunction:
         ignore_index: int = -100,
         temperature: float = 1.0,
         accum_dtype: torch.dtype | None = None,
+        jsd_impl=None,
+        jsd_mode=None,
     ):
-        options = _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype)
+        options = _jsd_options(jsd_beta, ignore_index, temperature, accum_dtype, jsd_impl)
         return _jsd(student_input, student_weight, teacher_input, teacher_weight, shift_labels, options)
 
     @staticmethod
