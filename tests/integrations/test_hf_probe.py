@@ -110,6 +110,21 @@ def test_padded_vocabulary_is_scored_over_the_kept_rows():
     batch["input_ids"] = batch["input_ids"] % (hf_tiny.VOCAB - 16)
     batch["labels"] = torch.where(batch["labels"] < 0, batch["labels"], batch["input_ids"])
     hf_tiny.compare_with_stock(stock, patched, batch)
+    # Class weights: one per kept logit, or one per row of the head (the first ones used).
+    weights = torch.rand(hf_tiny.VOCAB, generator=torch.Generator().manual_seed(3)) + 0.5
+    logits = stock(input_ids=batch["input_ids"]).logits
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets, weight=weights[: logits.shape[-1]])
+    for given in (weights, weights[: logits.shape[-1]]):
+        weighted = flce_hf.apply_flce(hf_tiny.clone(stock), ce_weight=given)
+        for skip_logits in (True, False):
+            torch.testing.assert_close(weighted(**batch, skip_logits=skip_logits).loss, expected)
+    weighted = flce_hf.apply_flce(hf_tiny.clone(stock), ce_weight=weights[:-3])
+    kept, rows = hf_tiny.VOCAB - 16, hf_tiny.VOCAB
+    with pytest.raises(
+        ValueError, match=rf"ce_weight must have shape \({kept},\).* or \({rows},\), one per row of its head"
+    ):
+        weighted(**batch)
     # The width is read from the config again when it changes.
     for model in (stock, patched):
         model.config.unpadded_vocab_size = None
