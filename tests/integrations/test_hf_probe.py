@@ -495,6 +495,32 @@ def test_accelerate_mixed_precision_wrapper_is_kept(bf16_accelerator):
     assert flce_hf.is_patched(unwrapped) and unwrapped(**batch).logits is None
 
 
+def test_accelerate_wrapper_put_on_after_patching_is_kept(bf16_accelerator):
+    """accelerator.prepare after apply_flce wraps flce's forward (its wrappers copy the
+    forward's attributes, flce's mark included): patching again (new options) and remove_flce
+    keep those wrappers; they were dropped, the model running in fp32 without a word."""
+    stock = bf16_accelerator.prepare(build("llama"))
+    patched = bf16_accelerator.prepare(flce_hf.apply_flce(build("llama")))  # the same weights as stock's
+    dtypes = {}
+    for name, model in (("stock", stock), ("flce", patched)):
+        layer = model.model.layers[0].mlp.down_proj
+        layer.register_forward_hook(lambda module, args, output, name=name: dtypes.update({name: output.dtype}))
+    batch = hf_tiny.inputs(stock)
+    expected = stock(**batch)
+    assert patched(**batch).logits is None and dtypes == {"stock": torch.bfloat16, "flce": torch.bfloat16}
+    flce_hf.apply_flce(patched, label_smoothing=0.1)
+    dtypes.clear()
+    smoothed = patched(**batch)
+    assert smoothed.logits is None and dtypes["flce"] == torch.bfloat16
+    assert not torch.allclose(smoothed.loss, expected.loss)  # the new options are in effect
+    flce_hf.remove_flce(patched)
+    dtypes.clear()
+    out = patched(**batch)
+    assert not flce_hf.is_patched(patched) and dtypes["flce"] == torch.bfloat16
+    assert out.logits.dtype == torch.float32  # accelerate's conversion of the outputs is kept too
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+
 def test_instance_forward_flce_cannot_see_through_is_refused():
     model = build("llama")
     own_forward = model.forward

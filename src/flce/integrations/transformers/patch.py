@@ -562,6 +562,9 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
 
 # --------------------------------------------------------------------------- forward
 
+# On a patched forward: the function itself. Wrappers built with functools.wraps (accelerate's
+# mixed-precision ones, put around flce's forward by accelerator.prepare) copy its attributes,
+# this one included, so a wrapper holding it is told from flce's forward by identity.
 FLCE_MARK = "_flce_patched"
 
 
@@ -626,14 +629,17 @@ def make_forward(original, settings: LossSettings):
     # unwrap_model) stop here instead of dropping the patch.
     del forward.__wrapped__
     forward.__signature__ = inspect.signature(original)
-    setattr(forward, FLCE_MARK, True)
+    setattr(forward, FLCE_MARK, forward)
     forward.flce_original_forward = original
     forward.flce_settings = settings
     return forward
 
 
 def is_flce_forward(fn) -> bool:
-    return bool(getattr(getattr(fn, "__func__", fn), FLCE_MARK, False))
+    """Whether ``fn`` (or the function of a bound method) is a forward ``make_forward`` made,
+    not a wrapper that copied its attributes."""
+    function = getattr(fn, "__func__", fn)
+    return getattr(function, FLCE_MARK, None) is function
 
 
 def unwrap_forward(fn):
