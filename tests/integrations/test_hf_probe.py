@@ -521,6 +521,24 @@ def test_accelerate_wrapper_put_on_after_patching_is_kept(bf16_accelerator):
     torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
 
 
+def test_instance_patch_of_a_class_patched_prepared_model_keeps_its_wrappers(bf16_accelerator):
+    """A class-patched model prepared by accelerate, then patched on the instance: flce's
+    instance forward goes inside accelerate's wrappers (the first of them, which copied the
+    class forward's attributes, was taken for it and replaced: no autocast any more)."""
+    flce_hf.patch_model_type(transformers.LlamaForCausalLM)
+    try:
+        model = bf16_accelerator.prepare(build("llama"))
+        dtypes = []
+        model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda module, args, output: dtypes.append(output.dtype)
+        )
+        flce_hf.apply_flce(model, label_smoothing=0.1)
+        dtypes.clear()  # the probe's calls
+        assert model(**hf_tiny.inputs(model)).logits is None and dtypes == [torch.bfloat16]
+    finally:
+        flce_hf.unpatch_model_type(transformers.LlamaForCausalLM)
+
+
 def test_instance_forward_flce_cannot_see_through_is_refused():
     model = build("llama")
     own_forward = model.forward
