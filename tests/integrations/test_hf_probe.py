@@ -539,6 +539,29 @@ def test_instance_patch_of_a_class_patched_prepared_model_keeps_its_wrappers(bf1
         flce_hf.unpatch_model_type(transformers.LlamaForCausalLM)
 
 
+def test_deep_copy_of_a_patched_prepared_model_restores_its_own_forward(bf16_accelerator):
+    """apply_flce after accelerator.prepare keeps accelerate's forward to restore it; a deep
+    copy of the model shares flce's forward function, and what remove_flce (or patching again)
+    gave the copy back was the original model's bound forward: the copy ran the original."""
+    original = flce_hf.apply_flce(bf16_accelerator.prepare(build("llama")))
+    copied = copy.deepcopy(original)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.mul_(0.5)
+    batch = hf_tiny.inputs(original)
+    expected = bf16_accelerator.prepare(build("llama"))
+    with torch.no_grad():
+        for parameter in expected.parameters():
+            parameter.mul_(0.5)
+    expected_loss = expected(**batch).loss
+    flce_hf.apply_flce(copied, label_smoothing=0.0)
+    torch.testing.assert_close(copied(**batch).loss, expected_loss, rtol=1e-5, atol=1e-6)
+    flce_hf.remove_flce(copied)
+    out = copied(**batch)
+    assert out.logits is not None and copied.forward.__self__ is copied
+    torch.testing.assert_close(out.loss, expected_loss, rtol=1e-5, atol=1e-6)
+
+
 def test_instance_forward_flce_cannot_see_through_is_refused():
     model = build("llama")
     own_forward = model.forward

@@ -9,7 +9,7 @@ loss routes are ``patch.py``'s. The package's docstring says what a patched mode
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,25 @@ def _forward_call(cls: type) -> ForwardCall:
 REPLACED_FORWARD = "flce_replaced_forward"
 
 
+class ReplacedForward(NamedTuple):
+    """The instance's own forward flce's was put inside, without the instance: a deep copy of
+    the model shares flce's forward function (and so this), and a bound method kept here
+    would run the original model when restored on the copy."""
+
+    function: Any  # the bound method's function, or the callable itself
+    bound: bool  # a bound method of the instance: bound again to the one it is restored on
+
+    @staticmethod
+    def of(forward) -> ReplacedForward:
+        if isinstance(forward, types.MethodType):
+            return ReplacedForward(forward.__func__, True)
+        return ReplacedForward(forward, False)
+
+    def on(self, target):
+        """The forward, as the instance ``target``'s."""
+        return types.MethodType(self.function, target) if self.bound else self.function
+
+
 def _has_accelerate_hook(target) -> bool:
     return hasattr(target, "_hf_hook") and hasattr(target, "_old_forward")
 
@@ -77,13 +96,14 @@ def _bound_like(function, forward):
     return types.MethodType(function, bound_to) if bound_to is not None else function
 
 
-def _unpatched_instance_forward(forward, call: ForwardCall):
-    """The instance's forward as it would be without the flce instance patch that its
+def _unpatched_instance_forward(target, forward, call: ForwardCall):
+    """``target``'s forward as it would be without the flce instance patch that its
     ``forward`` runs (innermost): the forward that patch was put inside (None: the class's),
     within the wrappers put around flce's since (accelerate's mixed-precision ones, when
     ``accelerator.prepare`` came after ``apply_flce``), which must not be dropped with it."""
     chain = _instance_chain(forward, call)
-    replaced = getattr(chain[-1], REPLACED_FORWARD)
+    kept = getattr(chain[-1], REPLACED_FORWARD)
+    replaced = None if kept is None else kept.on(target)
     kept_inside = 0 if replaced is None else len(_instance_chain(replaced, call)) - 1  # copied by the patch
     added = chain[: len(chain) - 1 - kept_inside]
     if not added:
@@ -92,7 +112,7 @@ def _unpatched_instance_forward(forward, call: ForwardCall):
     rebuilt = rewrapped([*added, chain[len(added)]], getattr(inner, "__func__", inner))
     if rebuilt is None:
         raise UnsupportedModelError(
-            type(getattr(forward, "__self__", None)).__name__,
+            type(target).__name__,
             "its forward was wrapped after flce patched it in a way flce cannot see through to take its own "
             "forward out while keeping the wrappers",
         )
@@ -107,7 +127,7 @@ def _wrapped_instance_forward(target, call: ForwardCall):
         return None
     innermost = _instance_chain(forward, call)[-1]
     if hasattr(innermost, REPLACED_FORWARD):  # patched before: inside what is there without that patch
-        return _unpatched_instance_forward(forward, call)
+        return _unpatched_instance_forward(target, forward, call)
     if innermost is call.original or is_flce_forward(innermost):
         return forward
     raise UnsupportedModelError(
@@ -125,7 +145,7 @@ def _patched_forward(target, function, call: ForwardCall) -> tuple[str, Any]:
     if _has_accelerate_hook(target):
         return "_old_forward", types.MethodType(function, target)  # accelerate's hook calls it from `forward`
     outer = _wrapped_instance_forward(target, call)
-    setattr(function, REPLACED_FORWARD, outer)
+    setattr(function, REPLACED_FORWARD, None if outer is None else ReplacedForward.of(outer))
     if outer is None:
         return "forward", types.MethodType(function, target)
     forward = rewrapped(_instance_chain(outer, call), function)
@@ -169,7 +189,7 @@ def remove_flce(model):
         forward = target.__dict__["forward"]
         innermost = wrapper_chain(forward, is_flce_forward)[-1]
         if is_flce_forward(innermost) and hasattr(innermost, REPLACED_FORWARD):  # not a class-level patch
-            replaced = _unpatched_instance_forward(forward, _forward_call(type(target)))
+            replaced = _unpatched_instance_forward(target, forward, _forward_call(type(target)))
             if replaced is None:
                 del target.forward
             else:
