@@ -66,12 +66,12 @@ class ReplacedForward(NamedTuple):
     the model shares flce's forward function (and so this), and a bound method kept here
     would run the original model when restored on the copy."""
 
-    function: Any  # the bound method's function, or the callable itself
+    function: Any  # the function of a bound method of the instance, or the callable itself
     bound: bool  # a bound method of the instance: bound again to the one it is restored on
 
     @staticmethod
-    def of(forward) -> ReplacedForward:
-        if isinstance(forward, types.MethodType):
+    def of(forward, target) -> ReplacedForward:
+        if isinstance(forward, types.MethodType) and forward.__self__ is target:
             return ReplacedForward(forward.__func__, True)
         return ReplacedForward(forward, False)
 
@@ -145,7 +145,7 @@ def _patched_forward(target, function, call: ForwardCall) -> tuple[str, Any]:
     if _has_accelerate_hook(target):
         return "_old_forward", types.MethodType(function, target)  # accelerate's hook calls it from `forward`
     outer = _wrapped_instance_forward(target, call)
-    setattr(function, REPLACED_FORWARD, None if outer is None else ReplacedForward.of(outer))
+    setattr(function, REPLACED_FORWARD, None if outer is None else ReplacedForward.of(outer, target))
     if outer is None:
         return "forward", types.MethodType(function, target)
     forward = rewrapped(_instance_chain(outer, call), function)
