@@ -110,6 +110,21 @@ def test_padded_vocabulary_is_scored_over_the_kept_rows():
     batch["input_ids"] = batch["input_ids"] % (hf_tiny.VOCAB - 16)
     batch["labels"] = torch.where(batch["labels"] < 0, batch["labels"], batch["input_ids"])
     hf_tiny.compare_with_stock(stock, patched, batch)
+    # Class weights: one per kept logit, or one per row of the head (the first ones used).
+    weights = torch.rand(hf_tiny.VOCAB, generator=torch.Generator().manual_seed(3)) + 0.5
+    logits = stock(input_ids=batch["input_ids"]).logits
+    targets = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:].reshape(-1)
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets, weight=weights[: logits.shape[-1]])
+    for given in (weights, weights[: logits.shape[-1]]):
+        weighted = flce_hf.apply_flce(hf_tiny.clone(stock), ce_weight=given)
+        for skip_logits in (True, False):
+            torch.testing.assert_close(weighted(**batch, skip_logits=skip_logits).loss, expected)
+    weighted = flce_hf.apply_flce(hf_tiny.clone(stock), ce_weight=weights[:-3])
+    kept, rows = hf_tiny.VOCAB - 16, hf_tiny.VOCAB
+    with pytest.raises(
+        ValueError, match=rf"ce_weight must have shape \({kept},\).* or \({rows},\), one per row of its head"
+    ):
+        weighted(**batch)
     # The width is read from the config again when it changes.
     for model in (stock, patched):
         model.config.unpadded_vocab_size = None
@@ -478,6 +493,73 @@ def test_accelerate_mixed_precision_wrapper_is_kept(bf16_accelerator):
     flce_hf.apply_flce(patched)
     unwrapped = bf16_accelerator.unwrap_model(patched, keep_fp32_wrapper=False)
     assert flce_hf.is_patched(unwrapped) and unwrapped(**batch).logits is None
+
+
+def test_accelerate_wrapper_put_on_after_patching_is_kept(bf16_accelerator):
+    """accelerator.prepare after apply_flce wraps flce's forward (its wrappers copy the
+    forward's attributes, flce's mark included): patching again (new options) and remove_flce
+    keep those wrappers; they were dropped, the model running in fp32 without a word."""
+    stock = bf16_accelerator.prepare(build("llama"))
+    patched = bf16_accelerator.prepare(flce_hf.apply_flce(build("llama")))  # the same weights as stock's
+    dtypes = {}
+    for name, model in (("stock", stock), ("flce", patched)):
+        layer = model.model.layers[0].mlp.down_proj
+        layer.register_forward_hook(lambda module, args, output, name=name: dtypes.update({name: output.dtype}))
+    batch = hf_tiny.inputs(stock)
+    expected = stock(**batch)
+    assert patched(**batch).logits is None and dtypes == {"stock": torch.bfloat16, "flce": torch.bfloat16}
+    flce_hf.apply_flce(patched, label_smoothing=0.1)
+    dtypes.clear()
+    smoothed = patched(**batch)
+    assert smoothed.logits is None and dtypes["flce"] == torch.bfloat16
+    assert not torch.allclose(smoothed.loss, expected.loss)  # the new options are in effect
+    flce_hf.remove_flce(patched)
+    dtypes.clear()
+    out = patched(**batch)
+    assert not flce_hf.is_patched(patched) and dtypes["flce"] == torch.bfloat16
+    assert out.logits.dtype == torch.float32  # accelerate's conversion of the outputs is kept too
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_instance_patch_of_a_class_patched_prepared_model_keeps_its_wrappers(bf16_accelerator):
+    """A class-patched model prepared by accelerate, then patched on the instance: flce's
+    instance forward goes inside accelerate's wrappers (the first of them, which copied the
+    class forward's attributes, was taken for it and replaced: no autocast any more)."""
+    flce_hf.patch_model_type(transformers.LlamaForCausalLM)
+    try:
+        model = bf16_accelerator.prepare(build("llama"))
+        dtypes = []
+        model.model.layers[0].mlp.down_proj.register_forward_hook(
+            lambda module, args, output: dtypes.append(output.dtype)
+        )
+        flce_hf.apply_flce(model, label_smoothing=0.1)
+        dtypes.clear()  # the probe's calls
+        assert model(**hf_tiny.inputs(model)).logits is None and dtypes == [torch.bfloat16]
+    finally:
+        flce_hf.unpatch_model_type(transformers.LlamaForCausalLM)
+
+
+def test_deep_copy_of_a_patched_prepared_model_restores_its_own_forward(bf16_accelerator):
+    """apply_flce after accelerator.prepare keeps accelerate's forward to restore it; a deep
+    copy of the model shares flce's forward function, and what remove_flce (or patching again)
+    gave the copy back was the original model's bound forward: the copy ran the original."""
+    original = flce_hf.apply_flce(bf16_accelerator.prepare(build("llama")))
+    copied = copy.deepcopy(original)
+    with torch.no_grad():
+        for parameter in copied.parameters():
+            parameter.mul_(0.5)
+    batch = hf_tiny.inputs(original)
+    expected = bf16_accelerator.prepare(build("llama"))
+    with torch.no_grad():
+        for parameter in expected.parameters():
+            parameter.mul_(0.5)
+    expected_loss = expected(**batch).loss
+    flce_hf.apply_flce(copied, label_smoothing=0.0)
+    torch.testing.assert_close(copied(**batch).loss, expected_loss, rtol=1e-5, atol=1e-6)
+    flce_hf.remove_flce(copied)
+    out = copied(**batch)
+    assert out.logits is not None and copied.forward.__self__ is copied
+    torch.testing.assert_close(out.loss, expected_loss, rtol=1e-5, atol=1e-6)
 
 
 def test_instance_forward_flce_cannot_see_through_is_refused():

@@ -297,6 +297,32 @@ def test_loss_options_are_passed_through():
     torch.testing.assert_close(loss, expected, **LOSS_TOL)
 
 
+def test_class_weights_are_the_models_vocabulary():
+    """ce_weight weighs each class as F.cross_entropy's weight; weights of another length are
+    refused naming ce_weight (more of them were cut to the vocabulary, silently), with the
+    fused loss and with the model's logits; what is wrong whatever the vocabulary, at patch time."""
+    weights = torch.rand(VOCAB, generator=torch.Generator().manual_seed(3)) + 0.5
+    ref, patched = pair("llama", ce_weight=weights)
+    input_ids, attention_mask, labels = make_batch()
+    logits = ref(input_ids=input_ids, attention_mask=attention_mask).logits
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:]
+    expected = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1), weight=weights)
+    for skip_logits in (True, False):
+        out = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels, skip_logits=skip_logits)
+        torch.testing.assert_close(out.loss, expected, **LOSS_TOL)
+    for length in (VOCAB - 1, VOCAB + 5):
+        patched = flce_hf.apply_flce(copy.deepcopy(ref), ce_weight=torch.ones(length))
+        for skip_logits in (True, False):
+            with pytest.raises(ValueError, match=rf"ce_weight must have shape \({VOCAB},\).*got \({length},\)"):
+                patched(input_ids=input_ids, labels=labels, skip_logits=skip_logits)
+    with pytest.raises(TypeError, match="ce_weight must be a floating-point tensor"):
+        flce_hf.apply_flce(copy.deepcopy(ref), ce_weight=torch.ones(VOCAB, dtype=torch.long))
+    with pytest.raises(ValueError, match="ce_weight must be finite and non-negative"):
+        flce_hf.apply_flce(copy.deepcopy(ref), ce_weight=-torch.ones(VOCAB))
+    with pytest.raises(ValueError, match=r"ce_weight must have shape \(V,\)"):
+        flce_hf.apply_flce(copy.deepcopy(ref), ce_weight=torch.ones(2, VOCAB))
+
+
 def test_flce_computes_the_loss(monkeypatch):
     calls = []
     real = flce.fused_linear_cross_entropy

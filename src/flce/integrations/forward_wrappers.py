@@ -76,12 +76,15 @@ def _copy_pointing_at(wrapper, old, new):
         except TypeError:
             return None
         duplicate.__dict__.update(vars(wrapper))
+        # Attributes functools.update_wrapper copied from `old` (its __dict__) may hold `old`
+        # without the wrapper calling it, as the __wrapped__ link does.
+        copied = {"__wrapped__", *getattr(old, "__dict__", {})}
         replaced = False
         for name, value in vars(wrapper).items():
             swapped = _swapped(value, old, new)
             if swapped is not value:
                 setattr(duplicate, name, swapped)
-                replaced = name != "__wrapped__" or replaced
+                replaced = name not in copied or replaced
         return duplicate if replaced else None
     return None
 

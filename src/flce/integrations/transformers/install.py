@@ -9,7 +9,7 @@ loss routes are ``patch.py``'s. The package's docstring says what a patched mode
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,25 @@ def _forward_call(cls: type) -> ForwardCall:
 REPLACED_FORWARD = "flce_replaced_forward"
 
 
+class ReplacedForward(NamedTuple):
+    """The instance's own forward flce's was put inside, without the instance: a deep copy of
+    the model shares flce's forward function (and so this), and a bound method kept here
+    would run the original model when restored on the copy."""
+
+    function: Any  # the function of a bound method of the instance, or the callable itself
+    bound: bool  # a bound method of the instance: bound again to the one it is restored on
+
+    @staticmethod
+    def of(forward, target) -> ReplacedForward:
+        if isinstance(forward, types.MethodType) and forward.__self__ is target:
+            return ReplacedForward(forward.__func__, True)
+        return ReplacedForward(forward, False)
+
+    def on(self, target):
+        """The forward, as the instance ``target``'s."""
+        return types.MethodType(self.function, target) if self.bound else self.function
+
+
 def _has_accelerate_hook(target) -> bool:
     return hasattr(target, "_hf_hook") and hasattr(target, "_old_forward")
 
@@ -71,6 +90,35 @@ def _instance_chain(forward, call: ForwardCall) -> list:
     return wrapper_chain(forward, lambda function: function is call.original or is_flce_forward(function))
 
 
+def _bound_like(function, forward):
+    """``function`` bound to what ``forward`` is bound to, if it is a bound method."""
+    bound_to = getattr(forward, "__self__", None)
+    return types.MethodType(function, bound_to) if bound_to is not None else function
+
+
+def _unpatched_instance_forward(target, forward, call: ForwardCall):
+    """``target``'s forward as it would be without the flce instance patch that its
+    ``forward`` runs (innermost): the forward that patch was put inside (None: the class's),
+    within the wrappers put around flce's since (accelerate's mixed-precision ones, when
+    ``accelerator.prepare`` came after ``apply_flce``), which must not be dropped with it."""
+    chain = _instance_chain(forward, call)
+    kept = getattr(chain[-1], REPLACED_FORWARD)
+    replaced = None if kept is None else kept.on(target)
+    kept_inside = 0 if replaced is None else len(_instance_chain(replaced, call)) - 1  # copied by the patch
+    added = chain[: len(chain) - 1 - kept_inside]
+    if not added:
+        return replaced
+    inner = call.original if replaced is None else replaced
+    rebuilt = rewrapped([*added, chain[len(added)]], getattr(inner, "__func__", inner))
+    if rebuilt is None:
+        raise UnsupportedModelError(
+            type(target).__name__,
+            "its forward was wrapped after flce patched it in a way flce cannot see through to take its own "
+            "forward out while keeping the wrappers",
+        )
+    return _bound_like(rebuilt, forward)
+
+
 def _wrapped_instance_forward(target, call: ForwardCall):
     """The instance's own forward that flce's goes inside (e.g. accelerate's mixed-precision
     wrappers after ``accelerator.prepare``), or None where the class's forward runs as is."""
@@ -78,8 +126,8 @@ def _wrapped_instance_forward(target, call: ForwardCall):
     if forward is None:
         return None
     innermost = _instance_chain(forward, call)[-1]
-    if hasattr(innermost, REPLACED_FORWARD):  # patched before: inside what was there then
-        return getattr(innermost, REPLACED_FORWARD)
+    if hasattr(innermost, REPLACED_FORWARD):  # patched before: inside what is there without that patch
+        return _unpatched_instance_forward(target, forward, call)
     if innermost is call.original or is_flce_forward(innermost):
         return forward
     raise UnsupportedModelError(
@@ -97,7 +145,7 @@ def _patched_forward(target, function, call: ForwardCall) -> tuple[str, Any]:
     if _has_accelerate_hook(target):
         return "_old_forward", types.MethodType(function, target)  # accelerate's hook calls it from `forward`
     outer = _wrapped_instance_forward(target, call)
-    setattr(function, REPLACED_FORWARD, outer)
+    setattr(function, REPLACED_FORWARD, None if outer is None else ReplacedForward.of(outer, target))
     if outer is None:
         return "forward", types.MethodType(function, target)
     forward = rewrapped(_instance_chain(outer, call), function)
@@ -107,8 +155,7 @@ def _patched_forward(target, function, call: ForwardCall) -> tuple[str, Any]:
             "its instance forward wraps the class's forward in a way flce cannot see through to put its own "
             "forward inside; apply flce before wrapping the forward (e.g. before accelerator.prepare)",
         )
-    bound_to = getattr(outer, "__self__", None)
-    return "forward", types.MethodType(forward, bound_to) if bound_to is not None else forward
+    return "forward", _bound_like(forward, outer)
 
 
 def apply_flce(model, **loss_options: Any):
@@ -119,7 +166,8 @@ def apply_flce(model, **loss_options: Any):
     give it its own loss and gradients. Patching again replaces the options;
     ``remove_flce`` undoes it. Other instances of the class are not affected. Wrappers the
     instance's forward already has (accelerate's mixed precision after
-    ``accelerator.prepare``) are kept, flce's forward inside them.
+    ``accelerator.prepare``, before or after an earlier ``apply_flce``) are kept, flce's
+    forward inside them.
     """
     settings = LossSettings.from_kwargs(loss_options)
     target = unwrap_model(model)
@@ -131,14 +179,17 @@ def apply_flce(model, **loss_options: Any):
 
 
 def remove_flce(model):
-    """Undo ``apply_flce`` on this instance (a class-level patch stays in effect)."""
+    """Undo ``apply_flce`` on this instance (a class-level patch stays in effect). Wrappers
+    put around flce's forward since (``accelerator.prepare`` after ``apply_flce``) stay,
+    around the model's own forward."""
     target = unwrap_model(model)
     if _has_accelerate_hook(target) and is_flce_forward(getattr(target, "_old_forward", None)):
         target._old_forward = types.MethodType(unwrap_forward(target._old_forward), target)
     elif "forward" in target.__dict__:
-        innermost = wrapper_chain(target.__dict__["forward"], is_flce_forward)[-1]
+        forward = target.__dict__["forward"]
+        innermost = wrapper_chain(forward, is_flce_forward)[-1]
         if is_flce_forward(innermost) and hasattr(innermost, REPLACED_FORWARD):  # not a class-level patch
-            replaced = getattr(innermost, REPLACED_FORWARD)
+            replaced = _unpatched_instance_forward(target, forward, _forward_call(type(target)))
             if replaced is None:
                 del target.forward
             else:

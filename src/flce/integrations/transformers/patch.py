@@ -59,6 +59,7 @@ from flce.integrations.transformers.probe import (
     shifted_labels,
     vocabulary_points,
 )
+from flce.options import register_class_weight
 
 INTERCEPTOR_ATTRIBUTE = "_flce_interceptor"
 
@@ -113,8 +114,10 @@ class LossSettings:
                 raise TypeError(f"unknown loss option {key!r}; expected one of {allowed}")
         options = dict(loss_options)
         ce_weight = options.pop("ce_weight", None)
-        if ce_weight is not None and not isinstance(ce_weight, torch.Tensor):
-            raise TypeError(f"ce_weight must be a (V,) float tensor or None, got {type(ce_weight).__name__}")
+        # What can be known before the vocabulary (a dense, floating-point, 1-D tensor of finite,
+        # non-negative weights), checked as the loss modules check theirs when built; the
+        # shape is checked against the model's logits at the call (``Interceptor.class_weights``).
+        register_class_weight(torch.nn.Module(), "ce_weight", ce_weight)
         return LossSettings(flce.LossOptions(**options), ce_weight)
 
     def fused_kwargs(self) -> dict[str, Any]:
@@ -314,6 +317,25 @@ class Interceptor:
             loss = loss / num_items_in_batch
         return loss
 
+    def class_weights(self, keywords: dict[str, Any], name: str, classes: int) -> dict[str, Any]:
+        """``keywords`` with the user's class weights (``keywords[name]``, given as ``ce_weight``)
+        for the ``classes`` logits the loss scores: as given, or cut to the first ``classes``
+        where they are one per row of the head and the forward keeps the first ``classes``
+        logits (a padded vocabulary). Any other length is refused naming ``ce_weight``: cut
+        silently, weights for another vocabulary would score every class with a wrong weight."""
+        weights = keywords.get(name)
+        if weights is None or weights.shape == (classes,):
+            return keywords
+        head_rows = head_parts(self.head).linear.out_features
+        kept = self.recipe.vocab_rows == classes
+        if kept and weights.shape == (head_rows,):
+            return {**keywords, name: weights[:classes]}
+        padded = f" or ({head_rows},), one per row of its head (its forward keeps the first {classes})" if kept else ""
+        raise ValueError(
+            f"ce_weight must have shape ({classes},), one weight per class the model's logits score{padded}, "
+            f"got {tuple(weights.shape)}"
+        )
+
     def _logits_loss(self, logits, targets, ignore_index, reduction) -> torch.Tensor:
         logits_2d = logits.reshape(-1, logits.shape[-1])
         _check_target_count(targets, logits_2d.shape[0])
@@ -322,7 +344,7 @@ class Interceptor:
             targets.reshape(-1).to(logits.device),
             ignore_index=ignore_index,
             reduction=reduction,
-            **_class_weights_for(self.settings.logits_kwargs(), "weight", logits_2d.shape[-1]),
+            **self.class_weights(self.settings.logits_kwargs(), "weight", logits_2d.shape[-1]),
         )
 
     def _fused_loss(self, placeholder, targets, ignore_index, reduction) -> torch.Tensor:
@@ -374,7 +396,7 @@ class Interceptor:
             ignore_index=ignore_index,
             reduction=reduction,
             softcap=self.recipe.softcap,
-            **_class_weights_for(self.settings.fused_kwargs(), "ce_weight", weight.shape[0]),
+            **self.class_weights(self.settings.fused_kwargs(), "ce_weight", weight.shape[0]),
         )
 
     # -- one patched call
@@ -436,15 +458,6 @@ class Interceptor:
         # The stock tuple's fields are those that are not None; its logits always are, so a
         # None keeps their slot and every later field where the stock tuple has it.
         return tuple(value for name, value in values.items() if value is not None or name == "logits")
-
-
-def _class_weights_for(keywords: dict[str, Any], name: str, classes: int) -> dict[str, Any]:
-    """``keywords`` with the class weights (``keywords[name]``) cut to the first ``classes``
-    where the forward keeps that many logits (a padded vocabulary)."""
-    weights = keywords.get(name)
-    if weights is None or weights.shape[0] <= classes:
-        return keywords
-    return {**keywords, name: weights[:classes]}
 
 
 def _check_target_count(targets: torch.Tensor, rows: int) -> None:
@@ -549,6 +562,9 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
 
 # --------------------------------------------------------------------------- forward
 
+# On a patched forward: the function itself. Wrappers built with functools.wraps (accelerate's
+# mixed-precision ones, put around flce's forward by accelerator.prepare) copy its attributes,
+# this one included, so a wrapper holding it is told from flce's forward by identity.
 FLCE_MARK = "_flce_patched"
 
 
@@ -613,14 +629,17 @@ def make_forward(original, settings: LossSettings):
     # unwrap_model) stop here instead of dropping the patch.
     del forward.__wrapped__
     forward.__signature__ = inspect.signature(original)
-    setattr(forward, FLCE_MARK, True)
+    setattr(forward, FLCE_MARK, forward)
     forward.flce_original_forward = original
     forward.flce_settings = settings
     return forward
 
 
 def is_flce_forward(fn) -> bool:
-    return bool(getattr(getattr(fn, "__func__", fn), FLCE_MARK, False))
+    """Whether ``fn`` (or the function of a bound method) is a forward ``make_forward`` made,
+    not a wrapper that copied its attributes."""
+    function = getattr(fn, "__func__", fn)
+    return getattr(function, FLCE_MARK, None) is function
 
 
 def unwrap_forward(fn):
