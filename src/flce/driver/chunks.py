@@ -94,18 +94,26 @@ def in_compute_dtype(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.T
 @dataclass(frozen=True)
 class LinearHead:
     """An LM head whose logits the token-chunk loop forms chunk by chunk:
-    ``logits = input @ weight.T + bias``, in ``compute_dtype``."""
+    ``logits = input @ weight.T + bias``, a GEMM of ``compute_dtype`` operands whose
+    logits are ``logits_dtype`` (that dtype by default; fp32 from 16-bit operands:
+    ``flce.driver.gemm.fp32_logits_product``)."""
 
     input: torch.Tensor  # (N, H) any float dtype (cast to compute_dtype per chunk)
     weight: torch.Tensor  # (V, H)
     bias: torch.Tensor | None  # (V,)
     compute_dtype: torch.dtype
+    logits_dtype: torch.dtype | None = None  # None: compute_dtype
+
+    @property
+    def logits_in(self) -> torch.dtype:
+        return self.logits_dtype or self.compute_dtype
 
 
 class TokenChunkKernel(Protocol):
     """What ``run_token_chunks`` calls for each chunk of rows ``[start, end)``: the loss
     head's per-row outputs of those rows from their ``logits`` (C, V) and, with
-    ``compute_grad``, dL/dlogits written over ``logits`` (same dtype). ``constant_logits``
+    ``compute_grad``, dL/dlogits written over ``logits`` (same dtype; the loop casts it to
+    the head's compute dtype for dX and dW where its logits are wider). ``constant_logits``
     holds the chunk's logits of each constant head (a teacher), only to be read."""
 
     def __call__(
@@ -175,8 +183,14 @@ def run_token_chunks(
         (c, in_compute_dtype(c.weight, c.compute_dtype).t(), in_compute_dtype(c.bias, c.compute_dtype))
         for c in constant_heads
     ]
-    # The constant heads' chunk buffers count as workspace per logit of the chunk.
-    extra_bytes = extra_bytes_per_logit + sum(c.compute_dtype.itemsize for c in constant_heads)
+    # The constant heads' chunk buffers count as workspace per logit of the chunk; so do
+    # wider logits than the operands' (the sizing counts them in the compute dtype) and,
+    # for gradients, their cast back to it for dX and dW.
+    logits_dtype = head.logits_in
+    wider_logits = logits_dtype != compute_dtype
+    extra_bytes = extra_bytes_per_logit + sum(c.logits_in.itemsize for c in constant_heads)
+    if wider_logits:
+        extra_bytes += logits_dtype.itemsize - compute_dtype.itemsize + (compute_dtype.itemsize if request.any else 0)
 
     accumulator_dtype = weight_accumulator_dtype(accum_dtype, weight.dtype) if request.weight else None
     chunk = chunk_size or whole_row_chunk_size(
@@ -195,12 +209,14 @@ def run_token_chunks(
     )
 
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
-    # chunk of aligned rows otherwise: its GEMM allocates the logits (the same memory, one op
-    # fewer than a buffer).
+    # chunk of aligned rows in the operands' dtype otherwise: its GEMM allocates the logits
+    # (the same memory, one op fewer than a buffer).
     buffer = kept_logits
-    if buffer is None and (chunk < n_rows or logits_row_stride(vocab) != vocab):
-        buffer = logits_buffer(chunk, vocab, compute_dtype, device)
-    constant_buffers = [logits_buffer(chunk, vocab, c.compute_dtype, device) for c in constant_heads if n_rows]
+    if buffer is None and (chunk < n_rows or logits_row_stride(vocab) != vocab or wider_logits):
+        buffer = logits_buffer(chunk, vocab, logits_dtype, device)
+    constant_buffers = [logits_buffer(chunk, vocab, c.logits_in, device) for c in constant_heads if n_rows]
+    # Wider logits: dL/dlogits cast back to the compute dtype, the dX and dW GEMMs' operand.
+    grad_buffer = logits_buffer(chunk, vocab, compute_dtype, device) if wider_logits and request.any else None
 
     dx = dw_acc = db_acc = None
     compute_grad = request.any
@@ -228,6 +244,8 @@ def run_token_chunks(
         if not compute_grad:
             continue
         grad_logits = logits  # (C, V) dL/dlogits, written in place by the kernel
+        if grad_buffer is not None:
+            grad_logits = row_range(grad_buffer, 0, end - start).copy_(logits)
         if dx is not None:
             if dx.dtype == compute_dtype:
                 accumulate_product(row_range(dx, start, end), grad_logits, w, True, vocabulary="reduction")
@@ -246,7 +264,7 @@ def run_token_chunks(
     # Free the chunk buffers (the loop's views of them too) before the fp32 -> weight-dtype
     # cast below, so the chunks and the cast's output never coexist.
     logits = grad_logits = x = None
-    del buffer, constant_buffers
+    del buffer, constant_buffers, grad_buffer
     dw = None
     if dw_acc is not None:
         dw = dw_acc if dw_acc.dtype == weight.dtype else dw_acc.to(weight.dtype)

@@ -110,6 +110,15 @@ def fp32_output_gemm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
 
 
+def fp32_logits_of_16bit_operands(device: torch.device) -> bool:
+    """Whether a GEMM of 16-bit operands on ``device`` can give fp32 logits without a
+    ``V x H`` fp32 copy of the weight: on CUDA the GEMM writes fp32 itself
+    (``fp32_output_gemm_supported``); on a CPU the operands are cast up per chunk (there the
+    copy is host memory, and CPU calls are small). A CUDA torch older than 2.8 would need
+    that copy on the GPU (2 GiB at V = 128256, H = 4096): its logits stay 16-bit."""
+    return device.type == "cpu" or fp32_output_gemm_supported(device)
+
+
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     beta = 0.0 if first else 1.0  # beta = 0: the GEMM ignores acc's contents (even NaN)
     if acc.dtype == a.dtype:
@@ -159,18 +168,42 @@ def logits_product(
 ) -> torch.Tensor:
     """``out = x @ w_t + b`` (the bias added inside the GEMM: one rounding), in two GEMMs
     over disjoint columns where V is unaligned (``vocabulary_main_extent``; the drivers
-    then always give ``out``: a buffer with aligned rows)."""
+    then always give ``out``: a buffer with aligned rows). An fp32 ``out`` of 16-bit
+    operands gets the GEMM's fp32 sums unrounded (``_fp32_logits``)."""
     if out is None:
         return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
+    product = _logits if out.dtype == x.dtype else _fp32_logits
     vocab = w_t.shape[1]
     main = vocabulary_main_extent(vocab, x.dtype)
     if main == vocab:
-        return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
+        return product(out, x, w_t, b)
     for part in (slice(0, main), slice(main, vocab)):
-        if b is None:
-            torch.mm(x, w_t[:, part], out=out[:, part])
-        else:
-            torch.addmm(b[part], x, w_t[:, part], out=out[:, part])
+        product(out[:, part], x, w_t[:, part], None if b is None else b[part])
+    return out
+
+
+def _logits(out: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
+
+
+def _fp32_logits(
+    out: torch.Tensor,  # (C, V) fp32, unit stride along V
+    x: torch.Tensor,  # (C, H) bf16/fp16
+    w_t: torch.Tensor,  # (H, V) x's dtype
+    b: torch.Tensor | None,  # (V,)
+) -> torch.Tensor:
+    """``out = x @ w_t + b`` in fp32 from 16-bit operands, never rounded to their dtype: a
+    product of two bf16 (or fp16) values is exact in fp32 and the GEMM sums in fp32, so
+    these are the logits of the fp32 GEMM of the same operands. Where a divergence of two
+    nearly equal distributions is computed, 16-bit logits' rounding (2^-9 of each logit
+    in bf16) would swamp their difference. On CUDA the GEMM writes fp32 itself
+    (``fp32_output_gemm_supported``); elsewhere the operands are cast up first (exact)."""
+    if fp32_output_gemm_supported(out.device):
+        torch.mm(x, w_t, out_dtype=torch.float32, out=out)
+    else:
+        torch.mm(x.float(), w_t.float(), out=out)
+    if b is not None:
+        out.add_(b)  # b's values are exact in fp32: one rounding, as inside the GEMM
     return out
 
 
