@@ -769,20 +769,26 @@ def first_order_backward(entry: str):
     return decorate
 
 
+def check_class_weight(name: str, class_weight: torch.Tensor | None) -> None:
+    """The checks of ``class_weight`` that need no vocabulary: a dense, floating-point, 1-D
+    tensor of finite, non-negative weights (None passes); errors name it ``name``. The
+    forward checks the rest (shape (V,), device) against its operands."""
+    if class_weight is None:
+        return
+    check_tensor_type(name, class_weight)
+    _check_class_weight_kind(name, class_weight)
+    if class_weight.dim() != 1:
+        raise ValueError(f"{name} must have shape (V,) (one weight per class), got {tuple(class_weight.shape)}")
+    # One host read, once per module or patch; none for a meta tensor (no values yet) or
+    # while torch.compile traces a forward that builds the loss (the call checks them then).
+    readable = class_weight.device.type != "meta" and not torch.compiler.is_compiling()
+    if readable and not bool(((class_weight >= 0) & class_weight.isfinite()).all()):
+        raise ValueError(bad_class_weights_message(name))
+
+
 def register_class_weight(module: torch.nn.Module, name: str, class_weight: torch.Tensor | None) -> None:
-    """``class_weight`` as ``module.<name>``: checked for all that can be known before the
-    vocabulary (a dense, floating-point, 1-D tensor of finite, non-negative weights), and
-    registered as a buffer outside the state dict, so that it follows ``.to()``/``.cuda()``
-    of a model holding the loss without adding a checkpoint key. The forward checks the
-    rest (shape (V,), device) against its operands."""
-    if class_weight is not None:
-        check_tensor_type(name, class_weight)
-        _check_class_weight_kind(name, class_weight)
-        if class_weight.dim() != 1:
-            raise ValueError(f"{name} must have shape (V,) (one weight per class), got {tuple(class_weight.shape)}")
-        # One host read, once per module; none for a meta tensor (no values yet) or while
-        # torch.compile traces a forward that builds the loss (the call checks them then).
-        readable = class_weight.device.type != "meta" and not torch.compiler.is_compiling()
-        if readable and not bool(((class_weight >= 0) & class_weight.isfinite()).all()):
-            raise ValueError(bad_class_weights_message(name))
+    """``class_weight`` as ``module.<name>``, checked (``check_class_weight``) and registered
+    as a buffer outside the state dict, so that it follows ``.to()``/``.cuda()`` of a model
+    holding the loss without adding a checkpoint key."""
+    check_class_weight(name, class_weight)
     module.register_buffer(name, class_weight, persistent=False)

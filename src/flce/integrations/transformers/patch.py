@@ -59,7 +59,7 @@ from flce.integrations.transformers.probe import (
     shifted_labels,
     vocabulary_points,
 )
-from flce.options import register_class_weight
+from flce.options import check_class_weight
 
 INTERCEPTOR_ATTRIBUTE = "_flce_interceptor"
 
@@ -117,7 +117,7 @@ class LossSettings:
         # What can be known before the vocabulary (a dense, floating-point, 1-D tensor of finite,
         # non-negative weights), checked as the loss modules check theirs when built; the
         # shape is checked against the model's logits at the call (``Interceptor.class_weights``).
-        register_class_weight(torch.nn.Module(), "ce_weight", ce_weight)
+        check_class_weight("ce_weight", ce_weight)
         return LossSettings(flce.LossOptions(**options), ce_weight)
 
     def fused_kwargs(self) -> dict[str, Any]:
