@@ -17,6 +17,8 @@
 #   bench          the reference shape, every peer interleaved with the floor -> bench/
 #   profile        kernel time per call at the reference shape            -> profile/
 #   profile-shapes the same, floor and flce:cutedsl, at the issue's six shapes -> profile-shapes/
+#   changed        the test files of src/ and tests/ changed since GPU_BASE (a commit; the
+#                  last one a GPU ran), whole, on the GPU                -> tests-changed.log
 #   sweeps         fwd+bwd over the vocabulary and the token sweeps       -> fwd-bwd/
 #   forward        forward only (no grad) over both sweeps                -> forward-only/
 #   memory         the exact low-memory mode (16 vocabulary blocks)       -> memory-mode/
@@ -39,7 +41,7 @@
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes changed sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -138,6 +140,21 @@ step_profile_shapes() {
     run "profile-$shape" 60 "$python" benchmarks/profile_breakdown.py "$out/profile-shapes/$shape" \
       --n "${shape%x*}" --v "${shape#*x}" --methods floor:gemm,flce:cutedsl
   done
+}
+
+# The tests a GPU has not run since GPU_BASE: every test file changed since then, and the
+# test files that import a changed module of src/ (by its dotted name).
+step_changed() {
+  local base=${GPU_BASE:?set GPU_BASE to the last commit a GPU ran} files module
+  files=$(git -C "$repo" diff --name-only "$base" -- 'tests/*.py' | grep '/test_' || true)
+  for module in $(git -C "$repo" diff --name-only "$base" -- 'src/flce/*.py' | sed 's|^src/||; s|\.py$||; s|/__init__$||; s|/|.|g'); do
+    files+=" $(grep -rlE "(from|import) ${module//./\\.}( |$|,)" "$repo/tests" --include='test_*.py' | sed "s|^$repo/||" || true)"
+  done
+  files=$(printf '%s\n' $files | sort -u | while read -r f; do [ -e "$repo/$f" ] && echo "$f"; done)
+  echo "changed since $base: $(echo "$files" | wc -w) test files" >>"$out/steps.txt"
+  [ -n "$files" ] || return 0
+  # shellcheck disable=SC2086
+  run tests-changed 540 "$python" -m pytest -q -p no:cacheprovider -rfE --durations=10 $files
 }
 
 step_sweeps() {
