@@ -456,7 +456,8 @@ def test_every_gemm_of_an_odd_vocabulary_has_aligned_extents(monkeypatch, option
 @pytest.mark.parametrize("head", ["logprobs", "distillation"])
 def test_the_heads_gemms_of_an_odd_vocabulary_have_aligned_extents(head):
     """The logprobs and distillation heads run on the same products: split at an odd V
-    (the teacher's logits GEMM too)."""
+    (the teacher's logits GEMM too), aligned for the dtype each GEMM runs in (on a CPU the
+    distillation's are fp32: ``flce.heads.distillation.divergence_dtypes``)."""
     n, h, vocab = 32, 16, 1031
     x, w, _, t = _inputs(n=n, h=h, v=vocab, dtype=torch.bfloat16)
     x.requires_grad_()
@@ -470,9 +471,10 @@ def test_the_heads_gemms_of_an_odd_vocabulary_have_aligned_extents(head):
             teacher_x, teacher_w = x.detach() * 0.5, w.detach().flip(0)
             flce.fused_linear_distillation(x, w, teacher_x, teacher_w, t, backend="torch").backward()
 
-    extents = _gemm_extents(call)
+    gemms = _gemms(call)
+    extents = [(a.shape[0], a.shape[1], b.shape[1]) for a, b, _ in gemms]
     assert any(vocab - 7 <= max(e) < vocab for e in extents), extents  # the split ran
-    assert all(_aligned_or_tail(extent, torch.bfloat16) for gemm_ in extents for extent in gemm_), extents
+    assert all(_aligned_or_tail(extent, a.dtype) for a, b, _ in gemms for extent in (*a.shape, b.shape[1])), extents
 
 
 @pytest.mark.parametrize("vocabulary", ["rows", "columns", "reduction"])

@@ -104,10 +104,6 @@ class LinearHead:
     compute_dtype: torch.dtype
     logits_dtype: torch.dtype | None = None  # None: compute_dtype
 
-    @property
-    def logits_in(self) -> torch.dtype:
-        return self.logits_dtype or self.compute_dtype
-
 
 class TokenChunkKernel(Protocol):
     """What ``run_token_chunks`` calls for each chunk of rows ``[start, end)``: the loss
@@ -139,6 +135,21 @@ def logits_tile(flat: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
 def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised ``logits_tile`` of its own."""
     return logits_tile(torch.empty(rows * logits_row_stride(vocab), dtype=dtype, device=device), rows, vocab)
+
+
+def _constant_heads_workspace(constant_heads: Sequence[LinearHead], vocab: int) -> tuple[list[torch.dtype], int, int]:
+    """The constant heads' logits dtypes; their workspace per logit of a chunk (their logits
+    buffers, and their input rows cast to their compute dtype, rounded up to whole bytes
+    per logit); and their weights cast to their compute dtype, held for the call as the
+    loss head's own cast is."""
+    dtypes = [c.logits_dtype or c.compute_dtype for c in constant_heads]
+    row_casts = sum(
+        c.input.shape[1] * c.compute_dtype.itemsize for c in constant_heads if c.input.dtype != c.compute_dtype
+    )
+    weight_casts = sum(
+        c.weight.numel() * c.compute_dtype.itemsize for c in constant_heads if c.weight.dtype != c.compute_dtype
+    )
+    return dtypes, sum(d.itemsize for d in dtypes) - (-row_casts // vocab), weight_casts
 
 
 def run_token_chunks(
@@ -183,12 +194,15 @@ def run_token_chunks(
         (c, in_compute_dtype(c.weight, c.compute_dtype).t(), in_compute_dtype(c.bias, c.compute_dtype))
         for c in constant_heads
     ]
-    # The constant heads' chunk buffers count as workspace per logit of the chunk; so do
-    # wider logits than the operands' (the sizing counts them in the compute dtype) and,
-    # for gradients, their cast back to it for dX and dW.
-    logits_dtype = head.logits_in
+    # Wider logits than the operands' count as workspace per logit (the sizing counts them in
+    # the compute dtype) and, for gradients, their cast back to it for dX and dW; so do the
+    # constant heads' (``_constant_heads_workspace``; no call without them: host time).
+    logits_dtype = head.logits_dtype or compute_dtype
     wider_logits = logits_dtype != compute_dtype
-    extra_bytes = extra_bytes_per_logit + sum(c.logits_in.itemsize for c in constant_heads)
+    constant_logits_dtypes, extra_bytes, constant_weight_casts = (
+        _constant_heads_workspace(constant_heads, vocab) if constant_heads else ((), 0, 0)
+    )
+    extra_bytes += extra_bytes_per_logit
     if wider_logits:
         extra_bytes += logits_dtype.itemsize - compute_dtype.itemsize + (compute_dtype.itemsize if request.any else 0)
 
@@ -202,6 +216,8 @@ def run_token_chunks(
         extra_bytes,
         accumulator_dtype == torch.float32,
         upcast_operands=not fp32_output_gemm_supported(device),
+        input_dtype=input.dtype,
+        constant_weight_cast_bytes=constant_weight_casts,
     )
     chunk = n_rows if kept_logits is not None else max(1, min(chunk, n_rows))
     dw_direct = request.weight and weight_grad_in_one_gemm(
@@ -214,7 +230,7 @@ def run_token_chunks(
     buffer = kept_logits
     if buffer is None and (chunk < n_rows or logits_row_stride(vocab) != vocab or wider_logits):
         buffer = logits_buffer(chunk, vocab, logits_dtype, device)
-    constant_buffers = [logits_buffer(chunk, vocab, c.logits_in, device) for c in constant_heads if n_rows]
+    constant_buffers = [logits_buffer(chunk, vocab, dtype, device) for dtype in constant_logits_dtypes if n_rows]
     # Wider logits: dL/dlogits cast back to the compute dtype, the dX and dW GEMMs' operand.
     grad_buffer = logits_buffer(chunk, vocab, compute_dtype, device) if wider_logits and request.any else None
 

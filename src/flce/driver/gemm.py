@@ -110,15 +110,6 @@ def fp32_output_gemm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
 
 
-def fp32_logits_of_16bit_operands(device: torch.device) -> bool:
-    """Whether a GEMM of 16-bit operands on ``device`` can give fp32 logits without a
-    ``V x H`` fp32 copy of the weight: on CUDA the GEMM writes fp32 itself
-    (``fp32_output_gemm_supported``); on a CPU the operands are cast up per chunk (there the
-    copy is host memory, and CPU calls are small). A CUDA torch older than 2.8 would need
-    that copy on the GPU (2 GiB at V = 128256, H = 4096): its logits stay 16-bit."""
-    return device.type == "cpu" or fp32_output_gemm_supported(device)
-
-
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     beta = 0.0 if first else 1.0  # beta = 0: the GEMM ignores acc's contents (even NaN)
     if acc.dtype == a.dtype:
@@ -172,9 +163,14 @@ def logits_product(
     operands gets the GEMM's fp32 sums unrounded (``_fp32_logits``)."""
     if out is None:
         return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
-    product = _logits if out.dtype == x.dtype else _fp32_logits
     vocab = w_t.shape[1]
     main = vocabulary_main_extent(vocab, x.dtype)
+    if out.dtype != x.dtype:
+        product = _fp32_logits
+    elif main == vocab:  # the common case, without a call more (host time per call)
+        return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
+    else:
+        product = _logits
     if main == vocab:
         return product(out, x, w_t, b)
     for part in (slice(0, main), slice(main, vocab)):
@@ -197,7 +193,8 @@ def _fp32_logits(
     these are the logits of the fp32 GEMM of the same operands. Where a divergence of two
     nearly equal distributions is computed, 16-bit logits' rounding (2^-9 of each logit
     in bf16) would swamp their difference. On CUDA the GEMM writes fp32 itself
-    (``fp32_output_gemm_supported``); elsewhere the operands are cast up first (exact)."""
+    (``fp32_output_gemm_supported``); elsewhere (a CPU: the tests of this path) the
+    operands are cast up first, which is exact."""
     if fp32_output_gemm_supported(out.device):
         torch.mm(x, w_t, out_dtype=torch.float32, out=out)
     else:

@@ -232,6 +232,9 @@ class CallShape:
     # fp32 accumulation copies bf16/fp16 GEMM operands to fp32 where no GEMM writes fp32
     # from them (the CPU: flce.driver.gemm.accumulate_product)
     upcast_operands: bool = False
+    # Other heads' weights cast to their compute dtype for the call, held as this head's cast
+    # is (a distillation teacher's: flce.driver.chunks.run_token_chunks's constant heads)
+    constant_weight_cast_bytes: int = 0
 
     @property
     def any_gradient(self) -> bool:
@@ -259,10 +262,10 @@ class CallShape:
         return dx + dw + db
 
     def weight_cast_bytes(self) -> int:
-        """The weight cast to the compute dtype for the call (autocast), else 0."""
-        if self.weight_dtype == self.compute_dtype:
-            return 0
-        return self.vocab * self.hidden * self.compute_dtype.itemsize
+        """The weights cast to their compute dtype for the call (autocast; another head's:
+        ``constant_weight_cast_bytes``), else 0."""
+        own = 0 if self.weight_dtype == self.compute_dtype else self.vocab * self.hidden * self.compute_dtype.itemsize
+        return own + self.constant_weight_cast_bytes
 
     def fused_statistics_bytes(self) -> int:
         """The fused statistics GEMM's pass over the whole rows (``whole_row_statistics_bytes``:
@@ -583,6 +586,8 @@ def whole_row_chunk_size(
     extra_bytes_per_logit: int,
     fp32_weight_accumulator: bool,
     upcast_operands: bool = False,  # CallShape.upcast_operands
+    input_dtype: torch.dtype | None = None,  # None: compute_dtype (no rows cast per chunk)
+    constant_weight_cast_bytes: int = 0,  # CallShape.constant_weight_cast_bytes
 ) -> int:
     """``run_token_chunks``'s rows per chunk when no scheme was chosen for it (the
     distillation head): the most that fit ``FLCE_MEMORY_BUDGET_MIB`` when set
@@ -593,13 +598,14 @@ def whole_row_chunk_size(
         n_rows,
         vocab,
         hidden,
-        input_dtype=compute_dtype,
+        input_dtype=input_dtype or compute_dtype,
         weight_dtype=weight_dtype,
         compute_dtype=compute_dtype,
         accumulator_dtype=torch.float32 if fp32_weight_accumulator else weight_dtype,
         grad_input=False,
         chunk_extra_bytes_per_logit=extra_bytes_per_logit,
         upcast_operands=upcast_operands,
+        constant_weight_cast_bytes=constant_weight_cast_bytes,
     )
     from_env = env_memory_budget_bytes()
     if from_env is not None:

@@ -8,15 +8,15 @@ then the backend's ``distillation_chunk`` (per-row loss and, with gradients, dL/
 of the student written over its logits), dX and dW/db of the student. The teacher is a
 constant: its tensors are detached and get no gradient.
 
-Both heads' logits are fp32 even from bf16/fp16 operands (``divergence_logits_dtype``): a
+Both heads' logits are fp32 even from bf16/fp16 operands (``divergence_dtypes``): a
 divergence between nearly equal distributions (self-distillation, a KL term against a
 reference model) is a difference of nearly equal logits, which 16-bit logits' rounding
 would swamp (in bf16, with the teacher's weights the student's plus 1e-3 noise: a loss 8% and
-dX 43% off float64, as eager PyTorch's bf16 logits give, against 2e-5 and 2.4e-3, dX's own
-rounding, with fp32 logits of the same operands; Liger-Kernel 0.8.5 computes them in fp32
-too). The cost: 4 bytes per logit
-instead of 2 for each head, and the student's gradient cast back to the operands' dtype
-for dX and dW (2 more).
+dX 43% off float64, as eager PyTorch's bf16 logits give, against 2e-5 and 1.6e-3 to 2.4e-3,
+about dX's own rounding, with fp32 logits of the same operands; Liger-Kernel 0.8.5 computes
+them in fp32 too). The cost on CUDA: 4 bytes per logit instead of 2 for each head, and the student's
+gradient cast back to the operands' dtype for dX and dW (2 more); on a CPU the heads run in
+fp32.
 
 The reduction is folded into a per-row gradient scale held on the device (no host
 sync): ``1 / count`` of the rows not ignored for ``"mean"`` (every row without a
@@ -39,17 +39,25 @@ import torch
 from flce.backends.base import BackendSpec
 from flce.dispatch import resolve_backend
 from flce.driver.chunks import Gradients, GradRequest, LinearHead, row_range, run_token_chunks
-from flce.driver.gemm import fp32_logits_of_16bit_operands
+from flce.driver.gemm import fp32_output_gemm_supported
 from flce.driver.statistics import BatchStatistics, batch_statistics
 from flce.options import DistillationOptions
 
 
-def divergence_logits_dtype(operand_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """fp32 logits for the divergence (module docstring), wherever a GEMM of 16-bit operands
-    gives them without an fp32 copy of the weight (``fp32_logits_of_16bit_operands``)."""
-    if operand_dtype in (torch.bfloat16, torch.float16) and fp32_logits_of_16bit_operands(device):
-        return torch.float32
-    return operand_dtype
+def divergence_dtypes(operand_dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(the GEMMs' operand dtype, the logits' dtype) of a head whose operands are
+    ``operand_dtype``: fp32 logits (module docstring). On CUDA from the 16-bit operands
+    (``fp32_output_gemm_supported``: the GEMM writes its fp32 sums); on a CPU by running the
+    head in fp32, its weight cast once per call as autocast's is (the chunk sizing counts
+    it). A CUDA torch older than 2.8 keeps 16-bit logits: fp32 ones would need an fp32
+    copy of the weight on the GPU (2 GiB at V = 128256, H = 4096)."""
+    if operand_dtype not in (torch.bfloat16, torch.float16):
+        return operand_dtype, operand_dtype
+    if fp32_output_gemm_supported(device):
+        return operand_dtype, torch.float32
+    if device.type == "cpu":
+        return torch.float32, torch.float32
+    return operand_dtype, operand_dtype
 
 
 @dataclass(frozen=True)
@@ -163,9 +171,7 @@ class DistillationPlan:
             )
 
         grads = run_token_chunks(
-            LinearHead(
-                o.input, o.weight, o.bias, self.compute_dtype, divergence_logits_dtype(self.compute_dtype, self.device)
-            ),
+            LinearHead(o.input, o.weight, o.bias, *divergence_dtypes(self.compute_dtype, self.device)),
             kernel,
             request,
             chunk_size=options.chunk_size,
@@ -176,8 +182,7 @@ class DistillationPlan:
                     o.teacher_input,
                     o.teacher_weight,
                     o.teacher_bias,
-                    self.teacher_dtype,
-                    divergence_logits_dtype(self.teacher_dtype, self.device),
+                    *divergence_dtypes(self.teacher_dtype, self.device),
                 ),
             ),
             after_first_gemm=allocate,
