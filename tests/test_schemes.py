@@ -49,6 +49,7 @@ from flce.driver.sizing import (
 from flce.options import LossOptions
 from flce.testing import FEATURES, Case, make_tensors, run_case
 from tests.budgets import call_of, inside_dw_budget
+from tests.test_properties import option_sets
 
 CPU = torch.device("cpu")
 MIB = 2**20
@@ -939,3 +940,103 @@ def test_the_least_workspace_block_is_the_least_over_every_aligned_width(shape, 
     block = least_workspace_block(call, n, inside_dw)
     assert block_workspace(call, n, block, inside_dw) == least
     assert largest_block(call, n, int(least), inside_dw) is not None
+
+
+# ------------------------------------------------- random calls under forcing budgets
+
+
+@st.composite
+def budget_cases(draw):
+    """(case, fraction, inside_dw): a random small call (shapes from one row to odd
+    vocabularies wide enough for the workspace inside dW; every option, reduction,
+    ignore_index, dtype and set of gradients) and what ``_forcing_budget`` makes of the
+    other two: a memory budget between its least workspace and one chunk's, or the one
+    under which the chooser holds the vocabulary blocks' workspace inside dW."""
+    n_rows = draw(st.sampled_from([1, 2, 5, 17, 40]))
+    vocab = draw(st.sampled_from([1, 7, 64, 65, 130, 257, 513, 700]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    options = draw(option_sets)
+    if options.get("return_token_accuracy") != options.get("return_predicted_tokens"):
+        options.pop("return_token_accuracy", None), options.pop("return_predicted_tokens", None)
+    case = Case(
+        n_rows=n_rows,
+        hidden=draw(st.sampled_from([1, 8, 16, 24])),
+        vocab=vocab,
+        dtype=dtype,
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        bias=draw(st.booleans()),
+        grads=draw(st.sampled_from([("input", "weight", "bias"), ("input", "weight"), ("weight",), ("input",)])),
+        ignore_index=draw(st.sampled_from([-100, 0, 5])),
+        ignored_fraction=draw(st.sampled_from([0.0, 0.3, 1.0])),
+        seed=draw(st.integers(0, 2**16)),
+        options=tuple(sorted(options.items())) or (("label_smoothing", 0.0),),
+    )
+    return case, draw(st.floats(0, 1)), draw(st.booleans())
+
+
+def _case_call(case: Case, backend: str, gradients: bool) -> CallShape:
+    """The ``CallShape`` the plan describes for ``case`` (with or without its gradients)."""
+    spec = get_backend(backend)
+    tensors = make_tensors(case, CPU)
+    options = LossOptions(**{k: v for k, v in case.feature_options.items() if k != "ce_weight"})
+    grads = case.grads if gradients else ()
+    bias = tensors.bias is not None and "bias" in grads
+    request = GradRequest("input" in grads, "weight" in grads, bias)
+    return describe_call(
+        tensors.input, tensors.weight, tensors.bias, request, options, case.dtype, spec, split_rows_of(spec)
+    )
+
+
+def _forcing_budget(case: Case, backend: str, fraction: float, inside_dw: bool) -> int:
+    """A budget every call of ``case`` runs under (the forward of ``reduction="none"``
+    has no gradients, and its own least workspace): ``fraction`` of the way from the least
+    workspace to one chunk's (geometrically), or the least one that holds the vocabulary
+    blocks' workspace inside dW where ``inside_dw`` asks and the chooser can."""
+    call, forward_call = _case_call(case, backend, gradients=True), _case_call(case, backend, gradients=False)
+    low = max(smallest_scheme(call).memory.workspace, smallest_scheme(forward_call).memory.workspace)
+    high = max(low, token_scheme(call, call.n_rows).memory.workspace)
+    budgets = [round(low * (high / low) ** (i / 63)) for i in range(64)] if low > 0 else [high]
+    if inside_dw:
+        for budget in budgets:
+            if choose_scheme(call, budget).workspace_in_weight_grad:
+                return budget
+    return budgets[round(fraction * (len(budgets) - 1))]
+
+
+def _run_under_budget(case: Case, backend: str, budget: int):
+    import os
+
+    saved = os.environ.get("FLCE_MEMORY_BUDGET_MIB")
+    os.environ["FLCE_MEMORY_BUDGET_MIB"] = repr(budget / MIB)
+    try:
+        return run_case(case, backend, CPU)
+    finally:
+        if saved is None:
+            os.environ.pop("FLCE_MEMORY_BUDGET_MIB", None)
+        else:
+            os.environ["FLCE_MEMORY_BUDGET_MIB"] = saved
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=budget_cases())
+def test_random_cases_under_budgets_that_force_each_scheme(drawn):
+    """Differential fuzz of the memory budget's schemes: one chunk, token chunks, vocabulary
+    blocks and the blocks with their workspace inside dW, each as the chooser runs it for a
+    random call (every option, reduction, ignore_index, dtype, gradients requested, odd
+    and tiny vocabularies), against float64 within eager PyTorch's own error."""
+    case, fraction, inside_dw = drawn
+    budget = _forcing_budget(case, "torch", fraction, inside_dw)
+    outcome = _run_under_budget(case, "torch", budget)
+    assert outcome.passed, f"{case} budget {budget}: {outcome.failures} {outcome.errors}"
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton unusable here")
+# Triton's interpreter runs each block's kernels slowly on CPU: a few examples here, the GPU
+# fuzz runs the compiled kernels on many more.
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=budget_cases())
+def test_random_cases_under_budgets_that_force_each_scheme_on_triton(drawn):
+    case, fraction, inside_dw = drawn
+    budget = _forcing_budget(case, "triton", fraction, inside_dw)
+    outcome = _run_under_budget(case, "triton", budget)
+    assert outcome.passed, f"{case} budget {budget}: {outcome.failures} {outcome.errors}"
