@@ -469,6 +469,16 @@ def bf16_accelerator():
         AcceleratorState._reset_state(True)
 
 
+def _decoder_output_dtypes(**models) -> dict:
+    """A dict that each call of a model in ``models`` (by name) fills with the dtype its first
+    decoder layer's MLP put out: bf16 where accelerate's autocast wrapper runs it."""
+    dtypes = {}
+    for name, model in models.items():
+        layer = model.model.layers[0].mlp.down_proj
+        layer.register_forward_hook(lambda module, args, output, name=name: dtypes.update({name: output.dtype}))
+    return dtypes
+
+
 def test_accelerate_mixed_precision_wrapper_is_kept(bf16_accelerator):
     """apply_flce after accelerator.prepare: the decoder still runs under its autocast."""
     stock = bf16_accelerator.prepare(build("llama"))
@@ -476,10 +486,7 @@ def test_accelerate_mixed_precision_wrapper_is_kept(bf16_accelerator):
     wrapped = patched.forward
     flce_hf.apply_flce(patched)
     assert flce_hf.is_patched(patched)
-    dtypes = {}
-    for name, model in (("stock", stock), ("flce", patched)):
-        layer = model.model.layers[0].mlp.down_proj
-        layer.register_forward_hook(lambda module, args, output, name=name: dtypes.update({name: output.dtype}))
+    dtypes = _decoder_output_dtypes(stock=stock, flce=patched)
     batch = hf_tiny.inputs(stock)
     out = patched(**batch)
     assert out.logits is None
@@ -501,10 +508,7 @@ def test_accelerate_wrapper_put_on_after_patching_is_kept(bf16_accelerator):
     keep those wrappers; they were dropped, the model running in fp32 without a word."""
     stock = bf16_accelerator.prepare(build("llama"))
     patched = bf16_accelerator.prepare(flce_hf.apply_flce(build("llama")))  # the same weights as stock's
-    dtypes = {}
-    for name, model in (("stock", stock), ("flce", patched)):
-        layer = model.model.layers[0].mlp.down_proj
-        layer.register_forward_hook(lambda module, args, output, name=name: dtypes.update({name: output.dtype}))
+    dtypes = _decoder_output_dtypes(stock=stock, flce=patched)
     batch = hf_tiny.inputs(stock)
     expected = stock(**batch)
     assert patched(**batch).logits is None and dtypes == {"stock": torch.bfloat16, "flce": torch.bfloat16}
