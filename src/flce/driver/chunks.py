@@ -96,7 +96,7 @@ class LinearHead:
     """An LM head whose logits the token-chunk loop forms chunk by chunk:
     ``logits = input @ weight.T + bias``, a GEMM of ``compute_dtype`` operands whose
     logits are ``logits_dtype`` (that dtype by default; fp32 from 16-bit operands:
-    ``flce.driver.gemm.fp32_logits_product``)."""
+    ``flce.driver.gemm.logits_product``)."""
 
     input: torch.Tensor  # (N, H) any float dtype (cast to compute_dtype per chunk)
     weight: torch.Tensor  # (V, H)

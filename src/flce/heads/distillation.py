@@ -11,12 +11,12 @@ constant: its tensors are detached and get no gradient.
 Both heads' logits are fp32 even from bf16/fp16 operands (``divergence_dtypes``): a
 divergence between nearly equal distributions (self-distillation, a KL term against a
 reference model) is a difference of nearly equal logits, which 16-bit logits' rounding
-would swamp (in bf16, with the teacher's weights the student's plus 1e-3 noise: a loss 8% and
-dX 43% off float64, as eager PyTorch's bf16 logits give, against 2e-5 and 1.6e-3 to 2.4e-3,
-about dX's own rounding, with fp32 logits of the same operands; Liger-Kernel 0.8.5 computes
-them in fp32 too). The cost on CUDA: 4 bytes per logit instead of 2 for each head, and the student's
-gradient cast back to the operands' dtype for dX and dW (2 more); on a CPU the heads run in
-fp32.
+would swamp. In bf16, with the teacher's weights the student's plus 1e-3 noise, the loss
+was 8% and dX 43% off float64 (as eager PyTorch's bf16 logits give), against 2e-5 and
+1.6e-3 to 2.4e-3, about dX's own rounding, with fp32 logits of the same operands
+(Liger-Kernel 0.8.5 computes them in fp32 too). The cost on CUDA: 4 bytes per logit
+instead of 2 for each head, and the student's gradient cast back to the operands' dtype
+for dX and dW (2 more); on a CPU the heads run in fp32.
 
 The reduction is folded into a per-row gradient scale held on the device (no host
 sync): ``1 / count`` of the rows not ignored for ``"mean"`` (every row without a
