@@ -165,12 +165,10 @@ def logits_product(
         return torch.mm(x, w_t) if b is None else torch.addmm(b, x, w_t)
     vocab = w_t.shape[1]
     main = vocabulary_main_extent(vocab, x.dtype)
-    if out.dtype != x.dtype:
-        product = _fp32_logits
-    elif main == vocab:  # the common case, without a call more (host time per call)
+    same_dtype = out.dtype == x.dtype
+    if same_dtype and main == vocab:  # the common case, without a call more (host time per call)
         return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
-    else:
-        product = _logits
+    product = _logits if same_dtype else _fp32_logits
     if main == vocab:
         return product(out, x, w_t, b)
     for part in (slice(0, main), slice(main, vocab)):

@@ -316,9 +316,8 @@ def _row_pointers(key: StatisticsKey | GradientKey, fp32_rows: int) -> tuple:
     vector), the targets, the 16-byte aligned class weights, then ``fp32_rows`` fp32 vectors
     (per row, or the class weights' sum)."""
     target_t = Int64 if key.target_int64 else Int32
-    esize = torch.empty((), dtype=key.dtype).element_size()
     return (
-        null_ptr(TORCH_TO_CUTE[key.dtype], key.vec * esize),
+        null_ptr(TORCH_TO_CUTE[key.dtype], key.vec * key.dtype.itemsize),
         null_ptr(target_t, target_t.width // 8),
         null_ptr(Float32, 16),
         *(null_ptr(Float32, 4) for _ in range(fp32_rows)),
