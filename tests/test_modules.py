@@ -159,3 +159,53 @@ def test_liger_modules_class_weight_follows_to_and_stays_out_of_the_state_dict(m
 def test_an_unknown_keyword_is_refused_naming_the_module_and_what_it_takes(make, keyword, weight_name) -> None:
     with pytest.raises(TypeError, match=rf"Loss got unexpected keyword argument\(s\) \['{keyword}'\].*{weight_name}="):
         make()
+
+
+_SETTABLE_MODULES = [
+    (lambda: flce.FusedLinearCrossEntropyLoss(), lambda m, x, w, z, t: m(x, w, t)),
+    (lambda: flce.CrossEntropyLoss(), lambda m, x, w, z, t: m(z, t)),
+]
+
+
+@pytest.mark.parametrize("make,call", _SETTABLE_MODULES, ids=["flce", "ce"])
+@pytest.mark.parametrize(
+    "option,value",
+    [("reduction", "sum"), ("ignore_index", 3), ("label_smoothing", 0.2), ("softcap", 2.0), ("lse_square_scale", 0.1)],
+)
+def test_an_option_set_as_an_attribute_is_used_by_the_next_call(make, call, option, value) -> None:
+    """As on ``torch.nn.CrossEntropyLoss`` (``loss.reduction = "sum"``): the assignment
+    must change the loss, not add an attribute that no call reads."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(N, H, generator=gen), torch.randn(V, H, generator=gen)
+    t = torch.randint(0, V, (N,), generator=gen)
+    t[:2] = 3
+    module = make()
+    setattr(module, option, value)
+    assert getattr(module, option) == value and f"{option}={value!r}" in repr(module)
+    expected = flce.fused_linear_cross_entropy(x, w, t, **{option: value})
+    torch.testing.assert_close(call(module, x, w, x @ w.T, t), expected)
+
+
+@pytest.mark.parametrize("make", [lambda: flce.FusedLinearCrossEntropyLoss(), lambda: flce.CrossEntropyLoss()])
+def test_a_bad_option_set_as_an_attribute_is_refused_and_leaves_the_options(make) -> None:
+    module = make()
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        module.reduction = "avg"
+    assert module.reduction == "mean" and module.options == make().options
+
+
+@pytest.mark.parametrize("name", ["accum_dtype", "vocab_chunk_size", "memory_budget"])
+def test_cross_entropy_module_refuses_fused_only_options_set_as_attributes(name: str) -> None:
+    module = flce.CrossEntropyLoss()
+    with pytest.raises(ValueError, match=rf"{name} applies to the fused linear loss only"):
+        setattr(module, name, torch.float32 if name == "accum_dtype" else 4096)
+    assert getattr(module, name) is None
+
+
+def test_vocab_parallel_module_takes_options_as_attributes_and_refuses_its_unsupported_ones() -> None:
+    module = VocabParallelFusedLinearCrossEntropyLoss()
+    module.label_smoothing = 0.1
+    assert module.options.label_smoothing == 0.1
+    with pytest.raises(TypeError, match=r"unsupported option\(s\) \['vocab_chunk_size'\]"):
+        module.vocab_chunk_size = 8
+    assert module.vocab_chunk_size is None

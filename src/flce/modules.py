@@ -1,4 +1,5 @@
-"""``nn.Module`` front-ends: options fixed at construction, validated once there."""
+"""``nn.Module`` front-ends: options validated at construction, and again when one is set
+as an attribute (``loss.ignore_index = 0``, as on ``torch.nn.CrossEntropyLoss``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from torch import nn
 
 from flce.functional import cross_entropy_with_options, fused_linear_cross_entropy_with_options
-from flce.options import OPTION_FIELDS, LossOptions, NotScriptable, register_class_weight
+from flce.options import OPTION_FIELDS, LossOptions, NotScriptable, OptionAttributes, register_class_weight
 from flce.output import LossResult
 
 # Options of the fused loss that ``flce.cross_entropy`` refuses (it has no GEMM to chunk
@@ -28,12 +29,15 @@ def module_options(module: nn.Module, class_weight_name: str, options: dict) -> 
     return LossOptions(**options)
 
 
-class FusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
+class FusedLinearCrossEntropyLoss(NotScriptable, OptionAttributes, nn.Module):
     """``forward(input, weight, target, bias=None)``: the loss of ``input @ weight.T + bias``.
 
-    Takes the keyword options of ``flce.fused_linear_cross_entropy``; ``ce_weight`` is
-    registered as a buffer so it follows ``.to()`` (``register_class_weight``).
+    Takes the keyword options of ``flce.fused_linear_cross_entropy``, each also an attribute
+    that can be set (``OptionAttributes``); ``ce_weight`` is registered as a buffer so it
+    follows ``.to()`` (``register_class_weight``).
     """
+
+    option_names = OPTION_FIELDS
 
     def __init__(self, ce_weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
@@ -49,20 +53,26 @@ class FusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
         return repr(self.options)
 
 
-class CrossEntropyLoss(NotScriptable, nn.Module):
-    """``forward(logits, target)`` with the options of ``flce.cross_entropy``; ``weight``
-    is registered as a buffer as ``FusedLinearCrossEntropyLoss``'s ``ce_weight``."""
+class CrossEntropyLoss(NotScriptable, OptionAttributes, nn.Module):
+    """``forward(logits, target)`` with the options of ``flce.cross_entropy``, each also an
+    attribute that can be set; ``weight`` is registered as a buffer as
+    ``FusedLinearCrossEntropyLoss``'s ``ce_weight``."""
+
+    option_names = OPTION_FIELDS
 
     def __init__(self, weight: torch.Tensor | None = None, **options) -> None:
         super().__init__()
         self.options = module_options(self, "weight", options)
+        self.check_options(self.options)
+        register_class_weight(self, "weight", weight)
+
+    def check_options(self, options: LossOptions) -> None:
         for name in FUSED_ONLY_OPTIONS:
-            if getattr(self.options, name) is not None:
+            if getattr(options, name) is not None:
                 raise ValueError(
                     f"{name} applies to the fused linear loss only (FusedLinearCrossEntropyLoss); "
                     "pass None for CrossEntropyLoss"
                 )
-        register_class_weight(self, "weight", weight)
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> LossResult:
         return cross_entropy_with_options(logits, target, self.weight, self.options)

@@ -16,7 +16,7 @@ import numbers
 import operator
 import os
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -734,6 +734,40 @@ class NotScriptable:
             "dispatches to Python and Triton kernels that TorchScript does not support; use torch.compile "
             "(flce registers custom ops for it) or call the module eagerly"
         )
+
+
+class OptionAttributes:
+    """A loss module's options (``self.options``, a frozen options dataclass) read and set
+    as attributes of the module, as ``torch.nn.CrossEntropyLoss``'s ``reduction`` or
+    ``ignore_index`` are: ``loss.reduction = "sum"`` rebuilds ``self.options`` with it,
+    validated there (a bad value raises naming the option), and the next call uses it.
+    Without this, nn.Module would store the assignment as a new attribute that no call reads.
+
+    A subclass names its options in ``option_names`` (declared once: its properties are made
+    from it) and may refuse a combination in ``check_options`` (called on every change)."""
+
+    option_names: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in cls.__dict__.get("option_names", ()):
+            setattr(cls, name, property(_option_getter(name), _option_setter(name), doc=f"The option {name}."))
+
+    def check_options(self, options) -> None:
+        """Raises for options this module cannot run; every option set passes by default."""
+
+
+def _option_getter(name: str):
+    return lambda module: getattr(module.options, name)
+
+
+def _option_setter(name: str):
+    def set_option(module, value) -> None:
+        options = replace(module.options, **{name: value})
+        module.check_options(options)
+        module.options = options
+
+    return set_option
 
 
 def refuse_create_graph(entry: str) -> None:

@@ -60,9 +60,11 @@ from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.options import (
+    OPTION_FIELDS,
     HeadNames,
     LossOptions,
     NotScriptable,
+    OptionAttributes,
     as_int,
     index_target,
     refuse_function_transforms,
@@ -488,13 +490,26 @@ _OPTION_NAMES = frozenset(inspect.signature(vocab_parallel_fused_linear_cross_en
 )
 
 
-class VocabParallelFusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
+def _refuse_unsupported_options(options: dict) -> None:
+    unsupported = sorted(set(options) - _OPTION_NAMES)
+    if unsupported:
+        raise TypeError(
+            f"VocabParallelFusedLinearCrossEntropyLoss got unsupported option(s) {unsupported}: it takes the "
+            f"keyword options of vocab_parallel_fused_linear_cross_entropy, {sorted(_OPTION_NAMES)} (its chunks "
+            "are whole shard rows, sized by chunk_size)"
+        )
+
+
+class VocabParallelFusedLinearCrossEntropyLoss(NotScriptable, OptionAttributes, nn.Module):
     """``forward(input, weight_shard, target, bias_shard=None)``: the vocab-parallel loss.
 
     Takes ``ce_weight_shard``, ``process_group``, ``vocab_start`` and the keyword
-    options of ``vocab_parallel_fused_linear_cross_entropy``; ``ce_weight_shard`` is a
-    non-persistent buffer so it follows ``.to()``.
+    options of ``vocab_parallel_fused_linear_cross_entropy``, each also an attribute that
+    can be set (``OptionAttributes``); ``ce_weight_shard`` is a non-persistent buffer so it
+    follows ``.to()``.
     """
+
+    option_names = OPTION_FIELDS
 
     def __init__(
         self,
@@ -505,17 +520,17 @@ class VocabParallelFusedLinearCrossEntropyLoss(NotScriptable, nn.Module):
         **options,
     ) -> None:
         super().__init__()
-        unsupported = sorted(set(options) - _OPTION_NAMES)
-        if unsupported:
-            raise TypeError(
-                f"VocabParallelFusedLinearCrossEntropyLoss got unsupported option(s) {unsupported}: it takes the "
-                f"keyword options of vocab_parallel_fused_linear_cross_entropy, {sorted(_OPTION_NAMES)} (its chunks "
-                "are whole shard rows, sized by chunk_size)"
-            )
+        _refuse_unsupported_options(options)
         self.options = LossOptions(**options)
         self.process_group = process_group
         self.vocab_start = vocab_start
         register_class_weight(self, "ce_weight_shard", ce_weight_shard)
+
+    def check_options(self, options: LossOptions) -> None:
+        defaults = LossOptions()
+        _refuse_unsupported_options(
+            {name: value for name in OPTION_FIELDS if (value := getattr(options, name)) != getattr(defaults, name)}
+        )
 
     def forward(
         self,
