@@ -36,12 +36,15 @@
 #   liger-memory   the exact mode under the budget that keeps its peak within 1.1x
 #                  Liger Triton's, at the six shapes (benchmarks/budget_vs_liger.py) -> liger-memory/
 #   graph          fwd+bwd replayed from a CUDA graph, reference and small shapes -> training-loop/
+#   overlap        the default's backward in vocabulary blocks, the CE pass on a second
+#                  stream beside the GEMMs (benchmarks/overlap_probe.py): its check, then
+#                  the reference shape and V=32000                        -> overlap/
 #
 # LIMIT_SCALE=2 doubles every time limit (a slower GPU). OUTDIR/steps.txt gets one line per
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes changed sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes changed sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph overlap]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -241,6 +244,13 @@ step_graph() {
     --methods flce,torch:eager,torch:compile,liger,cce --out "$out/training-loop" --no-plots
   run graph-small 60 "$python" -m flce.cli bench --graph --tokens 1024 --hidden 1024 --vocab 32000 \
     --rounds 10 --warmup 3 --methods flce,torch:eager,liger --out "$out/training-loop" --no-plots
+}
+
+step_overlap() {
+  run overlap-check 60 "$python" benchmarks/overlap_probe.py --check
+  run overlap-128256 150 "$python" benchmarks/overlap_probe.py "$out/overlap/8192x128256" --blocks 2,4,8 --rounds 5
+  run overlap-32000 90 "$python" benchmarks/overlap_probe.py "$out/overlap/8192x32000" --vocab 32000 \
+    --blocks 2,4 --rounds 7
 }
 
 for step in "${steps[@]}"; do
