@@ -90,6 +90,25 @@ def test_the_budget_variables_state_a_memory_bound(monkeypatch):
     assert plan_module._states_memory_bound(LossOptions())
 
 
+def test_the_matmul_settings_are_part_of_the_key():
+    """cuBLAS's math settings (TF32, the reduced-precision reductions) decide the kernels a
+    graph captures: a graph's key holds them, so a change of one gets another graph."""
+    matmul = torch.backends.cuda.matmul
+    tf32, bf16_reduction = matmul.allow_tf32, matmul.allow_bf16_reduced_precision_reduction
+    try:
+        matmul.allow_tf32 = False
+        before = graphs.gemm_settings()
+        matmul.allow_tf32 = True
+        with_tf32 = graphs.gemm_settings()
+        matmul.allow_bf16_reduced_precision_reduction = not bf16_reduction
+        with_other_reduction = graphs.gemm_settings()
+    finally:
+        matmul.allow_tf32 = tf32
+        matmul.allow_bf16_reduced_precision_reduction = bf16_reduction
+    assert len({before, with_tf32, with_other_reduction}) == 3
+    assert graphs.gemm_settings() == (with_tf32 if tf32 else before)
+
+
 def test_the_first_calls_of_a_key_launch():
     """A key is captured on its call after ``CALLS_BEFORE_CAPTURE`` launched ones; until
     then the caller launches (None), and nothing is run or captured."""

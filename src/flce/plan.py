@@ -64,7 +64,15 @@ from flce.backends.base import (
 from flce.dispatch import resolve_backend, split_rows_of
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest, run_chunks, run_logits_chunks
 from flce.driver.fused import loss_only_refusal, run_fused_statistics, whole_row_statistics_refusal
-from flce.driver.graphs import GRAPHED_CALLS, MAX_GRAPHED_WORK, Replay, copied_key, graph_applies, tensor_key
+from flce.driver.graphs import (
+    GRAPHED_CALLS,
+    MAX_GRAPHED_WORK,
+    Replay,
+    copied_key,
+    gemm_settings,
+    graph_applies,
+    tensor_key,
+)
 from flce.driver.scaling import scale_gradients_, scaled_gradients
 from flce.driver.schemes import (
     Scheme,
@@ -518,6 +526,7 @@ def graphed_forward(plan: LossPlan, operands, request: GradRequest) -> Replay | 
         tensor_key(o.bias),
         torch.are_deterministic_algorithms_enabled(),
         torch.is_inference_mode_enabled(),
+        gemm_settings(),  # cuBLAS's math settings: a captured GEMM keeps those of its capture
     )
 
     def run(copied: tuple) -> ForwardResult:

@@ -179,6 +179,29 @@ def test_loss_only_calls(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_matmul_settings_changed_between_calls(backend):
+    """A graph captured with TF32 allowed is not replayed once TF32 is turned off (an
+    evaluation that wants fp32 products): the call is the launched one under its own
+    settings, not the captured TF32 GEMMs."""
+    skip_unless_usable(backend)
+    w = _weight().float()
+    x, y = _batch(45)
+    x = x.float()
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        for _ in range(3):  # launched, captured, replayed: under TF32
+            _call(x, w, y, backend)
+        assert graphs.GRAPHED_CALLS.replays == 3 - graphs.CALLS_BEFORE_CAPTURE
+        matmul.allow_tf32 = False
+        for _ in range(3):
+            _call_matching_launched(x, w, y, backend)
+    finally:
+        matmul.allow_tf32 = allowed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_target_in_a_replay_gives_nan_then_an_error(backend):
     skip_unless_usable(backend)
     w = _weight()

@@ -18,8 +18,8 @@ What a graph keys on and what it copies (``GraphedCalls.forward``):
   with its new values at the next replay;
 - everything else that decides the kernels (the plan's options, backend and compute dtype,
   the gradients requested, the current stream, the deterministic-algorithms switch,
-  inference mode) is part of the key given by the caller, and so is the calling thread
-  (each thread's calls use graphs of their own).
+  inference mode, cuBLAS's math settings: ``gemm_settings``) is part of the key given by
+  the caller, and so is the calling thread (each thread's calls use graphs of their own).
 
 A graph is captured on the second call of its key (the first one runs as usual and
 compiles what it launches), after one warm-up run on a side stream, with no host sync.
@@ -40,7 +40,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 
@@ -112,6 +112,42 @@ def total_held_bytes_limit(device: torch.device) -> int:
     """The memory all graphs may hold: ``TOTAL_HELD_BYTES_LIMIT``, at most 1/32 of ``device``'s."""
     total = torch.cuda.get_device_properties(device).total_memory
     return min(TOTAL_HELD_BYTES_LIMIT, total // TOTAL_HELD_FRACTION)
+
+
+# The process-wide cuBLAS settings a GEMM is launched under: TF32 for fp32 products (the
+# legacy flag, and the precision of the newer API at each level it may be set at: CUDA
+# matmuls, all of CUDA, every backend), the reduced-precision split-K reductions of bf16 and
+# fp16 products, fp16 accumulation. Getters this torch lacks are left out.
+_cublas_getters = [
+    getattr(torch._C, name, None)
+    for name in (
+        "_get_cublas_allow_tf32",
+        "_get_cublas_allow_bf16_reduced_precision_reduction",
+        "_get_cublas_allow_fp16_reduced_precision_reduction",
+        "_get_cublas_allow_fp16_accumulation",
+    )
+]
+_precision_getter = getattr(torch._C, "_get_fp32_precision_getter", None)
+if _precision_getter is not None:
+    _cublas_getters += [
+        partial(_precision_getter, *level) for level in (("cuda", "matmul"), ("cuda", "all"), ("generic", "all"))
+    ]
+_GEMM_SETTING_GETTERS = tuple(getter for getter in _cublas_getters if getter is not None)
+
+
+def gemm_settings() -> tuple:
+    """cuBLAS's math settings now (``_GEMM_SETTING_GETTERS``): part of a graph's key, as a
+    captured GEMM keeps the kernel chosen under the settings of its capture, where a launched
+    one follows those of its call (TF32 turned off for an evaluation, say). A getter that
+    refuses to answer (the legacy TF32 flag once the newer API has set the precision) stands
+    as None: the newer API's values then tell the settings apart."""
+    values = []
+    for getter in _GEMM_SETTING_GETTERS:
+        try:
+            values.append(getter())
+        except RuntimeError:
+            values.append(None)
+    return tuple(values)
 
 
 def tensor_key(tensor: torch.Tensor | None) -> tuple | None:
