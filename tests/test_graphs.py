@@ -90,6 +90,14 @@ def test_the_budget_variables_state_a_memory_bound(monkeypatch):
     assert plan_module._states_memory_bound(LossOptions())
 
 
+@pytest.mark.parametrize("variable", ["FLCE_MEMORY_BUDGET_MIB", "FLCE_CHUNK_BUDGET_MIB"])
+def test_an_empty_budget_variable_states_no_memory_bound(monkeypatch, variable):
+    """The sizing reads an empty variable as unset (``export FLCE_MEMORY_BUDGET_MIB=``):
+    so does the graphs' refusal, which took it for a stated budget."""
+    monkeypatch.setenv(variable, "")
+    assert not plan_module._states_memory_bound(LossOptions())
+
+
 def test_the_matmul_settings_are_part_of_the_key():
     """cuBLAS's math settings (TF32, the reduced-precision reductions) decide the kernels a
     graph captures: a graph's key holds them, so a change of one gets another graph."""

@@ -542,7 +542,8 @@ def _states_memory_bound(options: LossOptions) -> bool:
     chunk sizes. Such a call is never graphed: a graph holds its memory between calls and
     its dW is copied out (two at once)."""
     explicit = (options.memory_budget, options.chunk_size, options.vocab_chunk_size)
-    return explicit != (None, None, None) or budget_environment() != (None, None)
+    # An empty variable is unset, as the sizing reads it (``flce.driver.sizing``).
+    return explicit != (None, None, None) or any(budget_environment())
 
 
 def _graph_held_bytes(plan: Plan, o: LinearOperands, request: GradRequest) -> int:
