@@ -9,6 +9,7 @@ dominates the cost); workers save their results to ``tmp_path`` and the parent a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import math
@@ -330,6 +331,20 @@ def _run_case(spec: Spec, rank: int) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None):
+    """The environment variable ``name`` set to ``value`` (None: unset) inside the block."""
+    saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def _capture(fn) -> tuple:
     try:
         fn()
@@ -379,6 +394,23 @@ def _error_cases(rank: int, world: int) -> dict:
 
     out["input_dtype"] = _capture(mixed_input_dtypes)
     out["not_a_member"] = _capture(lambda: call(x, weight, target, process_group=only_rank0)) if rank else None
+    # A vocab_start past int64 on one rank (the others pass theirs): refused by name, not
+    # an overflow building that rank's record while the others wait in the handshake.
+    out["vocab_start_past_int64"] = _capture(lambda: call(x, weight, target, vocab_start=2**64 if rank == 1 else v0))
+    # Process-local settings that decide the chunks (every rank runs the same collectives):
+    # the chunk budget and the per-shard kernels chosen by FLCE_BACKEND, on one rank only.
+    with _environment("FLCE_CHUNK_BUDGET_MIB", "1" if rank == 0 else None):
+        out["chunk_budget_one_rank"] = _capture(lambda: call(x, weight, target))
+    if flce.dispatch.availability("triton", torch.device("cpu"))[0]:
+        with _environment("FLCE_BACKEND", "triton" if rank == 0 else None):
+            out["env_backend_one_rank"] = _capture(lambda: call(x, weight, target))
+    # Targets that differ by a swap of two rows (7919 apart: the old checksum weighted
+    # their positions alike) on the last rank.
+    long_x = torch.randn(2 * 7919, 2, generator=gen)
+    long_target = torch.arange(2 * 7919) % vocab
+    if rank == world - 1:
+        long_target[[0, 7919]] = long_target[[7919, 0]]
+    out["target_swapped"] = _capture(lambda: call(long_x, weight[:, :2], long_target))
     # The group is still usable after every refusal.
     out["after"] = call(x, weight, target).detach()
     return out
@@ -621,6 +653,17 @@ def test_refusals_are_collective(spawned):
         assert kind == "ValueError" and "tile [0, V)" in msg, msg
         kind, msg = e["options"]
         assert kind == "ValueError" and "loss options" in msg and "same on every rank" in msg, msg
+        assert "label_smoothing" in msg and "rank(s) [1]" in msg, msg  # names the option and the ranks
+        kind, msg = e["vocab_start_past_int64"]
+        assert kind == "ValueError", msg
+        assert ("vocab_start must be" in msg) if rank == 1 else ("rank(s) [1]" in msg), msg
+        kind, msg = e["chunk_budget_one_rank"]
+        assert kind == "ValueError" and "FLCE_CHUNK_BUDGET_MIB" in msg and "same on every rank" in msg, msg
+        if "env_backend_one_rank" in e:
+            kind, msg = e["env_backend_one_rank"]
+            assert kind == "ValueError" and "rank 0: triton, rank 1: torch" in msg, msg
+        kind, msg = e["target_swapped"]
+        assert kind == "ValueError" and "the target" in msg, msg
         kind, msg = e["target_differs"]
         assert kind == "ValueError" and "the target" in msg, msg
         kind, msg = e["ce_weight_shape"]
