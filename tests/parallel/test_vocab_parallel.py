@@ -511,6 +511,39 @@ def _dtensor_case(rank: int, world: int) -> dict:
     )
 
 
+class _GatherTokens(torch.autograd.Function):
+    """The all-gather of sequence-parallel hidden states that docs/parallel.md prescribes
+    (Megatron's ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``):
+    its backward takes this rank's slice of the gradient, which the loss has already summed
+    over the ranks."""
+
+    @staticmethod
+    def forward(ctx, tokens):
+        parts = [torch.empty_like(tokens) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tokens.contiguous())
+        ctx.rows = tokens.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = dist.get_rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
+def _sequence_parallel_case(rank: int, world: int) -> dict:
+    """Each rank holds a slice of the tokens, gathered before the loss: its gradient is
+    its slice of the full dX (not the sum of the ranks' identical copies)."""
+    split = FIXED_SPLITS[world]
+    v0 = sum(split[:rank])
+    t = make_tensors(Spec("sequence_parallel", 31, split, (4 * world,), 8))
+    rows = slice(4 * rank, 4 * rank + 4)
+    tokens = t["x"][rows].clone().requires_grad_()
+    vocab_parallel_fused_linear_cross_entropy(
+        _GatherTokens.apply(tokens), t["weight"][v0 : v0 + split[rank]], t["target"]
+    ).backward()
+    return dict(dx=tokens.grad, rows=rows)
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -525,6 +558,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["errors"] = _error_cases(rank, world)
         results["dtensor"] = _dtensor_case(rank, world)
         results["nan_argmax"] = _nan_argmax_case(rank, world)
+        results["sequence_parallel"] = _sequence_parallel_case(rank, world)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -740,6 +774,18 @@ def test_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(spawned):
             where = f"rank {rank}/{world} {backend}"
             assert predicted.tolist() == eager.tolist(), where
             assert accuracy.tolist() == (eager == target).float().tolist(), where
+
+
+def test_sequence_parallel_hidden_states_get_their_slice_of_dx(spawned):
+    """The gather docs/parallel.md prescribes for sequence-sharded hidden states: each
+    rank's slice of the reference dX (a reduce-scatter there would multiply it by the
+    world size)."""
+    world, results = spawned
+    expected = _reference(Spec("sequence_parallel", 31, FIXED_SPLITS[world], (4 * world,), 8))
+    for rank, r in enumerate(results):
+        case = r["sequence_parallel"]
+        want = expected["grads"]["input"][case["rows"]]
+        torch.testing.assert_close(case["dx"].double(), want, **GRAD_TOL, msg=f"rank {rank}")
 
 
 # ------------------------------------------------------------- process group of size 1
