@@ -55,7 +55,7 @@ _MUST_AGREE = {
     "chunk_budget": f"the chunk budget in bytes ({CHUNK_BUDGET_ENV_VAR}, read when chunk_size is None)",
     "compute_dtype": "the compute dtype (input/weight dtype or autocast dtype)",
     "input_dtype": "the input dtype (dX, all-reduced in backward, has it)",
-    "target": "the target (every rank must pass the same full target)",
+    "target": "the target (every rank must pass the same full target; shown: its checksums)",
 }
 
 # Fields recorded as an index into a tuple of names, shown as the names.
@@ -120,9 +120,9 @@ _POSITION_HASH = 2654435761
 def _target_checksum(target: torch.Tensor) -> torch.Tensor:
     """A position-weighted sum of the target (no extra host read): equal targets give
     equal sums. Every position has its own weight (a bijection of the position, not a
-    period, which two positions a period apart shared), so two rows swapped, a shifted
-    target or any single difference is caught, and other differences with overwhelming
-    likelihood. Sums past int64 wrap alike on every rank."""
+    period, which two positions a period apart shared), so two rows swapped or any single
+    difference is caught, other differences with overwhelming likelihood. Sums past int64
+    wrap alike on every rank."""
     flat = target.reshape(-1).long()
     positions = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
     weights = ((positions * _POSITION_HASH) & 0x7FFFFFFF) + 1
@@ -138,7 +138,7 @@ def _describe(values: list) -> str:
 
 
 def _record(
-    input, weight, target, bias, ce_weight, options, compute_dtype, backend, vocab_start, device
+    input, weight, target, bias, ce_weight, options: LossOptions, compute_dtype, backend: str, vocab_start, device
 ) -> torch.Tensor:
     """This rank's record (``_FIELDS``), built from its checked arguments."""
     grad_enabled = torch.is_grad_enabled()
