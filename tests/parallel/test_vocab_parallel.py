@@ -9,6 +9,7 @@ dominates the cost); workers save their results to ``tmp_path`` and the parent a
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import math
@@ -330,6 +331,20 @@ def _run_case(spec: Spec, rank: int) -> dict:
     return result
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None):
+    """The environment variable ``name`` set to ``value`` (None: unset) inside the block."""
+    saved = os.environ.pop(name, None)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+        if saved is not None:
+            os.environ[name] = saved
+
+
 def _capture(fn) -> tuple:
     try:
         fn()
@@ -379,6 +394,23 @@ def _error_cases(rank: int, world: int) -> dict:
 
     out["input_dtype"] = _capture(mixed_input_dtypes)
     out["not_a_member"] = _capture(lambda: call(x, weight, target, process_group=only_rank0)) if rank else None
+    # A vocab_start past int64 on one rank (the others pass theirs): refused by name, not
+    # an overflow building that rank's record while the others wait in the handshake.
+    out["vocab_start_past_int64"] = _capture(lambda: call(x, weight, target, vocab_start=2**64 if rank == 1 else v0))
+    # Process-local settings that decide the chunks (every rank runs the same collectives):
+    # the chunk budget and the per-shard kernels chosen by FLCE_BACKEND, on one rank only.
+    with _environment("FLCE_CHUNK_BUDGET_MIB", "1" if rank == 0 else None):
+        out["chunk_budget_one_rank"] = _capture(lambda: call(x, weight, target))
+    if flce.dispatch.availability("triton", torch.device("cpu"))[0]:
+        with _environment("FLCE_BACKEND", "triton" if rank == 0 else None):
+            out["env_backend_one_rank"] = _capture(lambda: call(x, weight, target))
+    # Targets that differ by a swap of two rows (7919 apart: the old checksum weighted
+    # their positions alike) on the last rank.
+    long_x = torch.randn(2 * 7919, 2, generator=gen)
+    long_target = torch.arange(2 * 7919) % vocab
+    if rank == world - 1:
+        long_target[[0, 7919]] = long_target[[7919, 0]]
+    out["target_swapped"] = _capture(lambda: call(long_x, weight[:, :2], long_target))
     # The group is still usable after every refusal.
     out["after"] = call(x, weight, target).detach()
     return out
@@ -479,6 +511,39 @@ def _dtensor_case(rank: int, world: int) -> dict:
     )
 
 
+class _GatherTokens(torch.autograd.Function):
+    """The all-gather of sequence-parallel hidden states that docs/parallel.md prescribes
+    (Megatron's ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``):
+    its backward takes this rank's slice of the gradient, which the loss has already summed
+    over the ranks."""
+
+    @staticmethod
+    def forward(ctx, tokens):
+        parts = [torch.empty_like(tokens) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tokens.contiguous())
+        ctx.rows = tokens.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = dist.get_rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
+def _sequence_parallel_case(rank: int, world: int) -> dict:
+    """Each rank holds a slice of the tokens, gathered before the loss: its gradient is
+    its slice of the full dX (not the sum of the ranks' identical copies)."""
+    split = FIXED_SPLITS[world]
+    v0 = sum(split[:rank])
+    t = make_tensors(Spec("sequence_parallel", 31, split, (4 * world,), 8))
+    rows = slice(4 * rank, 4 * rank + 4)
+    tokens = t["x"][rows].clone().requires_grad_()
+    vocab_parallel_fused_linear_cross_entropy(
+        _GatherTokens.apply(tokens), t["weight"][v0 : v0 + split[rank]], t["target"]
+    ).backward()
+    return dict(dx=tokens.grad, rows=rows)
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -493,6 +558,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["errors"] = _error_cases(rank, world)
         results["dtensor"] = _dtensor_case(rank, world)
         results["nan_argmax"] = _nan_argmax_case(rank, world)
+        results["sequence_parallel"] = _sequence_parallel_case(rank, world)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -621,6 +687,17 @@ def test_refusals_are_collective(spawned):
         assert kind == "ValueError" and "tile [0, V)" in msg, msg
         kind, msg = e["options"]
         assert kind == "ValueError" and "loss options" in msg and "same on every rank" in msg, msg
+        assert "label_smoothing" in msg and "rank(s) [1]" in msg, msg  # names the option and the ranks
+        kind, msg = e["vocab_start_past_int64"]
+        assert kind == "ValueError", msg
+        assert ("vocab_start must be" in msg) if rank == 1 else ("rank(s) [1]" in msg), msg
+        kind, msg = e["chunk_budget_one_rank"]
+        assert kind == "ValueError" and "FLCE_CHUNK_BUDGET_MIB" in msg and "same on every rank" in msg, msg
+        if "env_backend_one_rank" in e:
+            kind, msg = e["env_backend_one_rank"]
+            assert kind == "ValueError" and "rank 0: triton, rank 1: torch" in msg, msg
+        kind, msg = e["target_swapped"]
+        assert kind == "ValueError" and "the target" in msg, msg
         kind, msg = e["target_differs"]
         assert kind == "ValueError" and "the target" in msg, msg
         kind, msg = e["ce_weight_shape"]
@@ -697,6 +774,18 @@ def test_predicted_tokens_of_rows_with_a_nan_logit_follow_torch_argmax(spawned):
             where = f"rank {rank}/{world} {backend}"
             assert predicted.tolist() == eager.tolist(), where
             assert accuracy.tolist() == (eager == target).float().tolist(), where
+
+
+def test_sequence_parallel_hidden_states_get_their_slice_of_dx(spawned):
+    """The gather docs/parallel.md prescribes for sequence-sharded hidden states: each
+    rank's slice of the reference dX (a reduce-scatter there would multiply it by the
+    world size)."""
+    world, results = spawned
+    expected = _reference(Spec("sequence_parallel", 31, FIXED_SPLITS[world], (4 * world,), 8))
+    for rank, r in enumerate(results):
+        case = r["sequence_parallel"]
+        want = expected["grads"]["input"][case["rows"]]
+        torch.testing.assert_close(case["dx"].double(), want, **GRAD_TOL, msg=f"rank {rank}")
 
 
 # ------------------------------------------------------------- process group of size 1

@@ -10,10 +10,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flce.options import FLOAT_DTYPES, LossOptions, row_count
+from flce.dispatch import BACKEND_NAMES
+from flce.driver.sizing import CHUNK_BUDGET_ENV_VAR, chunk_budget_bytes
+from flce.options import FLOAT_DTYPES, OPTION_FIELDS, LossOptions, row_count
 
 ENTRY = "vocab_parallel_fused_linear_cross_entropy"
 
+# One field of the record per loss option (a crc32 of its value), so that a refusal names
+# the option that differs.
+_OPTION_PREFIX = "option "
 
 # Fields of the per-rank record gathered once per call (int64).
 _FIELDS = (
@@ -25,11 +30,12 @@ _FIELDS = (
     "hidden",
     "has_bias",
     "has_ce_weight",
-    "chunk_size",
     "grad_input",
     "grad_weight",
     "grad_bias",
-    "options",  # crc32 of the options' repr
+    *(_OPTION_PREFIX + name for name in OPTION_FIELDS),
+    "backend",  # the per-shard kernels, as an index into BACKEND_NAMES
+    "chunk_budget",  # the budget that sizes the chunks when chunk_size is None (else 0)
     "compute_dtype",
     "input_dtype",  # the dtype of dX, all-reduced in backward
     "target",  # checksum of the target
@@ -40,17 +46,20 @@ _MUST_AGREE = {
     "hidden": "the hidden size H",
     "has_bias": "whether bias_shard is passed",
     "has_ce_weight": "whether ce_weight_shard is passed",
-    "chunk_size": "chunk_size",
     "grad_input": "whether input requires grad",
     "grad_weight": "whether weight_shard requires grad",
     "grad_bias": "whether bias_shard requires grad",
-    "options": "the loss options (ignore_index, label_smoothing, reduction, ...)",
+    # The two process-local settings that decide the chunks besides the options: ranks
+    # sizing them differently would pair collectives of different sizes.
+    "backend": "the per-shard kernels (backend=, else FLCE_BACKEND, else the device's default)",
+    "chunk_budget": f"the chunk budget in bytes ({CHUNK_BUDGET_ENV_VAR}, read when chunk_size is None)",
     "compute_dtype": "the compute dtype (input/weight dtype or autocast dtype)",
     "input_dtype": "the input dtype (dX, all-reduced in backward, has it)",
-    "target": "the target (every rank must pass the same full target)",
+    "target": "the target (every rank must pass the same full target; shown: its checksums)",
 }
 
-_DTYPE_FIELDS = ("compute_dtype", "input_dtype")  # recorded as indices into FLOAT_DTYPES
+# Fields recorded as an index into a tuple of names, shown as the names.
+_NAMED_FIELDS = {"compute_dtype": FLOAT_DTYPES, "input_dtype": FLOAT_DTYPES, "backend": BACKEND_NAMES}
 
 
 def gather_class_weights(ce_weight, sizes, starts, vocab, group, world) -> torch.Tensor:
@@ -104,20 +113,58 @@ def _comm_device(group, input) -> torch.device:
     return torch.device("cpu")
 
 
+# An odd multiplier: position -> (position * it) mod 2**31 is a bijection on [0, 2**31).
+_POSITION_HASH = 2654435761
+
+
 def _target_checksum(target: torch.Tensor) -> torch.Tensor:
-    """A position-weighted sum of the target: equal targets give equal sums; a rank
-    whose target differs is caught with overwhelming likelihood (no extra host read)."""
+    """A position-weighted sum of the target (no extra host read): equal targets give
+    equal sums. Every position has its own weight (a bijection of the position, not a
+    period, which two positions a period apart shared), so two rows swapped or any single
+    difference is caught, other differences with overwhelming likelihood. Sums past int64
+    wrap alike on every rank."""
     flat = target.reshape(-1).long()
-    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64) % 7919 + 1
+    positions = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
+    weights = ((positions * _POSITION_HASH) & 0x7FFFFFFF) + 1
     return (flat * weights).sum()
 
 
-def _options_fingerprint(options: LossOptions) -> int:
-    return zlib.crc32(repr(options).encode())
+def _fingerprint(value) -> int:
+    return zlib.crc32(repr(value).encode())
 
 
-def _describe(values: list[int]) -> str:
+def _describe(values: list) -> str:
     return ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+
+def _record(
+    input, weight, target, bias, ce_weight, options: LossOptions, compute_dtype, backend: str, vocab_start, device
+) -> torch.Tensor:
+    """This rank's record (``_FIELDS``), built from its checked arguments."""
+    grad_enabled = torch.is_grad_enabled()
+    record = dict(
+        error=0,
+        vocab_start_given=int(vocab_start is not None),
+        vocab_start=vocab_start or 0,
+        shard_size=weight.shape[0],
+        rows=row_count(input),
+        hidden=input.shape[-1],
+        has_bias=int(bias is not None),
+        has_ce_weight=int(ce_weight is not None),
+        grad_input=int(grad_enabled and input.requires_grad),
+        grad_weight=int(grad_enabled and weight.requires_grad),
+        grad_bias=int(grad_enabled and bias is not None and bias.requires_grad),
+        backend=BACKEND_NAMES.index(backend),
+        chunk_budget=chunk_budget_bytes() if options.chunk_size is None else 0,
+        compute_dtype=FLOAT_DTYPES.index(compute_dtype),
+        input_dtype=FLOAT_DTYPES.index(input.dtype),
+        target=0,
+    )
+    for name in OPTION_FIELDS:
+        record[_OPTION_PREFIX + name] = _fingerprint(getattr(options, name))
+    mine = torch.tensor([record[f] for f in _FIELDS], dtype=torch.int64, device=device)
+    mine[_FIELDS.index("target")] = _target_checksum(target).to(device)
+    return mine
 
 
 @dataclass(frozen=True)
@@ -139,6 +186,7 @@ def agree_on_call(
     ce_weight,
     options: LossOptions,
     compute_dtype: torch.dtype | None,
+    backend: str | None,  # the name of the per-shard kernels
     local_error: Exception | None,
     group,
     vocab_start: int | None,
@@ -148,29 +196,13 @@ def agree_on_call(
     others); refuses, on every rank alike, calls that do not match across ranks."""
     world = dist.get_world_size(group)
     device = _comm_device(group, input)
-    grad_enabled = torch.is_grad_enabled()
+    mine = None
     if local_error is None:
-        record = dict(
-            error=0,
-            vocab_start_given=int(vocab_start is not None),
-            vocab_start=vocab_start or 0,
-            shard_size=weight.shape[0],
-            rows=row_count(input),
-            hidden=input.shape[-1],
-            has_bias=int(bias is not None),
-            has_ce_weight=int(ce_weight is not None),
-            chunk_size=options.chunk_size or 0,
-            grad_input=int(grad_enabled and input.requires_grad),
-            grad_weight=int(grad_enabled and weight.requires_grad),
-            grad_bias=int(grad_enabled and bias is not None and bias.requires_grad),
-            options=_options_fingerprint(options),
-            compute_dtype=FLOAT_DTYPES.index(compute_dtype),
-            input_dtype=FLOAT_DTYPES.index(input.dtype),
-            target=0,
-        )
-        mine = torch.tensor([record[f] for f in _FIELDS], dtype=torch.int64, device=device)
-        mine[_FIELDS.index("target")] = _target_checksum(target).to(device)
-    else:
+        try:  # an error building the record is this rank's too: raised after the gather
+            mine = _record(input, weight, target, bias, ce_weight, options, compute_dtype, backend, vocab_start, device)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+            local_error = exc
+    if mine is None:
         mine = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
         mine[0] = 1
 
@@ -190,10 +222,18 @@ def agree_on_call(
             f"{ENTRY}: rank(s) {bad} of the process group rejected their inputs (see the error raised "
             "there); every rank must call with valid, matching arguments"
         )
+    for name in OPTION_FIELDS:
+        values = columns[_OPTION_PREFIX + name]
+        differing = [r for r, v in enumerate(values) if v != values[0]]
+        if differing:
+            raise ValueError(
+                f"{ENTRY}: the loss options must be the same on every rank, but {name} on rank(s) {differing} "
+                f"differs from rank 0's (this rank's: {name}={getattr(options, name)!r})"
+            )
     for field, what in _MUST_AGREE.items():
         values = columns[field]
         if any(v != values[0] for v in values):
-            shown = [FLOAT_DTYPES[v] for v in values] if field in _DTYPE_FIELDS else values
+            shown = [_NAMED_FIELDS[field][v] for v in values] if field in _NAMED_FIELDS else values
             raise ValueError(f"{ENTRY}: {what} must be the same on every rank, got {_describe(shown)}")
 
     sizes = columns["shard_size"]

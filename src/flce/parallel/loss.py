@@ -27,7 +27,8 @@ Per chunk, on rank r with its ``(C, V_r)`` local logits ``z = x_c @ W_r^T (+ b_r
    accumulation), ``db_r += sum(G_r)``.
 
 Once per call, before the chunks: one ``all_gather`` of a small int64 record per rank
-(shard size and start, shapes, flags, an options fingerprint and a target checksum):
+(shard size and start, shapes, flags, a fingerprint of each option, the per-shard kernels
+and chunk budget that size the chunks, and a target checksum):
 it yields the global vocabulary ``V`` and the default ``vocab_start`` (exclusive prefix
 sum of the shard sizes) and lets every rank refuse inconsistent calls together instead
 of deadlocking. With class weights, one ``all_gather`` of the ``(V_r,)`` weight shards
@@ -60,6 +61,7 @@ from flce.driver.chunks import Gradients, GradRequest, run_chunks
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.options import (
+    INT64_MAX,
     OPTION_FIELDS,
     HeadNames,
     LossOptions,
@@ -165,7 +167,7 @@ SHARD_NAMES = HeadNames(weight="weight_shard", bias="bias_shard")
 
 def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, vocab_start):
     """This rank's own checks of its tensors and backend -> (compute dtype, vocab_start as
-    an int or None)."""
+    an int or None, the per-shard kernels)."""
     if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
         raise ValueError(
             "weight_shard has no rows on this rank: the vocab-parallel loss needs at least one row (V >= 1) "
@@ -175,12 +177,14 @@ def _local_checks(input, weight, target, bias, ce_weight, options: LossOptions, 
         )
     compute_dtype = validate_fused_inputs(input, weight, target, bias, None, options, SHARD_NAMES)
     validate_ce_weight(ce_weight, weight.shape[0], input.device, "ce_weight_shard")
-    split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
+    kernels = split_row_kernels(options.backend, input.device)  # an unusable backend, with the reason
     if vocab_start is not None:
         vocab_start = as_int("vocab_start", vocab_start)
         if vocab_start < 0:
             raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    return compute_dtype, vocab_start
+        if vocab_start > INT64_MAX:  # the handshake's record holds it as an int64
+            raise ValueError(f"vocab_start must be <= 2**63 - 1 (a row index), got {vocab_start}")
+    return compute_dtype, vocab_start, kernels
 
 
 def _plan(
@@ -190,14 +194,26 @@ def _plan(
     full class weights and the (N,) target as the kernels read it (``index_target``).
     ``local_error``: a refusal found before (the options, the DTensor adapter's), raised in
     the handshake as the local checks' are."""
-    compute_dtype = None
+    compute_dtype = kernels = None
     if local_error is None:
         try:
-            compute_dtype, vocab_start = _local_checks(input, weight, target, bias, ce_weight, options, vocab_start)
+            compute_dtype, vocab_start, kernels = _local_checks(
+                input, weight, target, bias, ce_weight, options, vocab_start
+            )
         except _LOCAL_ERRORS as exc:
             local_error = exc
     agreed = agree_on_call(
-        input, weight, target, bias, ce_weight, options, compute_dtype, local_error, group, vocab_start
+        input,
+        weight,
+        target,
+        bias,
+        ce_weight,
+        options,
+        compute_dtype,
+        None if kernels is None else kernels.name,
+        local_error,
+        group,
+        vocab_start,
     )
     ce_full = None
     if ce_weight is not None:
@@ -207,7 +223,6 @@ def _plan(
     target_1d = index_target(target, options.ignore_index)
     stats = batch_statistics(target_1d, ce_full, agreed.vocab, options.ignore_index, "ce_weight_shard")
     n_rows = target_1d.numel()
-    kernels = split_row_kernels(options.backend, input.device)
     chunk = options.chunk_size or default_chunk_size(
         n_rows, max(agreed.shard_sizes), compute_dtype, kernels.extra_bytes_per_logit
     )
