@@ -648,8 +648,9 @@ def _refuse_dtensor(name: str, tensor: torch.Tensor | None) -> None:
         "Under FSDP2 (fully_shard), compute the loss inside the forward of a module whose "
         "parameters FSDP has unsharded (e.g. the causal-LM model that owns lm_head, without "
         "wrapping lm_head in its own fully_shard unit), where they are plain tensors. For a "
-        "vocabulary-sharded (tensor-parallel) weight use "
-        "flce.parallel.vocab_parallel_fused_linear_cross_entropy."
+        "vocabulary-sharded (tensor-parallel) weight the cross-entropy has "
+        "flce.parallel.vocab_parallel_fused_linear_cross_entropy; the logprobs and distillation heads "
+        "have no vocab-parallel form (gather the weight first)."
     )
 
 

@@ -978,3 +978,24 @@ def test_module_refuses_bad_class_weights_when_built(ce_weight_shard, error, mes
     collective call."""
     with pytest.raises(error, match=rf"^{message}"):
         VocabParallelFusedLinearCrossEntropyLoss(ce_weight_shard)
+
+
+@pytest.mark.parametrize("head", ["cross_entropy", "logprobs", "distillation"])
+def test_a_sharded_weight_given_to_a_single_device_head_is_refused_with_its_way_out(single_group, head):
+    """The refusal names vocab_parallel_fused_linear_cross_entropy as the cross-entropy's
+    way out, and says the other heads have none (it sent them to the cross-entropy's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    x, target = torch.randn(4, 8), torch.randint(0, 13, (4,))
+    weight = distribute_tensor(torch.randn(13, 8), mesh, [Shard(0)])
+    calls = {
+        "cross_entropy": lambda: flce.fused_linear_cross_entropy(x, weight, target),
+        "logprobs": lambda: flce.fused_linear_logprobs(x, weight, target),
+        "distillation": lambda: flce.fused_linear_distillation(x, weight, x, torch.randn(13, 8)),
+    }
+    with pytest.raises(TypeError, match="is a DTensor") as refused:
+        calls[head]()
+    assert "vocab_parallel_fused_linear_cross_entropy" in str(refused.value)
+    assert "the logprobs and distillation heads have no vocab-parallel form" in str(refused.value)
