@@ -109,6 +109,19 @@ def test_a_device_that_is_not_one_is_one_line(command, capsys):
     assert "--device 'gpu0' is not a torch device" in _one_line_error(capsys, command)
 
 
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_the_meta_device_is_one_line(command, capsys):
+    assert main([command, "--device", "meta"]) == 2
+    assert "--device meta: the meta device holds no data" in _one_line_error(capsys, command)
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the message of a machine without MPS")
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_a_device_type_this_machine_lacks_is_one_line(command, capsys):
+    assert main([command, "--device", "mps"]) == 2
+    assert "--device mps: no mps device here" in _one_line_error(capsys, command)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton installed")
 def test_info_names_a_missing_dependency_of_triton_not_triton():
     """With numpy unimportable, Triton's interpreter does not import: ``flce info`` must say

@@ -82,7 +82,7 @@ def run_check(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     names = _checked_backends(args.backend, device)
-    # Every backend has split-row kernels (flce.split_rows), so each is checked with
+    # Every backend has split-row kernels (BackendSpec.split_rows), so each is checked with
     # vocab_chunk_size as well.
     cases = check_cases(device) + check_cases_vocabulary_blocks()
     rows, failed = [], 0

@@ -40,7 +40,19 @@ def resolve_device(text: str | None) -> torch.device:
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise CommandError(f"--device {text}: this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")
+    elif device.type == "meta":
+        raise CommandError(f"--device {text}: the meta device holds no data; the commands compute real values")
+    elif device.type != "cpu" and not _device_type_available(device.type):
+        raise CommandError(f"--device {text}: no {device.type} device here; use --device {default_device()}")
     return device
+
+
+def _device_type_available(device_type: str) -> bool:
+    """Whether this machine has a device of an accelerator type other than CUDA (mps,
+    xpu, ...): its ``torch.<type>.is_available()`` where torch has one."""
+    module = getattr(torch, device_type, None)
+    is_available = getattr(module, "is_available", None)
+    return callable(is_available) and bool(is_available())
 
 
 @contextmanager

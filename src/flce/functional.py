@@ -135,7 +135,8 @@ def fused_linear_cross_entropy(
             backward supported by recomputation).
         softcap: logits become ``softcap * tanh(z / softcap)``; ``None`` disables.
         return_z_loss / return_token_accuracy / return_predicted_tokens: also return these
-            (then the result is a ``CrossEntropyOutput``).
+            (then the result is a ``CrossEntropyOutput``). The z-loss (already inside the
+            loss, which carries its gradient) and the accuracy are returned detached.
         accum_dtype: dW/db accumulation dtype; ``None`` (default) and ``torch.float32``
             accumulate in fp32; the weight's own dtype accumulates in it (less memory).
         use_token_scaling: scale each row's loss and gradient by its detached ``p(target)``.

@@ -370,6 +370,7 @@ def validate_target(target: torch.Tensor, leading_shape: torch.Size, rows_name: 
     a 3-D ``(B, T, ·)`` tensor (a 1-D target of ``B * T`` values is taken as the rows in
     order; a 2-D target of ``N`` values against a 2-D tensor likewise)."""
     check_tensor_type("target", target)
+    _refuse_dtensor("target", target)
     refuse_non_dense("target", target)
     if target.dtype not in TARGET_DTYPES:
         raise TypeError(f"target must be an integer tensor (int64, int32, int16, int8 or uint8), got {target.dtype}")
@@ -403,6 +404,7 @@ def validate_ce_weight(ce_weight: torch.Tensor | None, vocab: int, device: torch
         return
     if not isinstance(ce_weight, torch.Tensor):
         raise TypeError(f"{name} must be a tensor of shape ({vocab},) or None, got {type(ce_weight).__name__}")
+    _refuse_dtensor(name, ce_weight)
     _check_class_weight_kind(name, ce_weight)
     if ce_weight.shape != (vocab,):
         raise ValueError(f"{name} must have shape ({vocab},) (one weight per class), got {tuple(ce_weight.shape)}")
@@ -639,7 +641,9 @@ def _validate_fused_inputs(
 
 def _refuse_dtensor(name: str, tensor: torch.Tensor | None) -> None:
     """A sharded DTensor reaching the single-device loss is a usage error, not something
-    to gather silently: gathering would double-count gradients under data parallelism."""
+    to gather silently: gathering would double-count gradients under data parallelism.
+    Every tensor argument is checked (the target, class weights and logits too: their
+    kernels and indexing would fail deep inside PyTorch's DTensor dispatch otherwise)."""
     if tensor is None or type(tensor).__name__ != "DTensor":
         return
     placements = getattr(tensor, "placements", "?")
@@ -678,6 +682,7 @@ def _validate_logits_inputs(
 ) -> None:
     check_tensor_type("logits", logits)
     check_tensor_type("target", target)
+    _refuse_dtensor("logits", logits)
     refuse_non_dense("logits", logits)
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be (N, V) or (B, T, V), got shape {tuple(logits.shape)}")

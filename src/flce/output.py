@@ -12,6 +12,14 @@ from flce.options import LossOptions
 
 @dataclass
 class CrossEntropyOutput:
+    """Results of a cross-entropy call with a ``return_*`` flag (Liger's fields); those not
+    asked for are None. ``loss`` and ``z_loss`` (the z-loss part, already inside ``loss``)
+    are fp32, scalars for mean/sum and shaped like the target for ``"none"`` (0 at ignored
+    tokens); ``token_accuracy`` is fp32, the fraction of the non-ignored tokens whose first
+    maximum logit is the target for mean/sum, per token (0 or 1, 0 at ignored tokens) for
+    ``"none"``; ``predicted_tokens`` is int64 shaped like the target, -1 at ignored tokens.
+    ``z_loss`` and ``token_accuracy`` are detached."""
+
     loss: torch.Tensor
     z_loss: torch.Tensor | None = None
     token_accuracy: torch.Tensor | None = None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flce.bench.cli import bench_parser, run_bench
+from flce.bench.cli import CPU_DEFAULT, bench_parser, run_bench
 from flce.bench.runner import HOST_CUDA_ONLY
 from tests.bench.scripts import load_benchmark_script
 
@@ -323,6 +323,33 @@ def test_tensor_parallel_forwards_the_loss_settings(monkeypatch: pytest.MonkeyPa
     ):
         assert expected in joined, (expected, joined)
     assert "--ignore-fraction" not in " ".join(_tp_child_command(monkeypatch, tmp_path, []))  # its own 0.05
+
+
+def test_tensor_parallel_on_the_cpu_runs_the_small_cpu_case(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without a GPU ``flce bench`` runs a small case; ``--tp`` ran the reference shape (an
+    fp32 2 GiB weight on every rank, minutes of CPU GEMMs). Shapes given win."""
+    joined = " ".join(_tp_child_command(monkeypatch, tmp_path, []))
+    tokens, vocab, hidden = (values[0] for values in CPU_DEFAULT)
+    assert f"--tokens {tokens} --vocab {vocab} --hidden {hidden}" in joined, joined
+    joined = " ".join(_tp_child_command(monkeypatch, tmp_path, ["--tokens", "48", "--vocab", "301"]))
+    assert f"--tokens 48 --vocab 301 --hidden {hidden}" in joined, joined
+
+
+def test_tensor_parallel_without_out_writes_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
+    """As every other run without ``--out``: the results are printed, no file is left in the
+    working directory (``--tp`` wrote bench-tp2-fp32.json there)."""
+    import subprocess
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda argv, check: launched.append(argv) or subprocess.CompletedProcess(argv, 0)
+    )
+    monkeypatch.chdir(tmp_path)
+    assert run_bench(bench_parser().parse_args(["--tp", "2", "--device", "cpu"])) == 0
+    out_file = Path(launched[0][launched[0].index("--out") + 1])
+    assert not out_file.is_relative_to(tmp_path) and not out_file.parent.exists(), out_file
+    assert list(tmp_path.iterdir()) == []
+    assert "results not saved: add --out DIR" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

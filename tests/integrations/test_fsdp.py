@@ -43,6 +43,38 @@ def _batch(rank):
     return torch.randn(6, 8, generator=gen), torch.randint(0, 13, (6,), generator=gen)
 
 
+def _dtensor_refusals(mesh) -> dict[str, str]:
+    """Every tensor argument of every entry point given as a DTensor: the message of the
+    TypeError it raised (or what else happened), by case."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    import flce
+
+    def dtensor(tensor):
+        return distribute_tensor(tensor, mesh, [Replicate()])
+
+    x, w, y, class_weights = torch.randn(4, 8), torch.randn(13, 8), torch.zeros(4, dtype=torch.long), torch.ones(13)
+    logits = x @ w.T
+    cases = {
+        "target": lambda: flce.fused_linear_cross_entropy(x, w, dtensor(y)),
+        "ce_weight": lambda: flce.fused_linear_cross_entropy(x, w, y, ce_weight=dtensor(class_weights)),
+        "module ce_weight": lambda: flce.FusedLinearCrossEntropyLoss(ce_weight=dtensor(class_weights))(x, w, y),
+        "logits": lambda: flce.cross_entropy(dtensor(logits), y),
+        "logits target": lambda: flce.cross_entropy(logits, dtensor(y)),
+        "logits weight": lambda: flce.cross_entropy(logits, y, weight=dtensor(class_weights)),
+        "logprobs target": lambda: flce.fused_linear_logprobs(x, w, dtensor(y)),
+        "distillation target": lambda: flce.fused_linear_distillation(x, w, x, w, dtensor(y)),
+    }
+    outcomes = {}
+    for case, call in cases.items():
+        try:
+            call()
+            outcomes[case] = "no error"
+        except Exception as exc:  # recorded, judged by the test
+            outcomes[case] = f"{type(exc).__name__}: {exc}"
+    return outcomes
+
+
 def _worker(rank, port, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -64,7 +96,10 @@ def _worker(rank, port, out_dir):
             flce.fused_linear_cross_entropy(torch.randn(4, 8), sharded, torch.zeros(4, dtype=torch.long))
         except TypeError as exc:
             refused = str(exc)
-        torch.save({"loss": loss.detach(), "grads": grads, "refused": refused}, os.path.join(out_dir, f"{rank}.pt"))
+        torch.save(
+            {"loss": loss.detach(), "grads": grads, "refused": refused, "refused_each": _dtensor_refusals(mesh)},
+            os.path.join(out_dir, f"{rank}.pt"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -81,3 +116,5 @@ def test_fsdp2_gradients_equal_the_data_parallel_mean(tmp_path):
         for name, param in reference.named_parameters():
             torch.testing.assert_close(result["grads"][name], param.grad, rtol=1e-5, atol=1e-6)
         assert "weight is a DTensor" in result["refused"] and "fully_shard" in result["refused"]
+        for case, outcome in result["refused_each"].items():
+            assert outcome.startswith("TypeError: ") and "is a DTensor" in outcome, (case, outcome)

@@ -338,38 +338,43 @@ def write_outputs(out: Path, stem: str, payload: dict[str, Any], plots: bool, ti
 
 def run_tensor_parallel(args: argparse.Namespace, device: torch.device) -> int:
     """``flce bench --tp WORLD``: ``flce.bench.tensor_parallel`` under torchrun, one
-    process per GPU; its JSON (parity, per-rank time and memory) goes to ``--out``."""
+    process per GPU; its JSON (parity, per-rank time and memory) goes to ``--out``, and
+    without it to a temporary directory (the processes print its summary)."""
     import subprocess
+    import tempfile
 
     world = args.tp
     if world < 1:
         return _usage_error(ValueError("--tp must be >= 1"))
     try:
-        forwarded = _tensor_parallel_options(args)
+        forwarded = _tensor_parallel_options(args, device)
     except ValueError as exc:
         return _usage_error(exc)
     if device.type == "cuda" and torch.cuda.device_count() < world:
         print(f"flce bench --tp {world}: skipped: {torch.cuda.device_count()} CUDA device(s) here, {world} needed")
         return 0
-    out_dir = args.out or Path(".")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out_file = out_dir / f"bench-tp{world}-{args.dtype or ('bf16' if device.type == 'cuda' else 'fp32')}.json"
-    child = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={world}",
-        "-m",
-        "flce.bench.tensor_parallel",
-        "--out",
-        str(out_file),
-        "--device",
-        device.type,
-    ]
-    child += forwarded
-    print("running:", " ".join(child))
-    return subprocess.run(child, check=False).returncode
+    with tempfile.TemporaryDirectory(prefix="flce-bench-tp-") as scratch:
+        out_dir = args.out or Path(scratch)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        out_file = out_dir / f"bench-tp{world}-{args.dtype or ('bf16' if device.type == 'cuda' else 'fp32')}.json"
+        child = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            "-m",
+            "flce.bench.tensor_parallel",
+            "--out",
+            str(out_file),
+            "--device",
+            device.type,
+        ]
+        child += forwarded
+        print("running:", " ".join(child))
+        code = subprocess.run(child, check=False).returncode
+    _saved_or_how(args.out, [out_file] if args.out is not None and out_file.exists() else [])
+    return code
 
 
 # The --features that flce.bench.tensor_parallel takes, as its flags.
@@ -380,9 +385,10 @@ TENSOR_PARALLEL_FEATURES = {
 }
 
 
-def _tensor_parallel_options(args: argparse.Namespace) -> list[str]:
+def _tensor_parallel_options(args: argparse.Namespace, device: torch.device) -> list[str]:
     """The options of ``flce.bench.tensor_parallel`` that ``--tp`` forwards; ValueError on
-    one it would drop (the run would measure another case than asked, saying nothing)."""
+    one it would drop (the run would measure another case than asked, saying nothing). On
+    the CPU the shapes not given are the small CPU case's (``CPU_DEFAULT``), as every CPU run."""
     refused = [
         flag
         for flag, given in (
@@ -408,9 +414,12 @@ def _tensor_parallel_options(args: argparse.Namespace) -> list[str]:
     BenchLossSettings.from_features(args.features)  # unknown names: the usual error
     rounds, warmup = _rounds_and_warmup(args, 1, 0)  # checks only: the processes keep their own defaults
     options: list[str] = []
-    for flag, values in (("--tokens", args.tokens), ("--vocab", args.vocab), ("--hidden", args.hidden)):
+    shapes = (("--tokens", args.tokens), ("--vocab", args.vocab), ("--hidden", args.hidden))
+    for (flag, values), cpu_values in zip(shapes, CPU_DEFAULT, strict=True):
         if values:
             options += [flag, str(values[0])]
+        elif device.type == "cpu":
+            options += [flag, str(cpu_values[0])]
     if args.dtype:
         options += ["--dtype", args.dtype]
     if args.rounds is not None:

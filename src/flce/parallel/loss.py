@@ -3,11 +3,11 @@
 Every rank of a process group holds a contiguous slice ``W[v0:v1]`` of the LM-head
 weight (uneven slices allowed), the full input ``x`` (N, H) and the full target (global
 class ids). The loss is the one of ``flce.fused_linear_cross_entropy(x, W, target)``
-with the same options (``docs/parallel.md``; per-token math in ``flce.backends.base``),
+with the same options (``docs/parallel.md``; per-token math in ``flce.rows.cross_entropy``),
 and neither the ``(N, V)`` logits nor a rank's ``(N, V_r)`` logits are ever
-materialized: tokens are processed in chunks of ``C`` rows, sized like the single-GPU
-driver's (``flce.driver.sizing.default_chunk_size`` on the largest shard with the kernels'
-workspace, the same ``C`` on every rank).
+materialized: tokens are processed in chunks of ``C`` rows, sized as ``flce.cross_entropy``
+sizes its chunks (``flce.driver.sizing.default_chunk_size`` on the largest shard with the
+kernels' workspace, the same ``C`` on every rank).
 
 Per chunk, on rank r with its ``(C, V_r)`` local logits ``z = x_c @ W_r^T (+ b_r)``
 (softcap applied, ``z' = c tanh(z / c)``, statistics in fp32):
@@ -20,10 +20,11 @@ Per chunk, on rank r with its ``(C, V_r)`` local logits ``z = x_c @ W_r^T (+ b_r
    shifted logits ``z' - max``: ``sum_i exp(z'_i - max)``, ``z'_y - max`` (from the rank
    that owns ``y``, 0 elsewhere) and, with label smoothing, ``sum_i w_i (z'_i - max)``
    (``k`` = 2 or 3). Each rank computes them relative to its local max in one read of
-   the chunk (``flce.split_rows``) and moves them to the global max before the reduce.
+   the chunk (the backend's split-row kernels, ``BackendSpec.split_rows``) and moves them
+   to the global max before the reduce.
 3. ``lse = max + log(sum)``; loss rows (identical on every rank); the local gradient
    chunk ``G_r`` (C, V_r) with the global softmax, in the grouped form of
-   ``flce.backends.base``; ``dX_r[c] = G_r @ W_r``, ``dW_r += G_r^T x_c`` (fp32
+   ``flce.rows.cross_entropy``; ``dX_r[c] = G_r @ W_r``, ``dW_r += G_r^T x_c`` (fp32
    accumulation), ``db_r += sum(G_r)``.
 
 Once per call, before the chunks: one ``all_gather`` of a small int64 record per rank
@@ -37,8 +38,8 @@ and the mean divisor ``sum_t w_{y_t}``. Backward: one ``all_reduce(SUM)`` of ``d
 (N, H) in the input's dtype; ``dW_r`` and ``db_r`` stay local.
 
 The local GEMMs are cuBLAS (``torch.mm``/``addmm``); the per-chunk CE math runs in the
-split-row kernels of ``backend`` (``flce.split_rows``: Triton or CuTe DSL, in place, or
-PyTorch).
+split-row kernels of ``backend`` (``flce.dispatch.split_row_kernels``: Triton or CuTe DSL,
+in place, or PyTorch).
 With a process group of size 1 no collective runs and the result equals
 ``flce.fused_linear_cross_entropy`` (up to fp32 rounding).
 
@@ -454,8 +455,9 @@ def vocab_parallel_fused_linear_cross_entropy(
             prefix sum of the shard sizes in group-rank order. The shards must tile ``[0, V)``.
         bias_shard: optional ``(V_r,)`` rows of the bias. ce_weight_shard: optional
             ``(V_r,)`` class weights of this shard's classes.
-        chunk_size: rows per chunk (must be equal on all ranks); ``None`` sizes chunks
-            from the memory budget on the largest shard, as the single-GPU driver does.
+        chunk_size: rows per chunk (must be equal on all ranks); ``None``: the most rows
+            whose logits on the largest shard fit ``FLCE_CHUNK_BUDGET_MIB`` (512 MiB by
+            default; ``FLCE_MEMORY_BUDGET_MIB`` does not apply).
         backend: the per-shard kernels: ``"triton"`` or ``"cutedsl"`` (sm_90+) (one read
             for the statistics, one read + write for the gradient, in place), ``"torch"``
             (PyTorch ops on an fp32 copy), or ``None``: ``FLCE_BACKEND``, else the auto
