@@ -8,7 +8,7 @@ an fp32 online softmax (running max ``m = max(z')`` and normaliser
 ``torch.argmax``'s order: a NaN above every number, the first column among equals). A CTA
 reduction (then, in a cluster, an exchange through distributed shared memory) gives
 the row's statistics, from which every thread derives the row scalars of
-``flce.backends.base`` (loss, z-loss, token scale and the gradient coefficients).
+``flce.rows.cross_entropy`` (loss, z-loss, token scale and the gradient coefficients).
 Pass 2, when ``compute_grad``, writes the gradient over the logits.
 
 Bytes: the first ``resident`` tiles of a slice stay in shared memory after pass 1, so
@@ -22,7 +22,7 @@ carry the probability. Folding log2(e) into one FMA, ``z' * log2(e) - m * log2(e
 saves an instruction but leaves the rounding of ``m * log2(e)`` (about ``|m| * 2^-24``)
 in every exponent: ``p_y`` of a confident row then misses 1 by many ulps, and the
 gradient ``p_y - 1`` with it, which one instruction per logit does not pay for. The
-gradient uses the grouped form of ``flce.backends.base``; without label smoothing or
+gradient uses the grouped form of ``flce.rows.cross_entropy``; without label smoothing or
 softcap only the target's column needs it, and every other column is its ``exp2`` times
 one multiplier per row, ``(coef_y + coef_z) / d``. That matters inside a fused call: right
 after a GEMM the GPU sits at its power limit with its SM clock lowered, and there the
@@ -325,7 +325,7 @@ class ChunkCrossEntropy(RowStream):
                 if const_expr(self.need_argmax):
                     best_v, best_i = argmax_combine(best_v, best_i, sClu[c, 3], sCluArg[c])
 
-        # ---------------- row scalars (same formulas as flce.backends.base)
+        # ---------------- row scalars (same formulas as flce.rows.cross_entropy)
         log_d = cute.math.log2(d) * LN_2
         lse = m + log_d
         zp_y = z_y

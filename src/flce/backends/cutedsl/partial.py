@@ -8,7 +8,7 @@ target logit where the block owns the target, the class-weighted smoothing sum, 
 first local argmax); the caller combines the blocks into the whole row's max ``M`` and
 sum ``S``. ``partial_gradient`` then reads the block again and writes, in place, the
 gradient with the whole row's softmax ``p_i = exp(z'_i - M) / S`` in the grouped form of
-``flce.backends.base``.
+``flce.rows.cross_entropy``.
 
 Both kernels are built from ``flce.backends.cutedsl.ce.RowStream``, the machinery of
 the chunk CE kernel: one CTA per row, 64-bit row offsets, ``vec``-element vectors (as

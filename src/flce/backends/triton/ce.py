@@ -5,7 +5,7 @@ sum of ``exp2((z' - m) * log2 e)``), plus the smoothing sum and the
 argmax only when they are asked for; the target logit is loaded directly. Pass 2
 (only for the gradient) re-reads the row, recomputes ``p_i`` and overwrites it with
 the gradient in the logits dtype. Ignored rows skip both passes (zeros are written).
-Same contract and formulas as ``flce.backends.base``; ``flce.backends.torch.ce`` is
+Same contract as ``flce.backends.base``, formulas of ``flce.rows.cross_entropy``; ``flce.backends.torch.ce`` is
 the readable twin.
 """
 

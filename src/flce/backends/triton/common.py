@@ -284,7 +284,7 @@ def write_gradient_row(
     BF16_ROUND_BY_BITS: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """The grouped form of flce.backends.base, each group exact where the true value is
+    """The grouped form of flce.rows.cross_entropy, each group exact where the true value is
     ~0 (p_y ~ 1, V = 1):
     grad_i = (onehot_coef (p_i - [i == y]) + smooth_coef (W p_i - w_i) + z_coef p_i) dz'_i/dz_i.
 

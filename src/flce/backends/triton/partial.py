@@ -6,7 +6,7 @@ a chunk once and gives, per row, the local max of ``z'`` and the statistics rela
 label smoothing, the first local argmax); the caller combines them across ranks into the
 global row max ``M`` and sum ``S``. ``partial_gradient`` then reads the chunk again and
 writes the gradient in place, with the global softmax ``p_i = exp(z'_i - M) / S`` and the
-grouped form of ``flce.backends.base``.
+grouped form of ``flce.rows.cross_entropy``.
 """
 
 from __future__ import annotations
