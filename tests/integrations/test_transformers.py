@@ -457,3 +457,63 @@ def test_hf_trainer_gradient_accumulation(tmp_path, monkeypatch):
     assert losses_flce == pytest.approx(losses_ref, rel=1e-4)
     for (name, p_ref), (_, p_flce) in zip(ref.named_parameters(), patched.named_parameters(), strict=False):
         torch.testing.assert_close(p_flce, p_ref, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _double_output(module, args, output):
+    return output * 2.0
+
+
+def _double_input(module, args):
+    return (args[0] * 2.0,)
+
+
+def _hook_on_submodule(model):
+    # A head whose weight lives in a submodule is the PEFT case; a hook on any submodule of
+    # the head is skipped the same way, as the head runs on an empty batch.
+    model.lm_head.register_module("inner", torch.nn.Identity())
+    return model.lm_head.inner.register_forward_hook(lambda module, args, output: output)
+
+
+@pytest.mark.parametrize(
+    "register,kind",
+    [
+        (lambda m: m.lm_head.register_forward_hook(_double_output), "forward hook _double_output"),
+        (lambda m: m.lm_head.register_forward_pre_hook(_double_input), "forward pre-hook _double_input"),
+        (lambda m: m.lm_head.register_full_backward_hook(lambda *a: None), "backward hook"),
+        (_hook_on_submodule, "on the head.inner"),
+    ],
+    ids=["forward-hook", "pre-hook-after-patching", "backward-hook", "submodule-hook"],
+)
+def test_a_hook_the_fused_loss_would_skip_is_refused_at_the_call(register, kind):
+    """The fused loss reads the head's weights, not its output: a hook that changes the
+    logits (a tensor-parallel gather, a user's scale), a pre-hook added after patching, a
+    backward hook or a submodule's hook would not act on it. Refused naming the hook, with
+    the model's own logits still a way (skip_logits=False)."""
+    ref, patched = pair("llama")
+    input_ids, attention_mask, labels = make_batch()
+    handle = register(patched)
+    with pytest.raises(RuntimeError, match=rf"head carries hooks that its fused loss would skip \(.*{kind}"):
+        patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    if "backward" not in kind and "inner" not in kind:
+        register(ref)
+        expected = ref(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        got = patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels, skip_logits=False).loss
+        torch.testing.assert_close(got, expected, **LOSS_TOL)
+    handle.remove()
+    patched(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+def test_a_pre_hook_registered_before_patching_shapes_the_fused_loss_input():
+    """A forward pre-hook on the head that runs before flce's keeps what it does to the
+    hidden states: the fused loss equals stock's, gradients included."""
+    ref = make_model("llama")
+    ref.lm_head.register_forward_pre_hook(_double_input)
+    patched = flce_hf.apply_flce(copy.deepcopy(ref))
+    input_ids, attention_mask, labels = make_batch()
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    out_ref, out_flce = ref(**kwargs), patched(**kwargs)
+    assert out_flce.logits is None
+    torch.testing.assert_close(out_flce.loss, out_ref.loss, **LOSS_TOL)
+    out_ref.loss.backward()
+    out_flce.loss.backward()
+    assert_grads_close(ref, patched)

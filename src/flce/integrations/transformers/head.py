@@ -142,6 +142,42 @@ def per_row_adapter_argument(head: torch.nn.Module) -> str | None:
     return None
 
 
+# A module's hook tables and what each holds, for the errors that name a hook.
+HOOK_TABLES = (
+    ("_forward_pre_hooks", "forward pre-hook"),
+    ("_forward_hooks", "forward hook"),
+    ("_backward_pre_hooks", "backward pre-hook"),
+    ("_backward_hooks", "backward hook"),
+)
+
+
+def _is_per_row_adapter_hook(hook) -> bool:
+    keywords = getattr(hook, "keywords", None)
+    return isinstance(keywords, dict) and any(name in keywords for name in PER_ROW_ADAPTER_ARGUMENTS)
+
+
+def bypassed_hooks(head: torch.nn.Module, own_hook_ids: frozenset[int], input_hook_id: int) -> list[str]:
+    """The hooks on the head and its submodules that its fused loss would skip, described.
+
+    The fused loss takes the head's input from flce's forward pre-hook (``input_hook_id``)
+    and its weights directly: the head itself runs on an empty batch. So the head's forward
+    pre-hooks registered before flce's still shape that input (hook ids grow with each
+    registration), and every other hook (a forward hook that changes the logits, such as a
+    tensor-parallel gather, a pre-hook after flce's, a backward hook, any hook of a
+    submodule) would not act on the loss. PEFT's per-row adapter pre-hooks are refused on
+    their own (``per_row_adapter_argument``)."""
+    found = []
+    for path, module in head.named_modules():
+        for table, kind in HOOK_TABLES:
+            for hook_id, hook in getattr(module, table, {}).items():
+                shapes_the_input = table == "_forward_pre_hooks" and hook_id < input_hook_id
+                if (module is head and (hook_id in own_hook_ids or shapes_the_input)) or _is_per_row_adapter_hook(hook):
+                    continue
+                name = getattr(hook, "__qualname__", type(hook).__qualname__)
+                found.append(f"{kind} {name} on {'the head' if not path else 'the head.' + path}")
+    return found
+
+
 def hooked_modules(parts: HeadParts) -> tuple[torch.nn.Module, ...]:
     """The head's modules that carry an accelerate hook (offloading, device maps)."""
     return tuple(m for m in parts.modules if getattr(m, "_hf_hook", None) is not None)

@@ -41,6 +41,7 @@ import torch
 from flce.integrations.transformers.errors import UnsupportedModelError
 from flce.integrations.transformers.head import (
     UnsupportedHeadError,
+    bypassed_hooks,
     head_parts,
     hooked_modules,
     linear_terms,
@@ -243,6 +244,11 @@ class Interceptor:
         model._loss_function = self  # the `loss_function` property returns it
         setattr(model, INTERCEPTOR_ATTRIBUTE, self)
 
+    def bypassed_hooks(self) -> list[str]:
+        """The head's hooks a fused call would skip (``head.bypassed_hooks``)."""
+        own = frozenset(handle.id for handle in self.handles)
+        return bypassed_hooks(self.head, own, self.handles[0].id)
+
     def owns_loss_function(self, model: torch.nn.Module) -> bool:
         """Whether the model's ``loss_function`` is still this interceptor over the function
         the model had when it was installed: not replaced since (``model.loss_function = f``),
@@ -412,6 +418,14 @@ class Interceptor:
                     f"flce: {adapter_argument}= (PEFT's per-row adapters) reaches {type(model).__name__}'s head, whose "
                     "fused loss would apply the head's active adapters to every row; pass skip_logits=False to score "
                     f"the model's own logits, or call without {adapter_argument}"
+                )
+            bypassed = self.bypassed_hooks()
+            if bypassed:
+                raise RuntimeError(
+                    f"flce: {type(model).__name__}'s head carries hooks that its fused loss would skip "
+                    f"({'; '.join(bypassed)}): the loss is computed from the head's weights, not its output. Remove "
+                    "them, or pass skip_logits=False to score the model's own logits (tensor-parallel heads: "
+                    "flce.parallel.vocab_parallel_fused_linear_cross_entropy)"
                 )
         kwargs = dict(kwargs)
         return_dict = kwargs.pop("return_dict", None)
