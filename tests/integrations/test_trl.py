@@ -175,6 +175,38 @@ def test_fused_head_outputs_and_gradients(model_type, backend):
     torch.testing.assert_close(plain["flce"], plain["stock"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_hidden_states_under_a_head_of_another_dtype(weight_dtype):
+    """A bf16 backbone under a head whose weight or bias is kept in fp32, without autocast:
+    TRL's kernel projects in the hidden states' dtype and accumulates the head's gradients
+    in fp32, so an fp32 weight or bias gets its gradient unrounded, as exact as TRL's."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from flce.integrations.trl import FlceLogProbKernel, TrlHeadOptions
+
+    generator = torch.Generator().manual_seed(15)
+    hidden = torch.randn(1, hf_tiny.HIDDEN, generator=generator).bfloat16()  # one token: the head's gradient is
+    # one outer product, not a sum in which the bf16 rounding of the logits would average out
+    weight = (torch.randn(hf_tiny.VOCAB, hf_tiny.HIDDEN, generator=generator) / 50).to(weight_dtype)
+    bias = torch.randn(hf_tiny.VOCAB, generator=generator) / 50
+    targets = torch.randint(0, hf_tiny.VOCAB, (1,), generator=generator)
+    upstream = torch.randn(2, 1, generator=generator, dtype=torch.float64)
+    names = ("hidden", "weight", "bias")
+    kernels = {"stock": ChunkedLogProbFunction, "flce": FlceLogProbKernel(TrlHeadOptions()), "exact": ExactKernel()}
+    results, outputs = {}, {}
+    for run, kernel in kernels.items():
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        outputs[run] = kernel.apply(*leaves, targets, TEMPERATURE, 64, None, 1.0, KNOWN_OUTPUTS)
+        objective = (outputs[run][0].double() * upstream[0] + outputs[run][1].double() * upstream[1]).sum()
+        objective.backward()
+        results[run] = (objective.detach(), {name: t.grad for name, t in zip(names, leaves, strict=True)})
+    for name, tensor in zip(names, (hidden, weight, bias), strict=True):
+        assert results["flce"][1][name].dtype == tensor.dtype
+    compare(results)
+    for index, field in enumerate(KNOWN_OUTPUTS[:4]):
+        hf_tiny._within(field, *(outputs[run][index] for run in ("flce", "stock", "exact")))
+
+
 def test_all_labels_ignored_gives_a_differentiable_zero():
     stock = tiny_model()
     trl.trainer.utils.add_fused_lm_head(stock, outputs=("log_probs", "entropy"))

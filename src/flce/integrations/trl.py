@@ -31,6 +31,7 @@ Logit soft-capping (Gemma 2/3) is refused: flce's logprobs head has none.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -90,15 +91,27 @@ def _flce():
     return flce
 
 
-def _matching_dtypes(
+def _head_operands(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias in the hidden states' dtype when autocast is off: flce takes one
-    dtype, TRL's kernel casts the weight per chunk (e.g. an fp32 projection of a bf16 head
-    with ``cast_lm_head_to_fp32``). The cast is differentiable, so the head gets its gradient."""
-    if torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
-        return weight, bias
-    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+) -> tuple[torch.Tensor, torch.Tensor | None, contextlib.AbstractContextManager]:
+    """The weight and bias flce takes with ``hidden`` and the context to call it in. TRL's
+    kernel projects in the hidden states' dtype (the autocast dtype under autocast) whatever
+    the head's dtypes, and accumulates the head's gradients in fp32; flce takes one dtype
+    outside autocast:
+
+    - under autocast, or with every dtype the hidden states': as they are;
+    - 16-bit hidden states under a head kept in another dtype (an fp32 head, or bias, on a
+      bf16 backbone): under autocast to the hidden states' dtype, which computes in it and
+      gives each parameter its gradient in its own dtype (a cast of an fp32 weight to bf16
+      would round its gradient to bf16);
+    - fp32 hidden states under a 16-bit head (``cast_lm_head_to_fp32`` projects in fp32):
+      the head cast to fp32, differentiably, so the head gets its gradient."""
+    same_dtype = weight.dtype == hidden.dtype and (bias is None or bias.dtype == hidden.dtype)
+    if torch.is_autocast_enabled(hidden.device.type) or same_dtype:
+        return weight, bias, contextlib.nullcontext()
+    if hidden.dtype in (torch.float16, torch.bfloat16):
+        return weight, bias, torch.autocast(hidden.device.type, dtype=hidden.dtype)
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype), contextlib.nullcontext()
 
 
 class FlceLogProbKernel:
@@ -125,39 +138,40 @@ class FlceLogProbKernel:
         if unknown:
             raise UnsupportedTrlSetupError(f"TRL asks its fused head for {unknown}, which flce does not compute")
         flce = _flce()
-        weight, bias = _matching_dtypes(hidden, weight, bias)
+        weight, bias, precision = _head_operands(hidden, weight, bias)
         # z * scale / T == z / (T / scale): the model's logit scale folds into the temperature.
         effective_temperature = temperature / logit_scale
         head = {"backend": self.options.backend, "chunk_size": self.options.chunk_size}
-        result = flce.fused_linear_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias=bias,
-            temperature=effective_temperature,
-            return_entropy="entropy" in outputs,
-            return_predicted_tokens="is_top1" in outputs,
-            **head,
-        )
-        with torch.no_grad():
-            hidden, weight = hidden.detach(), weight.detach()
-            bias = None if bias is None else bias.detach()
-            log_sum_sq_probs = mean_logits = is_top1 = None
-            if "log_sum_sq_probs" in outputs:
-                halved = flce.fused_linear_logprobs(
-                    hidden, weight, targets, bias=bias, temperature=effective_temperature / 2, **head
-                )
-                log_sum_sq_probs = 2 * result.logprobs.detach() - halved.logprobs
-            if "mean_logits" in outputs:
-                with torch.autocast(hidden.device.type, enabled=False):  # an fp32 matrix-vector product
-                    mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
-                    mean_logits = hidden.float() @ mean_row
-                if bias is not None:
-                    mean_logits = mean_logits + bias.mean(dtype=torch.float32)
-                mean_logits = mean_logits / effective_temperature
-            if "is_top1" in outputs:
-                # The first maximum of the scaled logits, as TRL's is_top1 takes it.
-                is_top1 = result.predicted_tokens == targets
+        with precision:
+            result = flce.fused_linear_logprobs(
+                hidden,
+                weight,
+                targets,
+                bias=bias,
+                temperature=effective_temperature,
+                return_entropy="entropy" in outputs,
+                return_predicted_tokens="is_top1" in outputs,
+                **head,
+            )
+            with torch.no_grad():
+                hidden, weight = hidden.detach(), weight.detach()
+                bias = None if bias is None else bias.detach()
+                log_sum_sq_probs = mean_logits = is_top1 = None
+                if "log_sum_sq_probs" in outputs:
+                    halved = flce.fused_linear_logprobs(
+                        hidden, weight, targets, bias=bias, temperature=effective_temperature / 2, **head
+                    )
+                    log_sum_sq_probs = 2 * result.logprobs.detach() - halved.logprobs
+                if "mean_logits" in outputs:
+                    with torch.autocast(hidden.device.type, enabled=False):  # an fp32 matrix-vector product
+                        mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
+                        mean_logits = hidden.float() @ mean_row
+                    if bias is not None:
+                        mean_logits = mean_logits + bias.mean(dtype=torch.float32)
+                    mean_logits = mean_logits / effective_temperature
+                if "is_top1" in outputs:
+                    # The first maximum of the scaled logits, as TRL's is_top1 takes it.
+                    is_top1 = result.predicted_tokens == targets
         return result.logprobs, result.entropy, log_sum_sq_probs, mean_logits, is_top1
 
 
