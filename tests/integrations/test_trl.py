@@ -207,6 +207,27 @@ def test_bf16_hidden_states_under_a_head_of_another_dtype(weight_dtype):
         hf_tiny._within(field, *(outputs[run][index] for run in ("flce", "stock", "exact")))
 
 
+def test_log_sum_sq_probs_of_unlikely_labels():
+    """WPO's ``log(sum_v p_v^2)`` lies in ``[-log V, 0]`` whatever the label; from a label
+    hundreds of nats below the top token (a peaked distribution at a low temperature) it
+    must not be the difference of two such magnitudes."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from flce.integrations.trl import FlceLogProbKernel, TrlHeadOptions
+
+    generator = torch.Generator().manual_seed(17)
+    hidden = torch.randn(6, hf_tiny.HIDDEN, generator=generator) * 8
+    weight = torch.randn(hf_tiny.VOCAB, hf_tiny.HIDDEN, generator=generator)
+    targets = (hidden @ weight.T).argmin(-1)  # the least likely token of each row
+    kernels = {"stock": ChunkedLogProbFunction, "flce": FlceLogProbKernel(TrlHeadOptions()), "exact": ExactKernel()}
+    outputs = {
+        run: kernel.apply(hidden, weight, None, targets, 0.5, 64, None, 1.0, KNOWN_OUTPUTS)
+        for run, kernel in kernels.items()
+    }
+    assert (outputs["exact"][0] < -100).all()
+    hf_tiny._within("log_sum_sq_probs", *(outputs[run][2] for run in ("flce", "stock", "exact")))
+
+
 def test_all_labels_ignored_gives_a_differentiable_zero():
     stock = tiny_model()
     trl.trainer.utils.add_fused_lm_head(stock, outputs=("log_probs", "entropy"))

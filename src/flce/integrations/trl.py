@@ -23,8 +23,10 @@ The quantities come from flce's public functions, none materialises the logits:
 - ``mean_logits`` (a metric): the mean over the vocabulary of a linear map is the map of the
   weight's mean row, ``(x . mean_v W_v + mean_v b_v) * scale / T``, exact in fp32;
 - ``log_sum_sq_probs`` (DPO's WPO weights, no gradient): ``log sum_v p_v^2 = lse(2z) -
-  2 lse(z) = 2 log p_y(T) - log p_y(T / 2)``, a second logprobs forward at half the
-  temperature.
+  2 lse(z) = 2 log p_m(T) - log p_m(T / 2)`` for any token m, taken for the top token
+  (the predicted tokens of the first call), whose log-probabilities lie in ``[-log V, 0]``
+  (from the label they could be hundreds of nats, and their difference would cancel): two
+  more logprobs forwards, at the temperature and at half of it.
 
 Logit soft-capping (Gemma 2/3) is refused: flce's logprobs head has none.
 """
@@ -150,7 +152,7 @@ class FlceLogProbKernel:
                 bias=bias,
                 temperature=effective_temperature,
                 return_entropy="entropy" in outputs,
-                return_predicted_tokens="is_top1" in outputs,
+                return_predicted_tokens="is_top1" in outputs or "log_sum_sq_probs" in outputs,
                 **head,
             )
             with torch.no_grad():
@@ -158,10 +160,15 @@ class FlceLogProbKernel:
                 bias = None if bias is None else bias.detach()
                 log_sum_sq_probs = mean_logits = is_top1 = None
                 if "log_sum_sq_probs" in outputs:
-                    halved = flce.fused_linear_logprobs(
-                        hidden, weight, targets, bias=bias, temperature=effective_temperature / 2, **head
+                    # From the top token, whose log-probabilities lie in [-log V, 0] at both
+                    # temperatures: from the label they can be hundreds of nats, and their
+                    # difference would keep only the digits their rounding left.
+                    top = result.predicted_tokens
+                    at_temperature, at_half = (
+                        flce.fused_linear_logprobs(hidden, weight, top, bias=bias, temperature=t, **head).logprobs
+                        for t in (effective_temperature, effective_temperature / 2)
                     )
-                    log_sum_sq_probs = 2 * result.logprobs.detach() - halved.logprobs
+                    log_sum_sq_probs = 2 * at_temperature - at_half
                 if "mean_logits" in outputs:
                     with torch.autocast(hidden.device.type, enabled=False):  # an fp32 matrix-vector product
                         mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
