@@ -241,6 +241,29 @@ def test_all_labels_ignored_gives_a_differentiable_zero():
     assert all(p.grad is None or not p.grad.any() for p in stock.parameters())
 
 
+def test_compiled_models_with_and_without_flce_in_one_process():
+    """torch.compile caches per code object and puts its compiled functions in the frame's
+    globals: models given flce's kernel must not share TRL's forward code with each other
+    or with TRL's own head, or the second compiled model runs code compiled for another's
+    globals."""
+    from flce.integrations.trl import FlceLogProbKernel, TrlHeadOptions
+
+    base = tiny_model()
+    input_ids = token_ids(2, 7, seed=18)
+    logprobs = []
+    torch._dynamo.reset()
+    for with_flce in (True, True, False):
+        model = hf_tiny.clone(base)
+        trl.trainer.utils.add_fused_lm_head(model, outputs=KNOWN_OUTPUTS)
+        if with_flce:
+            swap_fused_head_kernel(fused_head_owner(model), FlceLogProbKernel(TrlHeadOptions()))
+        assert uses_flce_kernel(model) == with_flce
+        compiled = torch.compile(model, backend="eager")
+        logprobs.append(compiled(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs)
+    for other in logprobs[1:]:
+        torch.testing.assert_close(other, logprobs[0])
+
+
 # --------------------------------------------------------------------------- the trainers
 
 

@@ -223,7 +223,8 @@ def _fused_forward_code() -> types.CodeType:
 
 
 def _is_fused_forward(function) -> bool:
-    return isinstance(function, types.FunctionType) and function.__code__ is _fused_forward_code()
+    """TRL's fused forward, or a copy ``swap_fused_head_kernel`` made (equal code, its own object)."""
+    return isinstance(function, types.FunctionType) and function.__code__ == _fused_forward_code()
 
 
 def _wrapper_chain(forward) -> list:
@@ -276,7 +277,11 @@ def swap_fused_head_kernel(owner: torch.nn.Module, kernel) -> None:
     chain = _wrapper_chain(owner.__dict__.get("forward"))
     fused = chain[-1]
     names = {**fused.__globals__, KERNEL_NAME: kernel, COMPACT_RULE_NAME: _compact_rows}
-    forward = types.FunctionType(fused.__code__, names, fused.__name__, fused.__defaults__, fused.__closure__)
+    # A code object of its own: torch.compile caches what it compiles per code object and
+    # puts the compiled functions in the frame's globals, so a copy sharing TRL's code would
+    # run, on another model, code compiled against these globals (or the reverse).
+    code = fused.__code__.replace()
+    forward = types.FunctionType(code, names, fused.__name__, fused.__defaults__, fused.__closure__)
     forward.__kwdefaults__ = fused.__kwdefaults__
     forward.__dict__.update(fused.__dict__)  # __wrapped__: generate validates kwargs against the model's signature
     forward.__qualname__, forward.__doc__ = fused.__qualname__, fused.__doc__
