@@ -467,6 +467,13 @@ def test_options_user_subclass_and_softcap(tmp_path):
         enable_flce(partitioned)
     assert not uses_flce_kernel(zero3.model) and not uses_flce_kernel(partitioned.model)
 
+    # Outputs flce does not compute (a later TRL's), refused when enabling, not at the first forward.
+    unknown_output = user_class(model=tiny_model(), args=args, train_dataset=dataset, processing_class=tokenizer())
+    trl.trainer.utils.add_fused_lm_head(unknown_output.model, outputs=("log_probs", "top_k_logprobs"))
+    with pytest.raises(UnsupportedTrlSetupError, match="top_k_logprobs"):
+        enable_flce(unknown_output)
+    assert not uses_flce_kernel(unknown_output.model)
+
     gemma = trl.SFTTrainer(model=tiny_model("gemma2"), args=args, train_dataset=dataset, processing_class=tokenizer())
     with pytest.raises(UnsupportedTrlSetupError, match="soft-caps"):
         enable_flce(gemma)

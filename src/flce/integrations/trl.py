@@ -136,9 +136,7 @@ class FlceLogProbKernel:
         outputs: tuple[str, ...],
     ) -> tuple[torch.Tensor, ...]:
         _check_head_transform(final_logit_softcapping, logit_scale)
-        unknown = sorted(set(outputs) - set(KNOWN_OUTPUTS))
-        if unknown:
-            raise UnsupportedTrlSetupError(f"TRL asks its fused head for {unknown}, which flce does not compute")
+        _check_outputs(outputs)
         flce = _flce()
         weight, bias, precision = _head_operands(hidden, weight, bias)
         # z * scale / T == z / (T / scale): the model's logit scale folds into the temperature.
@@ -180,6 +178,15 @@ class FlceLogProbKernel:
                     # The first maximum of the scaled logits, as TRL's is_top1 takes it.
                     is_top1 = result.predicted_tokens == targets
         return result.logprobs, result.entropy, log_sum_sq_probs, mean_logits, is_top1
+
+
+def _check_outputs(outputs: tuple[str, ...]) -> None:
+    unknown = sorted(set(outputs) - set(KNOWN_OUTPUTS))
+    if unknown:
+        raise UnsupportedTrlSetupError(
+            f"TRL asks its fused head for {unknown}, which flce does not compute (it computes {list(KNOWN_OUTPUTS)}): "
+            "use the trainer without enable_flce"
+        )
 
 
 def _check_head_transform(final_logit_softcapping: float | None, logit_scale: float | None) -> None:
@@ -252,9 +259,11 @@ def fused_head_owner(model: torch.nn.Module, label: str = "model") -> torch.nn.M
             f"the trainer's {label} ({type(owner).__name__}) has no TRL fused LM head (add_fused_lm_head): "
             "call enable_flce on the trainer TRL built, before training"
         )
-    # The head's transform, as TRL read it from the config when it added the head.
+    # The head's transform, as TRL read it from the config when it added the head, and the
+    # outputs the trainer asked of it: checked now rather than at the first forward.
     settings = dict(zip(fused.__code__.co_freevars, (cell.cell_contents for cell in fused.__closure__), strict=True))
     _check_head_transform(settings.get("final_logit_softcapping"), settings.get("logit_scale"))
+    _check_outputs(tuple(settings.get("outputs", ())))
     return owner
 
 
