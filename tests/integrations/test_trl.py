@@ -449,6 +449,8 @@ def test_options_user_subclass_and_softcap(tmp_path):
         enable_flce(trainer, label_smoothing=0.1)
     with pytest.raises(ValueError, match="backend"):
         enable_flce(trainer, backend="no-such-backend")
+    with pytest.raises(ValueError, match="cutedsl.*logprobs"):  # a backend without logprobs kernels, refused now
+        enable_flce(trainer, backend="cutedsl")
     assert not uses_flce_kernel(trainer.model)
     enable_flce(trainer, backend="torch", chunk_size=4)
     assert uses_flce_kernel(trainer.model)

@@ -63,15 +63,23 @@ class UnsupportedTrlSetupError(Exception):
 class TrlHeadOptions:
     """The options ``enable_flce`` takes for a TRL trainer (the rest is TRL's to decide:
     temperature, which outputs, the loss): flce's ``backend`` and ``chunk_size`` (rows per
-    chunk), validated as ``flce.LogprobsOptions`` validates them."""
+    chunk), validated as ``flce.LogprobsOptions`` validates them, and a named backend
+    checked to have logprobs kernels (rather than at the first training step)."""
 
     backend: str | None = None
     chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         import flce
+        from flce.dispatch import AUTO, BACKEND_NAMES, get_backend
 
         checked = flce.LogprobsOptions(backend=self.backend, chunk_size=self.chunk_size)
+        if checked.backend not in (None, AUTO) and get_backend(checked.backend).logprobs is None:
+            having = [name for name in BACKEND_NAMES if get_backend(name).logprobs is not None]
+            raise ValueError(
+                f"backend {checked.backend!r} has no logprobs kernels, which TRL's fused head runs on; pass backend= "
+                f"one of {having}, or None for the best one usable"
+            )
         object.__setattr__(self, "backend", checked.backend)
         object.__setattr__(self, "chunk_size", checked.chunk_size)
 
