@@ -175,6 +175,59 @@ def test_fused_head_outputs_and_gradients(model_type, backend):
     torch.testing.assert_close(plain["flce"], plain["stock"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_hidden_states_under_a_head_of_another_dtype(weight_dtype):
+    """A bf16 backbone under a head whose weight or bias is kept in fp32, without autocast:
+    TRL's kernel projects in the hidden states' dtype and accumulates the head's gradients
+    in fp32, so an fp32 weight or bias gets its gradient unrounded, as exact as TRL's."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from flce.integrations.trl import FlceLogProbKernel, TrlHeadOptions
+
+    generator = torch.Generator().manual_seed(15)
+    hidden = torch.randn(1, hf_tiny.HIDDEN, generator=generator).bfloat16()  # one token: the head's gradient is
+    # one outer product, not a sum in which the bf16 rounding of the logits would average out
+    weight = (torch.randn(hf_tiny.VOCAB, hf_tiny.HIDDEN, generator=generator) / 50).to(weight_dtype)
+    bias = torch.randn(hf_tiny.VOCAB, generator=generator) / 50
+    targets = torch.randint(0, hf_tiny.VOCAB, (1,), generator=generator)
+    upstream = torch.randn(2, 1, generator=generator, dtype=torch.float64)
+    names = ("hidden", "weight", "bias")
+    kernels = {"stock": ChunkedLogProbFunction, "flce": FlceLogProbKernel(TrlHeadOptions()), "exact": ExactKernel()}
+    results, outputs = {}, {}
+    for run, kernel in kernels.items():
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, weight, bias)]
+        outputs[run] = kernel.apply(*leaves, targets, TEMPERATURE, 64, None, 1.0, KNOWN_OUTPUTS)
+        objective = (outputs[run][0].double() * upstream[0] + outputs[run][1].double() * upstream[1]).sum()
+        objective.backward()
+        results[run] = (objective.detach(), {name: t.grad for name, t in zip(names, leaves, strict=True)})
+    for name, tensor in zip(names, (hidden, weight, bias), strict=True):
+        assert results["flce"][1][name].dtype == tensor.dtype
+    compare(results)
+    for index, field in enumerate(KNOWN_OUTPUTS[:4]):
+        hf_tiny._within(field, *(outputs[run][index] for run in ("flce", "stock", "exact")))
+
+
+def test_log_sum_sq_probs_of_unlikely_labels():
+    """WPO's ``log(sum_v p_v^2)`` lies in ``[-log V, 0]`` whatever the label; from a label
+    hundreds of nats below the top token (a peaked distribution at a low temperature) it
+    must not be the difference of two such magnitudes."""
+    from trl.kernels.chunked_logprob import ChunkedLogProbFunction
+
+    from flce.integrations.trl import FlceLogProbKernel, TrlHeadOptions
+
+    generator = torch.Generator().manual_seed(17)
+    hidden = torch.randn(6, hf_tiny.HIDDEN, generator=generator) * 8
+    weight = torch.randn(hf_tiny.VOCAB, hf_tiny.HIDDEN, generator=generator)
+    targets = (hidden @ weight.T).argmin(-1)  # the least likely token of each row
+    kernels = {"stock": ChunkedLogProbFunction, "flce": FlceLogProbKernel(TrlHeadOptions()), "exact": ExactKernel()}
+    outputs = {
+        run: kernel.apply(hidden, weight, None, targets, 0.5, 64, None, 1.0, KNOWN_OUTPUTS)
+        for run, kernel in kernels.items()
+    }
+    assert (outputs["exact"][0] < -100).all()
+    hf_tiny._within("log_sum_sq_probs", *(outputs[run][2] for run in ("flce", "stock", "exact")))
+
+
 def test_all_labels_ignored_gives_a_differentiable_zero():
     stock = tiny_model()
     trl.trainer.utils.add_fused_lm_head(stock, outputs=("log_probs", "entropy"))
@@ -186,6 +239,29 @@ def test_all_labels_ignored_gives_a_differentiable_zero():
     assert out.loss.item() == 0 and not out.log_probs.any() and not out.entropy.any()
     out.loss.backward()
     assert all(p.grad is None or not p.grad.any() for p in stock.parameters())
+
+
+def test_compiled_models_with_and_without_flce_in_one_process():
+    """torch.compile caches per code object and puts its compiled functions in the frame's
+    globals: models given flce's kernel must not share TRL's forward code with each other
+    or with TRL's own head, or the second compiled model runs code compiled for another's
+    globals."""
+    from flce.integrations.trl import FlceLogProbKernel, TrlHeadOptions
+
+    base = tiny_model()
+    input_ids = token_ids(2, 7, seed=18)
+    logprobs = []
+    torch._dynamo.reset()
+    for with_flce in (True, True, False):
+        model = hf_tiny.clone(base)
+        trl.trainer.utils.add_fused_lm_head(model, outputs=KNOWN_OUTPUTS)
+        if with_flce:
+            swap_fused_head_kernel(fused_head_owner(model), FlceLogProbKernel(TrlHeadOptions()))
+        assert uses_flce_kernel(model) == with_flce
+        compiled = torch.compile(model, backend="eager")
+        logprobs.append(compiled(input_ids=input_ids, labels=input_ids, fused_lm_head=True).log_probs)
+    for other in logprobs[1:]:
+        torch.testing.assert_close(other, logprobs[0])
 
 
 # --------------------------------------------------------------------------- the trainers
@@ -373,6 +449,8 @@ def test_options_user_subclass_and_softcap(tmp_path):
         enable_flce(trainer, label_smoothing=0.1)
     with pytest.raises(ValueError, match="backend"):
         enable_flce(trainer, backend="no-such-backend")
+    with pytest.raises(ValueError, match="cutedsl.*logprobs"):  # a backend without logprobs kernels, refused now
+        enable_flce(trainer, backend="cutedsl")
     assert not uses_flce_kernel(trainer.model)
     enable_flce(trainer, backend="torch", chunk_size=4)
     assert uses_flce_kernel(trainer.model)
@@ -390,6 +468,13 @@ def test_options_user_subclass_and_softcap(tmp_path):
     with pytest.raises(UnsupportedTrlSetupError, match="ZeRO-3"):
         enable_flce(partitioned)
     assert not uses_flce_kernel(zero3.model) and not uses_flce_kernel(partitioned.model)
+
+    # Outputs flce does not compute (a later TRL's), refused when enabling, not at the first forward.
+    unknown_output = user_class(model=tiny_model(), args=args, train_dataset=dataset, processing_class=tokenizer())
+    trl.trainer.utils.add_fused_lm_head(unknown_output.model, outputs=("log_probs", "top_k_logprobs"))
+    with pytest.raises(UnsupportedTrlSetupError, match="top_k_logprobs"):
+        enable_flce(unknown_output)
+    assert not uses_flce_kernel(unknown_output.model)
 
     gemma = trl.SFTTrainer(model=tiny_model("gemma2"), args=args, train_dataset=dataset, processing_class=tokenizer())
     with pytest.raises(UnsupportedTrlSetupError, match="soft-caps"):

@@ -23,14 +23,17 @@ The quantities come from flce's public functions, none materialises the logits:
 - ``mean_logits`` (a metric): the mean over the vocabulary of a linear map is the map of the
   weight's mean row, ``(x . mean_v W_v + mean_v b_v) * scale / T``, exact in fp32;
 - ``log_sum_sq_probs`` (DPO's WPO weights, no gradient): ``log sum_v p_v^2 = lse(2z) -
-  2 lse(z) = 2 log p_y(T) - log p_y(T / 2)``, a second logprobs forward at half the
-  temperature.
+  2 lse(z) = 2 log p_m(T) - log p_m(T / 2)`` for any token m, taken for the top token
+  (the predicted tokens of the first call), whose log-probabilities lie in ``[-log V, 0]``
+  (from the label they could be hundreds of nats, and their difference would cancel): two
+  more logprobs forwards, at the temperature and at half of it.
 
 Logit soft-capping (Gemma 2/3) is refused: flce's logprobs head has none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -60,15 +63,23 @@ class UnsupportedTrlSetupError(Exception):
 class TrlHeadOptions:
     """The options ``enable_flce`` takes for a TRL trainer (the rest is TRL's to decide:
     temperature, which outputs, the loss): flce's ``backend`` and ``chunk_size`` (rows per
-    chunk), validated as ``flce.LogprobsOptions`` validates them."""
+    chunk), validated as ``flce.LogprobsOptions`` validates them, and a named backend
+    checked to have logprobs kernels (rather than at the first training step)."""
 
     backend: str | None = None
     chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         import flce
+        from flce.dispatch import AUTO, BACKEND_NAMES, get_backend
 
         checked = flce.LogprobsOptions(backend=self.backend, chunk_size=self.chunk_size)
+        if checked.backend not in (None, AUTO) and get_backend(checked.backend).logprobs is None:
+            having = [name for name in BACKEND_NAMES if get_backend(name).logprobs is not None]
+            raise ValueError(
+                f"backend {checked.backend!r} has no logprobs kernels, which TRL's fused head runs on; pass backend= "
+                f"one of {having}, or None for the best one usable"
+            )
         object.__setattr__(self, "backend", checked.backend)
         object.__setattr__(self, "chunk_size", checked.chunk_size)
 
@@ -90,15 +101,27 @@ def _flce():
     return flce
 
 
-def _matching_dtypes(
+def _head_operands(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The weight and bias in the hidden states' dtype when autocast is off: flce takes one
-    dtype, TRL's kernel casts the weight per chunk (e.g. an fp32 projection of a bf16 head
-    with ``cast_lm_head_to_fp32``). The cast is differentiable, so the head gets its gradient."""
-    if torch.is_autocast_enabled(hidden.device.type) or weight.dtype == hidden.dtype:
-        return weight, bias
-    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype)
+) -> tuple[torch.Tensor, torch.Tensor | None, contextlib.AbstractContextManager]:
+    """The weight and bias flce takes with ``hidden`` and the context to call it in. TRL's
+    kernel projects in the hidden states' dtype (the autocast dtype under autocast) whatever
+    the head's dtypes, and accumulates the head's gradients in fp32; flce takes one dtype
+    outside autocast:
+
+    - under autocast, or with every dtype the hidden states': as they are;
+    - 16-bit hidden states under a head kept in another dtype (an fp32 head, or bias, on a
+      bf16 backbone): under autocast to the hidden states' dtype, which computes in it and
+      gives each parameter its gradient in its own dtype (a cast of an fp32 weight to bf16
+      would round its gradient to bf16);
+    - fp32 hidden states under a 16-bit head (``cast_lm_head_to_fp32`` projects in fp32):
+      the head cast to fp32, differentiably, so the head gets its gradient."""
+    same_dtype = weight.dtype == hidden.dtype and (bias is None or bias.dtype == hidden.dtype)
+    if torch.is_autocast_enabled(hidden.device.type) or same_dtype:
+        return weight, bias, contextlib.nullcontext()
+    if hidden.dtype in (torch.float16, torch.bfloat16):
+        return weight, bias, torch.autocast(hidden.device.type, dtype=hidden.dtype)
+    return weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype), contextlib.nullcontext()
 
 
 class FlceLogProbKernel:
@@ -121,44 +144,57 @@ class FlceLogProbKernel:
         outputs: tuple[str, ...],
     ) -> tuple[torch.Tensor, ...]:
         _check_head_transform(final_logit_softcapping, logit_scale)
-        unknown = sorted(set(outputs) - set(KNOWN_OUTPUTS))
-        if unknown:
-            raise UnsupportedTrlSetupError(f"TRL asks its fused head for {unknown}, which flce does not compute")
+        _check_outputs(outputs)
         flce = _flce()
-        weight, bias = _matching_dtypes(hidden, weight, bias)
+        weight, bias, precision = _head_operands(hidden, weight, bias)
         # z * scale / T == z / (T / scale): the model's logit scale folds into the temperature.
         effective_temperature = temperature / logit_scale
         head = {"backend": self.options.backend, "chunk_size": self.options.chunk_size}
-        result = flce.fused_linear_logprobs(
-            hidden,
-            weight,
-            targets,
-            bias=bias,
-            temperature=effective_temperature,
-            return_entropy="entropy" in outputs,
-            return_predicted_tokens="is_top1" in outputs,
-            **head,
-        )
-        with torch.no_grad():
-            hidden, weight = hidden.detach(), weight.detach()
-            bias = None if bias is None else bias.detach()
-            log_sum_sq_probs = mean_logits = is_top1 = None
-            if "log_sum_sq_probs" in outputs:
-                halved = flce.fused_linear_logprobs(
-                    hidden, weight, targets, bias=bias, temperature=effective_temperature / 2, **head
-                )
-                log_sum_sq_probs = 2 * result.logprobs.detach() - halved.logprobs
-            if "mean_logits" in outputs:
-                with torch.autocast(hidden.device.type, enabled=False):  # an fp32 matrix-vector product
-                    mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
-                    mean_logits = hidden.float() @ mean_row
-                if bias is not None:
-                    mean_logits = mean_logits + bias.mean(dtype=torch.float32)
-                mean_logits = mean_logits / effective_temperature
-            if "is_top1" in outputs:
-                # The first maximum of the scaled logits, as TRL's is_top1 takes it.
-                is_top1 = result.predicted_tokens == targets
+        with precision:
+            result = flce.fused_linear_logprobs(
+                hidden,
+                weight,
+                targets,
+                bias=bias,
+                temperature=effective_temperature,
+                return_entropy="entropy" in outputs,
+                return_predicted_tokens="is_top1" in outputs or "log_sum_sq_probs" in outputs,
+                **head,
+            )
+            with torch.no_grad():
+                hidden, weight = hidden.detach(), weight.detach()
+                bias = None if bias is None else bias.detach()
+                log_sum_sq_probs = mean_logits = is_top1 = None
+                if "log_sum_sq_probs" in outputs:
+                    # From the top token, whose log-probabilities lie in [-log V, 0] at both
+                    # temperatures: from the label they can be hundreds of nats, and their
+                    # difference would keep only the digits their rounding left.
+                    top = result.predicted_tokens
+                    at_temperature, at_half = (
+                        flce.fused_linear_logprobs(hidden, weight, top, bias=bias, temperature=t, **head).logprobs
+                        for t in (effective_temperature, effective_temperature / 2)
+                    )
+                    log_sum_sq_probs = 2 * at_temperature - at_half
+                if "mean_logits" in outputs:
+                    with torch.autocast(hidden.device.type, enabled=False):  # an fp32 matrix-vector product
+                        mean_row = weight.mean(0, dtype=torch.float32)  # (H,), no fp32 copy of W
+                        mean_logits = hidden.float() @ mean_row
+                    if bias is not None:
+                        mean_logits = mean_logits + bias.mean(dtype=torch.float32)
+                    mean_logits = mean_logits / effective_temperature
+                if "is_top1" in outputs:
+                    # The first maximum of the scaled logits, as TRL's is_top1 takes it.
+                    is_top1 = result.predicted_tokens == targets
         return result.logprobs, result.entropy, log_sum_sq_probs, mean_logits, is_top1
+
+
+def _check_outputs(outputs: tuple[str, ...]) -> None:
+    unknown = sorted(set(outputs) - set(KNOWN_OUTPUTS))
+    if unknown:
+        raise UnsupportedTrlSetupError(
+            f"TRL asks its fused head for {unknown}, which flce does not compute (it computes {list(KNOWN_OUTPUTS)}): "
+            "use the trainer without enable_flce"
+        )
 
 
 def _check_head_transform(final_logit_softcapping: float | None, logit_scale: float | None) -> None:
@@ -202,7 +238,8 @@ def _fused_forward_code() -> types.CodeType:
 
 
 def _is_fused_forward(function) -> bool:
-    return isinstance(function, types.FunctionType) and function.__code__ is _fused_forward_code()
+    """TRL's fused forward, or a copy ``swap_fused_head_kernel`` made (equal code, its own object)."""
+    return isinstance(function, types.FunctionType) and function.__code__ == _fused_forward_code()
 
 
 def _wrapper_chain(forward) -> list:
@@ -230,9 +267,11 @@ def fused_head_owner(model: torch.nn.Module, label: str = "model") -> torch.nn.M
             f"the trainer's {label} ({type(owner).__name__}) has no TRL fused LM head (add_fused_lm_head): "
             "call enable_flce on the trainer TRL built, before training"
         )
-    # The head's transform, as TRL read it from the config when it added the head.
+    # The head's transform, as TRL read it from the config when it added the head, and the
+    # outputs the trainer asked of it: checked now rather than at the first forward.
     settings = dict(zip(fused.__code__.co_freevars, (cell.cell_contents for cell in fused.__closure__), strict=True))
     _check_head_transform(settings.get("final_logit_softcapping"), settings.get("logit_scale"))
+    _check_outputs(tuple(settings.get("outputs", ())))
     return owner
 
 
@@ -255,7 +294,11 @@ def swap_fused_head_kernel(owner: torch.nn.Module, kernel) -> None:
     chain = _wrapper_chain(owner.__dict__.get("forward"))
     fused = chain[-1]
     names = {**fused.__globals__, KERNEL_NAME: kernel, COMPACT_RULE_NAME: _compact_rows}
-    forward = types.FunctionType(fused.__code__, names, fused.__name__, fused.__defaults__, fused.__closure__)
+    # A code object of its own: torch.compile caches what it compiles per code object and
+    # puts the compiled functions in the frame's globals, so a copy sharing TRL's code would
+    # run, on another model, code compiled against these globals (or the reverse).
+    code = fused.__code__.replace()
+    forward = types.FunctionType(code, names, fused.__name__, fused.__defaults__, fused.__closure__)
     forward.__kwdefaults__ = fused.__kwdefaults__
     forward.__dict__.update(fused.__dict__)  # __wrapped__: generate validates kwargs against the model's signature
     forward.__qualname__, forward.__doc__ = fused.__qualname__, fused.__doc__
