@@ -411,6 +411,19 @@ def _error_cases(rank: int, world: int) -> dict:
     if rank == world - 1:
         long_target[[0, 7919]] = long_target[[7919, 0]]
     out["target_swapped"] = _capture(lambda: call(long_x, weight[:, :2], long_target))
+    # An earlier call's bad input found on the device of one rank only (CUDA defers the
+    # checks; simulated here): raised by the handshake on every rank, not after the
+    # forward on that rank alone, which left the others in the backward's all-reduce.
+    from flce.parallel import handshake
+
+    real_take = handshake.take_pending_error
+    if rank == 1:
+        handshake.take_pending_error = lambda wait=False, earlier=None: "target has values outside [0, V)"
+    try:
+        out["earlier_error_one_rank"] = _capture(lambda: call(x.requires_grad_(), weight, target).backward())
+    finally:
+        handshake.take_pending_error = real_take
+        x.requires_grad_(False)
     # The group is still usable after every refusal.
     out["after"] = call(x, weight, target).detach()
     return out
@@ -696,6 +709,9 @@ def test_refusals_are_collective(spawned):
         if "env_backend_one_rank" in e:
             kind, msg = e["env_backend_one_rank"]
             assert kind == "ValueError" and "rank 0: triton, rank 1: torch" in msg, msg
+        kind, msg = e["earlier_error_one_rank"]
+        assert kind == "ValueError", msg
+        assert ("outside [0, V)" in msg) if rank == 1 else ("rank(s) [1] found bad input in an earlier" in msg), msg
         kind, msg = e["target_swapped"]
         assert kind == "ValueError" and "the target" in msg, msg
         kind, msg = e["target_differs"]

@@ -132,9 +132,17 @@ def raise_pending(wait: bool = False, earlier: int | None = None) -> None:
     ``earlier``: read at most that many of the oldest checks (``pending_checks()`` at the
     start of the current call: never the current call's own, whose outputs are NaN and
     whose error the next call raises, however fast the GPU was)."""
+    message = take_pending_error(wait, earlier)
+    if message is not None:
+        raise ValueError(message)
+
+
+def take_pending_error(wait: bool = False, earlier: int | None = None) -> str | None:
+    """``raise_pending``'s message instead of raising it (None: no problem read), for a
+    caller that must raise it on several processes at once (``flce.parallel``)."""
     # Only CUDA calls defer checks: with some pending, CUDA is there to ask about capture.
     if earlier == 0 or not _pending or torch.cuda.is_current_stream_capturing():
-        return
+        return None
     message = None
     with _lock:  # each check read once, whichever thread reads it
         remaining = len(_pending) if earlier is None else earlier
@@ -151,8 +159,7 @@ def raise_pending(wait: bool = False, earlier: int | None = None) -> None:
             if message is not None:
                 _pending.clear()  # as discard_pending
                 break
-    if message is not None:
-        raise ValueError(message)
+    return message
 
 
 def discard_pending() -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from flce.dispatch import BACKEND_NAMES
 from flce.driver.sizing import CHUNK_BUDGET_ENV_VAR, chunk_budget_bytes
+from flce.driver.validation import take_pending_error
 from flce.options import FLOAT_DTYPES, OPTION_FIELDS, LossOptions, row_count
 
 ENTRY = "vocab_parallel_fused_linear_cross_entropy"
@@ -23,6 +24,7 @@ _OPTION_PREFIX = "option "
 # Fields of the per-rank record gathered once per call (int64).
 _FIELDS = (
     "error",  # 1 if this rank's local validation failed
+    "earlier_error",  # 1 if an earlier flce call of this rank had bad input (found on the device)
     "vocab_start_given",
     "vocab_start",
     "shard_size",
@@ -144,6 +146,7 @@ def _record(
     grad_enabled = torch.is_grad_enabled()
     record = dict(
         error=0,
+        earlier_error=0,
         vocab_start_given=int(vocab_start is not None),
         vocab_start=vocab_start or 0,
         shard_size=weight.shape[0],
@@ -196,6 +199,11 @@ def agree_on_call(
     others); refuses, on every rank alike, calls that do not match across ranks."""
     world = dist.get_world_size(group)
     device = _comm_device(group, input)
+    # An earlier call's bad input that the device found (CUDA defers the checks) is raised
+    # here, on every rank: raised after this call's forward on the ranks whose check had
+    # landed, it would leave the others waiting in the backward's all-reduce. Waiting for
+    # the checks costs nothing the handshake's own host read does not wait for.
+    earlier_error = take_pending_error(wait=True)
     mine = None
     if local_error is None:
         try:  # an error building the record is this rank's too: raised after the gather
@@ -204,7 +212,8 @@ def agree_on_call(
             local_error = exc
     if mine is None:
         mine = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
-        mine[0] = 1
+        mine[_FIELDS.index("error")] = 1
+    mine[_FIELDS.index("earlier_error")] = int(earlier_error is not None)
 
     if world > 1:
         gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -216,11 +225,19 @@ def agree_on_call(
 
     if local_error is not None:
         raise local_error
+    if earlier_error is not None:
+        raise ValueError(earlier_error)
     bad = [r for r, e in enumerate(columns["error"]) if e]
     if bad:
         raise ValueError(
             f"{ENTRY}: rank(s) {bad} of the process group rejected their inputs (see the error raised "
             "there); every rank must call with valid, matching arguments"
+        )
+    bad_earlier = [r for r, e in enumerate(columns["earlier_error"]) if e]
+    if bad_earlier:
+        raise ValueError(
+            f"{ENTRY}: rank(s) {bad_earlier} found bad input in an earlier flce call (see the error raised there); "
+            "this call is refused on every rank"
         )
     for name in OPTION_FIELDS:
         values = columns[_OPTION_PREFIX + name]

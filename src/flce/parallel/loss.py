@@ -413,7 +413,7 @@ def _vocab_parallel_loss(
     )
     input_2d = input.reshape(row_count(input), input.shape[-1])  # explicit N: H may be 0
     operands = LinearOperands(input_2d, weight_shard, bias_shard, target_1d, ce_full)
-    # run_loss raises an earlier call's bad input after this call's collectives, on every rank.
+    # An earlier call's bad input was raised by the handshake, on every rank; run_loss finds none.
     return package_result(options, tuple(target.shape), *run_loss(plan, operands))
 
 
