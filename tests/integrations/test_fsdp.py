@@ -100,6 +100,9 @@ def _worker(rank, port, out_dir):
             {"loss": loss.detach(), "grads": grads, "refused": refused, "refused_each": _dtensor_refusals(mesh)},
             os.path.join(out_dir, f"{rank}.pt"),
         )
+        # Both ranks done with every collective before the group goes: destroyed while the
+        # peer still used it, gloo aborted a process now and then, after its results were saved.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
