@@ -424,6 +424,14 @@ def _error_cases(rank: int, world: int) -> dict:
     finally:
         handshake.take_pending_error = real_take
         x.requires_grad_(False)
+    # A rank that raises its own error leaves the earlier checks pending (for its next call)
+    # instead of reading and dropping them.
+    taken = []
+    handshake.take_pending_error = lambda wait=False, earlier=None: taken.append(wait)
+    try:
+        out["earlier_error_kept_by_a_local_error"] = (_capture(lambda: call(x, w_bad_h, target)), taken[:])
+    finally:
+        handshake.take_pending_error = real_take
     # The group is still usable after every refusal.
     out["after"] = call(x, weight, target).detach()
     return out
@@ -712,6 +720,8 @@ def test_refusals_are_collective(spawned):
         kind, msg = e["earlier_error_one_rank"]
         assert kind == "ValueError", msg
         assert ("outside [0, V)" in msg) if rank == 1 else ("rank(s) [1] found bad input in an earlier" in msg), msg
+        (kind, msg), taken = e["earlier_error_kept_by_a_local_error"]
+        assert kind == "ValueError" and taken == ([] if rank == 1 else [True]), (kind, msg, taken)
         kind, msg = e["target_swapped"]
         assert kind == "ValueError" and "the target" in msg, msg
         kind, msg = e["target_differs"]

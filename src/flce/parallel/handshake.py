@@ -199,17 +199,18 @@ def agree_on_call(
     others); refuses, on every rank alike, calls that do not match across ranks."""
     world = dist.get_world_size(group)
     device = _comm_device(group, input)
-    # An earlier call's bad input that the device found (CUDA defers the checks) is raised
-    # here, on every rank: raised after this call's forward on the ranks whose check had
-    # landed, it would leave the others waiting in the backward's all-reduce. Waiting for
-    # the checks costs nothing the handshake's own host read does not wait for.
-    earlier_error = take_pending_error(wait=True)
     mine = None
     if local_error is None:
         try:  # an error building the record is this rank's too: raised after the gather
             mine = _record(input, weight, target, bias, ce_weight, options, compute_dtype, backend, vocab_start, device)
         except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
             local_error = exc
+    # An earlier call's bad input that the device found (CUDA defers the checks) is raised
+    # here, on every rank: raised after this call's forward on the ranks whose check had
+    # landed, it would leave the others waiting in the backward's all-reduce. Waiting for
+    # the checks costs nothing the handshake's own host read does not wait for. A rank that
+    # raises its own error now leaves them pending, for its next call.
+    earlier_error = take_pending_error(wait=True) if local_error is None else None
     if mine is None:
         mine = torch.zeros(len(_FIELDS), dtype=torch.int64, device=device)
         mine[_FIELDS.index("error")] = 1
