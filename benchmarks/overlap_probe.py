@@ -132,15 +132,7 @@ def pipeline(x, w, blocks: Blocks, kernels, scalars: ChunkScalars, side) -> tupl
 def mean_scalars(n: int, vocab: int, device: torch.device) -> ChunkScalars:
     """The kernels' scalars of a mean over ``n`` rows with no option set."""
     return ChunkScalars.from_numbers(
-        ignore_index=-100,
-        label_smoothing=0.0,
-        lse_square_scale=0.0,
-        softcap=None,
-        use_token_scaling=False,
-        ce_grad_scale=1.0 / n,
-        z_grad_scale=1.0 / n,
-        weight_sum=float(vocab),
-        device=device,
+        weight_sum=float(vocab), ce_grad_scale=1.0 / n, z_grad_scale=1.0 / n, device=device
     )
 
 

@@ -45,17 +45,7 @@ def test_every_feature_key_compiles(dtype, flags):
 # ---------------------------------------------------------------------- GPU
 def _plain_scalars(vocab: int, device: torch.device) -> ChunkScalars:
     """No feature, reduction "sum": the gradient is softmax minus one-hot."""
-    return ChunkScalars.from_numbers(
-        ignore_index=-100,
-        label_smoothing=0.0,
-        lse_square_scale=0.0,
-        softcap=None,
-        use_token_scaling=False,
-        ce_grad_scale=1.0,
-        z_grad_scale=1.0,
-        weight_sum=float(vocab),
-        device=device,
-    )
+    return ChunkScalars.from_numbers(weight_sum=float(vocab), device=device)
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

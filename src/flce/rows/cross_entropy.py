@@ -77,18 +77,20 @@ class ChunkScalars:
     def from_numbers(
         cls,
         *,
-        ignore_index: int,
-        label_smoothing: float,
-        lse_square_scale: float,
-        softcap: float | None,
-        use_token_scaling: bool,
-        ce_grad_scale: float,
-        z_grad_scale: float,
         weight_sum: float,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: float | None = None,
+        use_token_scaling: bool = False,
+        ce_grad_scale: float = 1.0,
+        z_grad_scale: float = 1.0,
         device: torch.device | str = "cpu",
     ) -> ChunkScalars:
         """Scalars from host numbers (kernel tests and benchmarks; a call computes its
-        ``scales`` on the device, ``flce.driver.statistics.chunk_scalars``)."""
+        ``scales`` on the device, ``flce.driver.statistics.chunk_scalars``). The defaults
+        are a call with no option and reduction ``"sum"``: ``weight_sum`` (V without class
+        weights) is the one number every call has its own of."""
         scales = torch.tensor([ce_grad_scale, z_grad_scale, weight_sum], dtype=torch.float32, device=device)
         return cls(ignore_index, label_smoothing, lse_square_scale, softcap, use_token_scaling, scales)
 
