@@ -84,7 +84,8 @@ pytest_in_background() {
   fi
   (
     [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
-    run "$name" "$limit" "$python" -m pytest -q -p no:cacheprovider -rfE --durations=10 "$@"
+    # shellcheck disable=SC2086
+    run "$name" "$limit" "$python" -m pytest -q -p no:cacheprovider -rfE --durations=10 ${PYTEST_FLAGS-} "$@"
     exit "$failed"
   ) &
 }
@@ -112,13 +113,19 @@ step_info() {
 }
 
 step_tests() {
-  local fuzz=tests/gpu/test_gpu_fuzz.py
+  local fuzz=tests/gpu/test_gpu_fuzz.py limit=${TESTS_LIMIT:-270}
   export FLCE_GPU_FUZZ_EXAMPLES=${FLCE_GPU_FUZZ_EXAMPLES:-150}
-  pytest_in_background tests-torch 270 tests/gpu --deselect "$fuzz" -k "not triton and not cutedsl"
-  pytest_in_background tests-triton 270 tests/gpu tests/backends --deselect "$fuzz" -k "triton and not cutedsl"
-  pytest_in_background tests-cutedsl 270 tests/gpu tests/backends --deselect "$fuzz" -k cutedsl
-  pytest_in_background tests-fuzz 270 "$fuzz"
-  pytest_in_background tests-rest 270 tests --ignore=tests/gpu --ignore=tests/backends --ignore=tests/bench
+  # Several processes share the host: each torch would start a thread per core, and the
+  # oversubscribed host ran them at a fraction of their speed (all five cut at 270 s).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  pytest_in_background tests-torch "$limit" tests/gpu --deselect "$fuzz" -k "not triton and not cutedsl"
+  pytest_in_background tests-triton "$limit" tests/gpu tests/backends --deselect "$fuzz" -k "triton and not cutedsl"
+  pytest_in_background tests-cutedsl "$limit" tests/gpu tests/backends --deselect "$fuzz" -k cutedsl
+  pytest_in_background tests-fuzz "$limit" "$fuzz"
+  # The rest is mostly the CPU suite: spread over the host's cores where pytest-xdist is there.
+  local workers=()
+  "$python" -c "import xdist" 2>/dev/null && workers=(-n "${REST_WORKERS:-6}")
+  pytest_in_background tests-rest "$limit" "${workers[@]}" tests --ignore=tests/gpu --ignore=tests/backends --ignore=tests/bench
   local pid
   for pid in $(jobs -p); do wait "$pid" || failed=1; done
 }
