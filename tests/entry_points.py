@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 import flce
+from flce.backends.base import HEAD_SLOTS
 from flce.compat import liger
-from flce.dispatch import BACKEND_NAMES, ENV_VAR, availability
+from flce.dispatch import BACKEND_NAMES, ENV_VAR, availability, get_backend
 from flce.options import LossOptions
 from flce.output import CrossEntropyOutput
 from flce.parallel import VocabParallelFusedLinearCrossEntropyLoss, vocab_parallel_fused_linear_cross_entropy
@@ -34,6 +35,8 @@ from flce.testing import EPS, TOLERANCE_FACTOR
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 BACKENDS = [name for name in BACKEND_NAMES if availability(name, DEVICE)[0]]
+# Those of them with the logprobs and distillation heads' kernels (CuTe DSL has none).
+HEAD_BACKENDS = [name for name in BACKENDS if all(getattr(get_backend(name), slot) for slot in HEAD_SLOTS)]
 
 # The options the float64 reference takes; the others (flags, chunking, backend) change
 # what is returned or how it is computed, not the values.

@@ -11,6 +11,7 @@ import flce
 from flce.compat import liger
 from flce.reference import distillation_reference
 from flce.testing import EPS, TOLERANCE_FACTOR
+from tests.marks import triton_on_cpu
 
 _NO_DEFAULT = inspect.Parameter.empty
 # (name, default) per parameter, copied from liger-kernel 0.8.5's source
@@ -188,6 +189,7 @@ def test_a_bad_accum_dtype_is_refused():
         liger.liger_fused_linear_jsd(*_inputs()[:4], accum_dtype=torch.float64)
 
 
+@triton_on_cpu
 def test_function_takes_liger_s_eleven_arguments_and_implementation_names():
     """Liger 0.8.5's ``liger_fused_linear_jsd`` and ``LigerFusedLinearJSD`` call
     ``LigerFusedLinearJSDFunction.apply`` with eleven arguments (``..., accum_dtype, None,

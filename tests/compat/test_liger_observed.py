@@ -21,6 +21,7 @@ import torch
 import flce
 from flce.compat import liger
 from flce.testing import EPS, TOLERANCE_FACTOR
+from tests.marks import triton_on_cpu
 
 N, H, V = 9, 8, 13
 OPTION_GRID = list(
@@ -123,6 +124,7 @@ def test_fused_function_matches_liger_semantics(option_values):
         assert err <= TOLERANCE_FACTOR * err_eager + EPS[torch.float32], f"grad_{name}: {err:.3g} vs {err_eager:.3g}"
 
 
+@triton_on_cpu
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_function_matches_liger_semantics_on_triton(reduction):
     """The standalone cross-entropy on the Triton backend (its kernels through the
@@ -296,6 +298,7 @@ def test_losses_are_fp32_for_low_precision_inputs(dtype):
     assert [leaf.grad.dtype for leaf in leaves] == [dtype] * 3
 
 
+@triton_on_cpu
 @pytest.mark.parametrize("ce_impl", ["nvidia-triton", "NVIDIA-Triton", "triton"])
 def test_ce_impl_takes_liger_implementation_names(ce_impl):
     """Liger 0.8.5 registers its kernels as "nvidia-triton" and "nvidia-cutedsl" (the bare
