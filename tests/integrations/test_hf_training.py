@@ -84,6 +84,9 @@ def test_compiled_model_whose_softcap_changes_says_to_probe_again(where):
     compiled(**batch)
     for model_owner in (owner, patched.config if where == "config" else patched):
         setattr(model_owner, name, 2.0)
+    # The check traced on every compiled call gives the name alone (torch 2.11's dynamo
+    # failed on handling the values and the missing-value sentinel, before flce's message).
+    assert flce_hf.unwrap_model(patched)._flce_interceptor.recipe.changed_entry(patched) == expected
     with pytest.raises(Exception, match=f"{expected} of {type(stock).__name__} changed since it was probed"):
         compiled(**batch)
     patched(**batch)  # one eager call with labels probes again
