@@ -560,8 +560,10 @@ def _check_stock_runs(name: str, interceptor: Interceptor, original, model, batc
     _, error = _call_for_probe(interceptor, None, original, model, batch)
     if error is not None:
         padded = " with left padding (attention_mask)" if batch.attention_mask is not None else ""
+        mode = "training" if model.training else "eval"  # the probe runs both: a forward may fail in one only
         raise _StockForwardFails(
-            name, f"its own forward fails on a {PROBE_LENGTH}-token text input with labels{padded}: {error!r}"
+            name,
+            f"its own forward fails in {mode} mode on a {PROBE_LENGTH}-token text input with labels{padded}: {error!r}",
         ) from error
 
 
