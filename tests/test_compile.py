@@ -165,6 +165,43 @@ def test_a_liger_loss_module_built_inside_the_compiled_function():
     torch.testing.assert_close(compiled(x, w, t), loss_of(x, w, t))
 
 
+def _liger_calls():
+    from flce.compat import liger
+
+    return {
+        "fused_function": lambda x, w, t: liger.LigerFusedLinearCrossEntropyFunction.apply(
+            x, w, t, label_smoothing=0.1
+        )[0],
+        "fused_functional": lambda x, w, t: liger.liger_fused_linear_cross_entropy(x, w, t, label_smoothing=0.1),
+        "cross_entropy_function": lambda x, w, t: liger.LigerCrossEntropyFunction.apply(
+            x @ w.T, t, None, label_smoothing=0.1
+        )[0],
+        "cross_entropy_functional": lambda x, w, t: liger.liger_cross_entropy(x @ w.T, t, label_smoothing=0.1),
+        "cross_entropy_module": lambda x, w, t: liger.LigerCrossEntropyLoss(label_smoothing=0.1)(x @ w.T, t),
+    }
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "fused_function",
+        "fused_functional",
+        "cross_entropy_function",
+        "cross_entropy_functional",
+        "cross_entropy_module",
+    ],
+)
+def test_every_liger_shim_compiles_in_one_graph(entry):
+    """The other Liger shims, compiled whole (torch 2.11's dynamo could not trace the
+    ``locals()`` they read their options with)."""
+    x, w, _, t = _inputs("mean")
+    x, t = x.reshape(-1, 16), t.reshape(-1)
+    loss_of = _liger_calls()[entry]
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_of, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w, t), loss_of(x, w, t))
+
+
 # A torch.func transform or forward-mode AD traced by torch.compile: the custom ops carry
 # no tangent (PyTorch gives them none, silently), so every entry point refuses by name
 # under compilation as it does eagerly, instead of a compiled jvp whose tangent is 0.

@@ -189,6 +189,54 @@ def test_function_functional_and_module_equal_idiomatic_api():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+# A value unlike its default for every option a shim takes, so that an option handed on
+# under another name, or left out, shows.
+_DISTINCT_OPTIONS = dict(
+    ignore_index=-7,
+    lse_square_scale=0.25,
+    label_smoothing=0.125,
+    reduction="sum",
+    softcap=30.0,
+    return_z_loss=True,
+    accum_dtype=torch.float32,
+    use_token_scaling=True,
+    return_token_accuracy=True,
+    return_predicted_tokens=True,
+)
+_SHIMS = {
+    "LigerFusedLinearCrossEntropyFunction.forward": lambda x, w, t, o: liger.LigerFusedLinearCrossEntropyFunction.apply(
+        x, w, t, **o
+    ),
+    "liger_fused_linear_cross_entropy": lambda x, w, t, o: liger.liger_fused_linear_cross_entropy(x, w, t, **o),
+    "LigerFusedLinearCrossEntropyLoss.__init__": lambda x, w, t, o: liger.LigerFusedLinearCrossEntropyLoss(**o),
+    "LigerCrossEntropyFunction.forward": lambda x, w, t, o: liger.LigerCrossEntropyFunction.apply(
+        x @ w.T, t, None, **o
+    ),
+    "liger_cross_entropy": lambda x, w, t, o: liger.liger_cross_entropy(x @ w.T, t, **o),
+    "LigerCrossEntropyLoss.__init__": lambda x, w, t, o: liger.LigerCrossEntropyLoss(**o),
+}
+
+
+@pytest.mark.parametrize("qualname", list(_SHIMS))
+def test_each_shim_hands_on_every_option_of_its_signature_by_name(qualname, monkeypatch):
+    """The shims list their options by name (torch.compile cannot trace ``locals()`` in
+    every release): each hands on exactly the options its signature takes, each under
+    its own name."""
+    function = liger
+    for part in qualname.split("."):
+        function = getattr(function, part)
+    taken = {name: value for name, value in _DISTINCT_OPTIONS.items() if name in inspect.signature(function).parameters}
+    assert set(taken) == set(inspect.signature(function).parameters) & set(flce.options.OPTION_FIELDS)
+    handed = []
+    real = liger._options
+    monkeypatch.setattr(
+        liger, "_options", lambda arguments, **overrides: handed.append(dict(arguments)) or real(arguments, **overrides)
+    )
+    x, w, _, t = _inputs(requires_grad=False)
+    _SHIMS[qualname](x, w, t.masked_fill(t == -100, -7), taken)
+    assert handed and handed[0] == taken
+
+
 def test_bare_loss_without_return_flags():
     x, w, b, t = _inputs()
     out = liger.liger_fused_linear_cross_entropy(x, w, t, b)

@@ -48,12 +48,20 @@ def test_patched_model_under_an_ambient_default_device(model_type):
     batch = hf_tiny.inputs(stock)
     patched = hf_tiny.clone(stock)
     with torch.device("meta"):
-        try:  # nothing to compare against where the model's own forward follows the context
-            stock(**batch).loss.backward()
-        except Exception as error:  # transformers 5.17's bart makes a tensor without a device
-            pytest.skip(
-                f"{model_type}'s own forward fails under a meta default device ({transformers.__version__}): {error!r}"
-            )
+        # Nothing to compare against where the model's own forward follows the context, in
+        # either mode (patching probes both): transformers 5.17's bart draws its layer-drop
+        # number in training mode without a device and branches on it.
+        for training in (True, False):
+            try:
+                stock.train(training)(**batch).loss.backward()
+            except Exception as error:
+                mode = "training" if training else "eval"
+                with pytest.raises(flce_hf.UnsupportedModelError, match=f"its own forward fails in {mode} mode"):
+                    flce_hf.apply_flce(patched)
+                pytest.skip(
+                    f"{model_type}'s own forward fails in {mode} mode under a meta default device "
+                    f"(transformers {transformers.__version__}): {error!r}"
+                )
         stock.zero_grad(set_to_none=True)
         flce_hf.apply_flce(patched)
         hf_tiny.compare_with_stock(stock, patched, batch)

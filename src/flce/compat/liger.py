@@ -130,8 +130,9 @@ def _chunk_size_for(input, weight, chunk_mem_const) -> int | None:
 
 
 def _options(arguments: dict, **overrides) -> LossOptions:
-    """``LossOptions`` from a shim's arguments: every field of ``LossOptions`` that the
-    shim's signature (Liger's) names, nothing spelled out again here."""
+    """``LossOptions`` from a shim's arguments: the fields of ``LossOptions`` that the
+    shim's signature (Liger's) names, each shim passing them as a dict by name (a test
+    checks each passes exactly those its signature has)."""
     return LossOptions(**{name: arguments[name] for name in OPTION_FIELDS if name in arguments}, **overrides)
 
 
@@ -176,7 +177,18 @@ class LigerFusedLinearCrossEntropyFunction:
         ce_mode=None,
         chunk_mem_const: int = 1,
     ):
-        arguments = locals()
+        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
+            "ignore_index": ignore_index,
+            "lse_square_scale": lse_square_scale,
+            "label_smoothing": label_smoothing,
+            "reduction": reduction,
+            "softcap": softcap,
+            "return_z_loss": return_z_loss,
+            "accum_dtype": accum_dtype,
+            "use_token_scaling": use_token_scaling,
+            "return_token_accuracy": return_token_accuracy,
+            "return_predicted_tokens": return_predicted_tokens,
+        }
         return _as_tuple(_fused(_input, weight, target, bias, ce_weight, arguments, ce_impl, chunk_mem_const))
 
     @staticmethod
@@ -203,7 +215,18 @@ def liger_fused_linear_cross_entropy(
     chunk_mem_const: int = 1,
 ):
     """Liger's functional FLCE: the bare loss, or ``CrossEntropyOutput`` when a ``return_*`` flag is set."""
-    arguments = locals()
+    arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
+        "ignore_index": ignore_index,
+        "lse_square_scale": lse_square_scale,
+        "label_smoothing": label_smoothing,
+        "reduction": reduction,
+        "softcap": softcap,
+        "return_z_loss": return_z_loss,
+        "accum_dtype": accum_dtype,
+        "use_token_scaling": use_token_scaling,
+        "return_token_accuracy": return_token_accuracy,
+        "return_predicted_tokens": return_predicted_tokens,
+    }
     return _fused(input, weight, target, bias, ce_weight, arguments, chunk_mem_const=chunk_mem_const)
 
 
@@ -249,9 +272,18 @@ class LigerFusedLinearCrossEntropyLoss(NotScriptable, torch.nn.Module):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        # No closure may read ``arguments``: a comprehension would make it a cell, which
-        # torch.compile cannot read from locals() (a model that builds this loss in its forward).
-        arguments = locals()
+        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
+            "ignore_index": ignore_index,
+            "lse_square_scale": lse_square_scale,
+            "label_smoothing": label_smoothing,
+            "reduction": reduction,
+            "softcap": softcap,
+            "return_z_loss": return_z_loss,
+            "accum_dtype": accum_dtype,
+            "use_token_scaling": use_token_scaling,
+            "return_token_accuracy": return_token_accuracy,
+            "return_predicted_tokens": return_predicted_tokens,
+        }
         super().__init__()
         _keep_options(self, arguments)
         register_class_weight(self, "ce_weight", ce_weight)
@@ -281,8 +313,16 @@ class LigerCrossEntropyLoss(NotScriptable, torch.nn.Module):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        # No closure may read ``arguments`` (see LigerFusedLinearCrossEntropyLoss).
-        arguments = locals()
+        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
+            "ignore_index": ignore_index,
+            "lse_square_scale": lse_square_scale,
+            "label_smoothing": label_smoothing,
+            "reduction": reduction,
+            "softcap": softcap,
+            "return_z_loss": return_z_loss,
+            "return_token_accuracy": return_token_accuracy,
+            "return_predicted_tokens": return_predicted_tokens,
+        }
         super().__init__()
         _keep_options(self, arguments)
         register_class_weight(self, "weight", weight)
@@ -317,7 +357,16 @@ class LigerCrossEntropyFunction:
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        arguments = locals()
+        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
+            "ignore_index": ignore_index,
+            "lse_square_scale": lse_square_scale,
+            "label_smoothing": label_smoothing,
+            "reduction": reduction,
+            "softcap": softcap,
+            "return_z_loss": return_z_loss,
+            "return_token_accuracy": return_token_accuracy,
+            "return_predicted_tokens": return_predicted_tokens,
+        }
         return _as_tuple(_ce(_input, target, weight, arguments))
 
     @staticmethod
@@ -342,7 +391,16 @@ def liger_cross_entropy(
 ):
     """Liger's functional CE. ``size_average``/``reduce`` are PyTorch's deprecated
     placeholders: Liger ignores them, flce refuses any value but None rather than ignore it."""
-    arguments = locals()
+    arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
+        "ignore_index": ignore_index,
+        "lse_square_scale": lse_square_scale,
+        "label_smoothing": label_smoothing,
+        "reduction": reduction,
+        "softcap": softcap,
+        "return_z_loss": return_z_loss,
+        "return_token_accuracy": return_token_accuracy,
+        "return_predicted_tokens": return_predicted_tokens,
+    }
     for name, value in (("size_average", size_average), ("reduce", reduce)):
         if value is not None:
             raise ValueError(f"{name} is a deprecated placeholder and must be None; use reduction=")

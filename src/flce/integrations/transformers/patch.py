@@ -562,9 +562,8 @@ def interceptor_for(model, settings: LossSettings, call: ForwardCall) -> Interce
             return interceptor
     if torch.compiler.is_compiling():
         if changed is not None:
-            entry = changed[0]  # not the values: torch.compile may trace the new one as a symbol
             raise RuntimeError(
-                f"flce: {entry} of {type(model).__name__} changed since it was probed; call it once with labels "
+                f"flce: {changed} of {type(model).__name__} changed since it was probed; call it once with labels "
                 "outside torch.compile (or apply_flce(model) again) to probe it"
             )
         raise RuntimeError(

@@ -102,22 +102,25 @@ class Recipe:
     # ``logit_softcap.softcap``) is copied from the config at init and may change without it.
     module_reads: tuple[tuple[ModuleAttribute, Any], ...] = ()
 
-    def changed_entry(self, model) -> tuple[str, Any, Any] | None:
-        """``(what, value when probed, value now)`` of the first recorded config entry or
-        module attribute of ``model`` that changed since the probe, or None."""
+    def changed_entry(self, model) -> str | None:
+        """What the first recorded config entry or module attribute of ``model`` that changed
+        since the probe is (``config.<path>`` or ``the attribute <path>``), or None. Traced by
+        torch.compile on every call of a compiled model: only the name comes back, not the
+        values (mapping the ``_MISSING`` sentinel to None, ``current is _MISSING`` with a
+        float ``current``, failed in torch 2.11's dynamo; the values would be symbols there)."""
         for path, value in self.config_reads:
             current = model.config
             for key in path:
                 current = getattr(current, key, _MISSING)
             if not _same_value(current, value):
-                return "config." + ".".join(path), value, None if current is _MISSING else current
+                return "config." + ".".join(path)
         for (path, attribute), value in self.module_reads:
             module = model
             for key in path:  # the module now at that path (children may be replaced, e.g. by PEFT)
                 module = module._modules.get(key) if module is not None else None
             current = _MISSING if module is None else getattr(module, attribute, _MISSING)
             if not _same_value(current, value):
-                return f"the attribute {'.'.join((*path, attribute))}", value, None if current is _MISSING else current
+                return f"the attribute {'.'.join((*path, attribute))}"
         return None
 
 
@@ -557,8 +560,10 @@ def _check_stock_runs(name: str, interceptor: Interceptor, original, model, batc
     _, error = _call_for_probe(interceptor, None, original, model, batch)
     if error is not None:
         padded = " with left padding (attention_mask)" if batch.attention_mask is not None else ""
+        mode = "training" if model.training else "eval"  # the probe runs both: a forward may fail in one only
         raise _StockForwardFails(
-            name, f"its own forward fails on a {PROBE_LENGTH}-token text input with labels{padded}: {error!r}"
+            name,
+            f"its own forward fails in {mode} mode on a {PROBE_LENGTH}-token text input with labels{padded}: {error!r}",
         ) from error
 
 
