@@ -11,8 +11,9 @@
 # the measurements of the published tables are steps of their own, for further calls:
 #
 #   info           GPU state, `flce info`, the commit and src/'s tree     -> gpu.txt, info.log
-#   tests          GPU tests, one background pytest process per backend
-#                  (torch, triton, cutedsl), the GPU fuzz and the rest    -> tests-*.log
+#   tests          the whole suite on the GPU machine: one background pytest process per
+#                  backend (torch, triton, cutedsl), the GPU fuzz and the rest, on
+#                  pytest-xdist workers where installed (TESTS_LIMIT: seconds, 300) -> tests-*.log
 #   parity         benchmarks/parity_vs_liger.py                          -> parity/
 #   bench          the reference shape, every peer interleaved with the floor -> bench/
 #   profile        kernel time per call at the reference shape            -> profile/
@@ -113,19 +114,26 @@ step_info() {
 }
 
 step_tests() {
-  local fuzz=tests/gpu/test_gpu_fuzz.py limit=${TESTS_LIMIT:-270}
+  local fuzz=tests/gpu/test_gpu_fuzz.py limit=${TESTS_LIMIT:-300}
   export FLCE_GPU_FUZZ_EXAMPLES=${FLCE_GPU_FUZZ_EXAMPLES:-150}
   # Several processes share the host: each torch would start a thread per core, and the
   # oversubscribed host ran them at a fraction of their speed (all five cut at 270 s).
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+  # Workers per process where pytest-xdist is installed, sized by the 2026-12-05 run on 16
+  # cores (one process each: torch 89 s, triton 224 s, cutedsl over 510 s; the rest of the
+  # suite 170 s on 6 workers, cutedsl 241 s on 6).
+  local xdist=0
+  "$python" -c "import xdist" 2>/dev/null && xdist=1
+  workers() { [ "$xdist" -eq 1 ] && [ "$1" -gt 1 ] && echo "-n $1"; }
   pytest_in_background tests-torch "$limit" tests/gpu --deselect "$fuzz" -k "not triton and not cutedsl"
-  pytest_in_background tests-triton "$limit" tests/gpu tests/backends --deselect "$fuzz" -k "triton and not cutedsl"
-  pytest_in_background tests-cutedsl "$limit" tests/gpu tests/backends --deselect "$fuzz" -k cutedsl
+  # shellcheck disable=SC2046
+  pytest_in_background tests-triton "$limit" $(workers 2) tests/gpu tests/backends --deselect "$fuzz" -k "triton and not cutedsl"
+  # shellcheck disable=SC2046
+  pytest_in_background tests-cutedsl "$limit" $(workers 5) tests/gpu tests/backends --deselect "$fuzz" -k cutedsl
   pytest_in_background tests-fuzz "$limit" "$fuzz"
-  # The rest is mostly the CPU suite: spread over the host's cores where pytest-xdist is there.
-  local workers=()
-  "$python" -c "import xdist" 2>/dev/null && workers=(-n "${REST_WORKERS:-6}")
-  pytest_in_background tests-rest "$limit" "${workers[@]}" tests --ignore=tests/gpu --ignore=tests/backends --ignore=tests/bench
+  # The rest: the CPU suite and the marked GPU tests outside tests/gpu, the bench's included.
+  # shellcheck disable=SC2046
+  pytest_in_background tests-rest "$limit" $(workers "${REST_WORKERS:-4}") tests --ignore=tests/gpu --ignore=tests/backends
   local pid
   for pid in $(jobs -p); do wait "$pid" || failed=1; done
 }
