@@ -26,6 +26,8 @@
 #   block-kernels  one vocabulary block's kernels alone at a range of widths
 #                  (benchmarks/block_gemm_kernels.py), and the call at four widths -> block-kernels/
 #   features       each loss feature alone, then all, then fp16           -> features/
+#   features-shapes the same for the default at the other five shapes
+#                  (SHAPE_FEATURES: which, to split it over two calls)    -> features-shapes/
 #   kernel         the CE kernel alone and the host overhead per call     -> ce-kernel/
 #   fused-forward  the fused forward GEMM alone against torch.mm          -> fused-forward.log
 #   autocast       fp32 weights under bf16 autocast against eager          -> autocast.log
@@ -45,7 +47,7 @@
 # command: its name, exit code (124: cut by its limit) and seconds; the last lines printed
 # are that file and each test log's pytest summary. Exit code 0 when every command passed.
 set -uo pipefail
-out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes changed sweeps forward memory block-kernels features kernel fused-forward autocast tp heads frontier liger-memory graph overlap]}
+out=${1:?usage: benchmarks/device_validate.sh OUTDIR [info tests parity bench profile profile-shapes changed sweeps forward memory block-kernels features features-shapes kernel fused-forward autocast tp heads frontier liger-memory graph overlap]}
 shift
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(info tests parity bench profile)
@@ -208,6 +210,28 @@ step_features() {
   done
   run features-fp16 50 "$python" -m flce.cli bench --dtype fp16 --rounds 3 --warmup 1 \
     --methods flce:cutedsl,flce:triton,liger:triton,cce --out "$out/features/fp16" --no-plots
+}
+
+# Target 5 at the other five shapes: each feature against the featureless run, the
+# default (cutedsl) with the floor, two runs per feature (V at N = 8192; N at V = 128256).
+# SHAPE_FEATURES picks some (default: all ten and fp16) to split the step over two calls.
+step_features_shapes() {
+  local feature
+  for feature in ${SHAPE_FEATURES:-none label_smoothing z_loss softcap weights bias token_scaling accuracy predicted all fp16}; do
+    local features=()
+    case $feature in
+    none | fp16) ;;
+    all) features=(--features label_smoothing,z_loss,softcap,weights,bias,token_scaling,accuracy,predicted) ;;
+    *) features=(--features "$feature") ;;
+    esac
+    [ "$feature" = fp16 ] && features=(--dtype fp16)
+    run "features-shapes-$feature-vocab" 40 "$python" -m flce.cli bench "${features[@]}" --tokens 8192 \
+      --vocab 32000,151936,262144 --rounds 3 --warmup 1 --methods flce:cutedsl \
+      --out "$out/features-shapes/$feature-vocab" --no-plots
+    run "features-shapes-$feature-tokens" 40 "$python" -m flce.cli bench "${features[@]}" --tokens 4096,16384 \
+      --vocab 128256 --rounds 3 --warmup 1 --methods flce:cutedsl \
+      --out "$out/features-shapes/$feature-tokens" --no-plots
+  done
 }
 
 step_kernel() {
