@@ -136,6 +136,32 @@ def _options(arguments: dict, **overrides) -> LossOptions:
     return LossOptions(**{name: arguments[name] for name in OPTION_FIELDS if name in arguments}, **overrides)
 
 
+def _shim_options(
+    ignore_index,
+    lse_square_scale,
+    label_smoothing,
+    reduction,
+    softcap,
+    return_z_loss,
+    return_token_accuracy,
+    return_predicted_tokens,
+    **fused_only,  # accum_dtype, use_token_scaling: the fused shims' own
+) -> dict:
+    """A shim's options by name, for ``_options``. Spelled out, not read with ``locals()``,
+    which torch 2.11's dynamo cannot trace (a shim called or built in a compiled function)."""
+    return dict(
+        ignore_index=ignore_index,
+        lse_square_scale=lse_square_scale,
+        label_smoothing=label_smoothing,
+        reduction=reduction,
+        softcap=softcap,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens,
+        **fused_only,
+    )
+
+
 def _fused(input, weight, target, bias, ce_weight, arguments: dict, ce_impl=None, chunk_mem_const=1):
     options = _options(
         arguments,
@@ -177,18 +203,11 @@ class LigerFusedLinearCrossEntropyFunction:
         ce_mode=None,
         chunk_mem_const: int = 1,
     ):
-        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
-            "ignore_index": ignore_index,
-            "lse_square_scale": lse_square_scale,
-            "label_smoothing": label_smoothing,
-            "reduction": reduction,
-            "softcap": softcap,
-            "return_z_loss": return_z_loss,
-            "accum_dtype": accum_dtype,
-            "use_token_scaling": use_token_scaling,
-            "return_token_accuracy": return_token_accuracy,
-            "return_predicted_tokens": return_predicted_tokens,
-        }
+        arguments = _shim_options(
+            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+            return_token_accuracy, return_predicted_tokens, accum_dtype=accum_dtype,
+            use_token_scaling=use_token_scaling,
+        )  # fmt: skip
         return _as_tuple(_fused(_input, weight, target, bias, ce_weight, arguments, ce_impl, chunk_mem_const))
 
     @staticmethod
@@ -215,18 +234,11 @@ def liger_fused_linear_cross_entropy(
     chunk_mem_const: int = 1,
 ):
     """Liger's functional FLCE: the bare loss, or ``CrossEntropyOutput`` when a ``return_*`` flag is set."""
-    arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
-        "ignore_index": ignore_index,
-        "lse_square_scale": lse_square_scale,
-        "label_smoothing": label_smoothing,
-        "reduction": reduction,
-        "softcap": softcap,
-        "return_z_loss": return_z_loss,
-        "accum_dtype": accum_dtype,
-        "use_token_scaling": use_token_scaling,
-        "return_token_accuracy": return_token_accuracy,
-        "return_predicted_tokens": return_predicted_tokens,
-    }
+    arguments = _shim_options(
+        ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+        return_token_accuracy, return_predicted_tokens, accum_dtype=accum_dtype,
+        use_token_scaling=use_token_scaling,
+    )  # fmt: skip
     return _fused(input, weight, target, bias, ce_weight, arguments, chunk_mem_const=chunk_mem_const)
 
 
@@ -272,18 +284,11 @@ class LigerFusedLinearCrossEntropyLoss(NotScriptable, torch.nn.Module):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
-            "ignore_index": ignore_index,
-            "lse_square_scale": lse_square_scale,
-            "label_smoothing": label_smoothing,
-            "reduction": reduction,
-            "softcap": softcap,
-            "return_z_loss": return_z_loss,
-            "accum_dtype": accum_dtype,
-            "use_token_scaling": use_token_scaling,
-            "return_token_accuracy": return_token_accuracy,
-            "return_predicted_tokens": return_predicted_tokens,
-        }
+        arguments = _shim_options(
+            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+            return_token_accuracy, return_predicted_tokens, accum_dtype=accum_dtype,
+            use_token_scaling=use_token_scaling,
+        )  # fmt: skip
         super().__init__()
         _keep_options(self, arguments)
         register_class_weight(self, "ce_weight", ce_weight)
@@ -313,16 +318,10 @@ class LigerCrossEntropyLoss(NotScriptable, torch.nn.Module):
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
-            "ignore_index": ignore_index,
-            "lse_square_scale": lse_square_scale,
-            "label_smoothing": label_smoothing,
-            "reduction": reduction,
-            "softcap": softcap,
-            "return_z_loss": return_z_loss,
-            "return_token_accuracy": return_token_accuracy,
-            "return_predicted_tokens": return_predicted_tokens,
-        }
+        arguments = _shim_options(
+            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+            return_token_accuracy, return_predicted_tokens,
+        )  # fmt: skip
         super().__init__()
         _keep_options(self, arguments)
         register_class_weight(self, "weight", weight)
@@ -357,16 +356,10 @@ class LigerCrossEntropyFunction:
         return_token_accuracy: bool = False,
         return_predicted_tokens: bool = False,
     ):
-        arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
-            "ignore_index": ignore_index,
-            "lse_square_scale": lse_square_scale,
-            "label_smoothing": label_smoothing,
-            "reduction": reduction,
-            "softcap": softcap,
-            "return_z_loss": return_z_loss,
-            "return_token_accuracy": return_token_accuracy,
-            "return_predicted_tokens": return_predicted_tokens,
-        }
+        arguments = _shim_options(
+            ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+            return_token_accuracy, return_predicted_tokens,
+        )  # fmt: skip
         return _as_tuple(_ce(_input, target, weight, arguments))
 
     @staticmethod
@@ -391,16 +384,10 @@ def liger_cross_entropy(
 ):
     """Liger's functional CE. ``size_average``/``reduce`` are PyTorch's deprecated
     placeholders: Liger ignores them, flce refuses any value but None rather than ignore it."""
-    arguments = {  # its options by name (not locals(): torch 2.11's dynamo cannot trace that)
-        "ignore_index": ignore_index,
-        "lse_square_scale": lse_square_scale,
-        "label_smoothing": label_smoothing,
-        "reduction": reduction,
-        "softcap": softcap,
-        "return_z_loss": return_z_loss,
-        "return_token_accuracy": return_token_accuracy,
-        "return_predicted_tokens": return_predicted_tokens,
-    }
+    arguments = _shim_options(
+        ignore_index, lse_square_scale, label_smoothing, reduction, softcap, return_z_loss,
+        return_token_accuracy, return_predicted_tokens,
+    )  # fmt: skip
     for name, value in (("size_average", size_average), ("reduce", reduce)):
         if value is not None:
             raise ValueError(f"{name} is a deprecated placeholder and must be None; use reduction=")
