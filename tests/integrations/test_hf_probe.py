@@ -100,9 +100,26 @@ class MaskScaledLlama(transformers.LlamaForCausalLM):
 # --------------------------------------------------------------------------- vocabulary width
 
 
-def test_padded_vocabulary_is_scored_over_the_kept_rows():
+class PaddedVocabLlama(transformers.LlamaForCausalLM):
+    """Keeps logits[..., :config.unpadded_vocab_size] when it is set, as Inkling does (in
+    every transformers release flce supports)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        kept = getattr(self.config, "unpadded_vocab_size", None)
+        if kept is not None:
+            logits = logits[..., :kept]
+        loss = self.loss_function(logits, labels, logits.shape[-1]) if labels is not None else None
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize(
+    "model_type,model_class", [("inkling_text", None), ("llama", PaddedVocabLlama)], ids=["inkling_text", "llama"]
+)
+def test_padded_vocabulary_is_scored_over_the_kept_rows(model_type, model_class):
     """Inkling keeps logits[..., :config.unpadded_vocab_size]: the softmax runs over those."""
-    stock = build("inkling_text")
+    hf_tiny.require_model_type(model_type)  # inkling_text came after transformers 4.56
+    stock = build(model_type, model_class)
     stock.config.unpadded_vocab_size = hf_tiny.VOCAB - 16
     patched = flce_hf.apply_flce(hf_tiny.clone(stock))
     assert recipe(patched).vocab_rows == hf_tiny.VOCAB - 16
@@ -314,7 +331,8 @@ def test_inline_loss_whose_forward_expands_the_sequence_says_why():
         ),
         "feature_attention_mask": torch.ones(2, frames, dtype=torch.long),
     }
-    _, tokens = stock.model.audio_tower._get_feat_extract_output_lengths(audio["feature_attention_mask"].sum(-1))
+    audio_tower = getattr(stock, "model", stock).audio_tower  # transformers 4.56: on the model itself
+    _, tokens = audio_tower._get_feat_extract_output_lengths(audio["feature_attention_mask"].sum(-1))
     for audio_tokens in (1, int(tokens[0])):  # legacy, then expanded
         batch = hf_tiny.inputs(stock, length=audio_tokens + 8)
         batch["input_ids"][:, 2 : 2 + audio_tokens] = config.audio_token_id
@@ -333,6 +351,12 @@ def test_inline_loss_with_logits_to_keep_names_it():
     stock = build("bart")
     patched = flce_hf.apply_flce(hf_tiny.clone(stock))
     batch = hf_tiny.inputs(stock)
+    if "logits_to_keep" not in inspect.signature(type(stock).forward).parameters:
+        # transformers 4.56's BartForCausalLM has no logits_to_keep: refused as the stock forward refuses it.
+        for model in (stock, patched):
+            with pytest.raises(TypeError, match="logits_to_keep"):
+                model(**batch, logits_to_keep=4)
+        pytest.skip(f"BartForCausalLM takes no logits_to_keep in transformers {transformers.__version__}")
     with pytest.raises(ValueError, match="with logits_to_keep the labels must match the kept positions"):
         patched(**batch, logits_to_keep=4)
     kept = batch["labels"][:, -4:]
@@ -354,11 +378,15 @@ def test_encoder_decoders_with_an_inline_loss_are_refused(model_type):
     assert not flce_hf.is_patched(model)
 
 
-def test_encoder_decoder_through_loss_function_keeps_its_labels():
-    """T5Gemma 2 calls loss_function: flce calls it with its labels, its decoder inputs are its own."""
-    config = hf_tiny.tiny_config("t5gemma2")
+@pytest.mark.parametrize(
+    "model_type,auto_class", [("t5gemma2", "AutoModelForImageTextToText"), ("t5gemma", "AutoModelForSeq2SeqLM")]
+)
+def test_encoder_decoder_through_loss_function_keeps_its_labels(model_type, auto_class):
+    """T5Gemma (2) calls loss_function: flce calls it with its labels, its decoder inputs are its own."""
+    hf_tiny.require_model_type(model_type)  # t5gemma2 came after transformers 4.56
+    config = hf_tiny.tiny_config(model_type)
     torch.manual_seed(0)
-    stock = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
+    stock = getattr(transformers, auto_class).from_config(config, attn_implementation="eager").eval()
     assert stock.config.is_encoder_decoder
     patched = flce_hf.apply_flce(hf_tiny.clone(stock))
     hf_tiny.compare_with_stock(stock, patched, hf_tiny.inputs(stock))

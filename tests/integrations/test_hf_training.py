@@ -110,6 +110,10 @@ VISION_LANGUAGE = ["gemma3", "llava", "mllama", "mistral3", "paligemma"]
 def test_vision_language_models(model_type):
     """Text-only batches through the multimodal class AutoModelForImageTextToText loads."""
     config = hf_tiny.tiny_config(model_type)
+    if model_type == "mllama" and config.text_config.rope_scaling is None:
+        # transformers 4.56's default MllamaTextConfig has no rope_scaling, which its rotary
+        # embedding indexes (released checkpoints carry one; 5.x defaults to this one).
+        config.text_config.rope_scaling = {"rope_type": "default"}
     torch.manual_seed(0)
     stock = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager").eval()
     patched = flce_hf.apply_flce(hf_tiny.clone(stock))
