@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flce
+from flce.torch_version import TORCH_VERSION
 
 
 def _inputs(reduction):
@@ -234,8 +235,15 @@ def test_function_transforms_are_refused_under_compile(entry, transform):
     compiled = torch.compile(
         lambda x: _under_transform(transform, lambda v: loss_of(v, w, t), x), backend="aot_eager", fullgraph=True
     )
-    with pytest.raises(RuntimeError, match="does not support torch.func transforms"):
+    with pytest.raises(RuntimeError) as raised:
         compiled(x)
+    if TORCH_VERSION < (2, 11):
+        # Dynamo in torch 2.6-2.8 (seen there; 2.11 carries the refusal out) does not re-raise an
+        # exception raised in traced code out of a fullgraph compile: it fails the compile with
+        # its own error instead (a refusal still).
+        assert isinstance(raised.value, torch._dynamo.exc.TorchDynamoException), raised.value
+    else:
+        assert "does not support torch.func transforms" in str(raised.value)
 
 
 # ------------------------------------------------------------------ the custom ops

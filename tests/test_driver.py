@@ -26,8 +26,10 @@ _GEMMS = {
     torch.ops.aten.mm.out: (0, 1),
     torch.ops.aten.addmm.default: (1, 2),
     torch.ops.aten.addmm.out: (1, 2),
-    torch.ops.aten.addmm.dtype_out: (1, 2),
 }
+# addmm(out_dtype=...) came in torch 2.8 (flce calls it from then on: fp32_output_gemm_supported).
+if hasattr(torch.ops.aten.addmm, "dtype_out"):
+    _GEMMS[torch.ops.aten.addmm.dtype_out] = (1, 2)
 
 
 def _gemms(call) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

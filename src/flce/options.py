@@ -250,7 +250,8 @@ def as_float(name: str, value) -> float:
     ``torch.compile`` makes of an option changing between calls (NaN fails both)."""
     if (
         not _is_tensor_or_bool(value)
-        and isinstance(value, numbers.Real | torch.SymFloat)
+        # A tuple, not ``numbers.Real | torch.SymFloat``: Dynamo before torch 2.5 cannot trace a union type.
+        and isinstance(value, (numbers.Real, torch.SymFloat))  # noqa: UP038
         and -math.inf < value < math.inf
     ):
         return float(value)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from flce.backends.base import softcap_tanh_is_approximate
+from flce.dispatch import availability
 from flce.rows.cross_entropy import ChunkScalars
 
 HAS_CUDA = torch.cuda.is_available()
@@ -63,6 +64,9 @@ def _errors(approx: bool, device: torch.device, points: int) -> tuple[float, flo
     ``points`` fp32 values spanning [-12, 12] (saturated at both ends)."""
     if not HAS_TRITON:
         pytest.skip("needs triton and numpy (Triton's interpreter)")
+    usable, why = availability("triton", device)
+    if not usable:
+        pytest.skip(why)
     x = torch.linspace(-12.0, 12.0, points, dtype=torch.float32, device=device)
     x = torch.cat([x, torch.tensor([0.0, 1e-30, -1e-6, 0.625, -0.625, 20.0], device=device)])
     t, d = torch.empty_like(x), torch.empty_like(x)

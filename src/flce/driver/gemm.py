@@ -10,6 +10,8 @@ from typing import Literal
 
 import torch
 
+from flce.torch_version import TORCH_VERSION
+
 # cuBLAS runs a 16-bit GEMM whose vocabulary extent (the logits' columns, dX's reduction,
 # dW's rows) is not a multiple of 16 bytes on kernels several times slower. Measured on
 # the H200 (N = 8192, H = 4096, bf16, logits rows 64-element aligned,
@@ -85,9 +87,6 @@ def weight_accumulator_dtype(accum_dtype: torch.dtype | None, param_dtype: torch
     return torch.float32
 
 
-_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-
-
 def weight_grad_in_one_gemm(
     n_rows: int, chunk: int, weight_dtype: torch.dtype, compute_dtype: torch.dtype, accumulator_dtype
 ) -> bool:
@@ -107,7 +106,7 @@ def weight_grad_in_one_gemm(
 def fp32_output_gemm_supported(device: torch.device) -> bool:
     # addmm(out_dtype=float32) with bf16/fp16 operands: a cuBLAS GEMM whose C/D are fp32,
     # added in torch 2.8 and implemented for CUDA only.
-    return device.type == "cuda" and _TORCH_VERSION >= (2, 8)
+    return device.type == "cuda" and TORCH_VERSION >= (2, 8)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:

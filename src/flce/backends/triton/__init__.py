@@ -49,6 +49,29 @@ def _triton_import_error(interpreter: bool = False) -> str | None:
     return None
 
 
+# Triton's interpreter before 3.3 takes a ``tl.constexpr`` parameter for a tensor when its
+# annotation is a string (as in modules with ``from __future__ import annotations``, like
+# flce's kernels), and fails on the first ``tl.arange``; compiled kernels are not affected.
+INTERPRETER_MIN_TRITON = (3, 3)
+
+
+def _interpreter_version_error() -> tuple[bool, str] | None:
+    """``(False, why)`` when the installed Triton's interpreter cannot run flce's kernels."""
+    import triton
+
+    try:
+        version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return None  # a development build: let it try
+    if version < INTERPRETER_MIN_TRITON:
+        need = ".".join(map(str, INTERPRETER_MIN_TRITON))
+        return False, (
+            f"Triton's interpreter (TRITON_INTERPRET=1) runs flce's kernels from triton {need}; "
+            f"triton {triton.__version__} is installed (pip install 'triton>={need}')"
+        )
+    return None
+
+
 def _interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
@@ -72,7 +95,7 @@ def availability(device: torch.device) -> tuple[bool, str]:
                 "triton kernels run on CPU tensors only through Triton's interpreter; "
                 "set TRITON_INTERPRET=1 before importing triton (slow, meant for tests)"
             )
-        return True, ""
+        return _interpreter_version_error() or (True, "")
     try:
         if not torch.cuda.is_available():
             return False, "CUDA is not available in this PyTorch build or on this machine"
