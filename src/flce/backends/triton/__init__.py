@@ -21,6 +21,7 @@ from flce.backends.base import (
     lazy_function,
     lazy_logprobs_kernels,
 )
+from flce.torch_version import release
 
 _INSTALL_HINT = "pip install 'flce[triton]'"
 
@@ -60,9 +61,9 @@ def _interpreter_version_error() -> tuple[bool, str] | None:
     import triton
 
     try:
-        version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
+        version = release(triton.__version__)
     except ValueError:
-        return None  # a development build: let it try
+        return None  # a version string of another form: let it try
     if version < INTERPRETER_MIN_TRITON:
         need = ".".join(map(str, INTERPRETER_MIN_TRITON))
         return False, (
