@@ -21,7 +21,6 @@ from flce.backends.base import (
     lazy_function,
     lazy_logprobs_kernels,
 )
-from flce.torch_version import release
 
 _INSTALL_HINT = "pip install 'flce[triton]'"
 
@@ -61,9 +60,9 @@ def _interpreter_version_error() -> tuple[bool, str] | None:
     import triton
 
     try:
-        version = release(triton.__version__)
+        version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:2])
     except ValueError:
-        return None  # a version string of another form: let it try
+        return None  # a development build: let it try
     if version < INTERPRETER_MIN_TRITON:
         need = ".".join(map(str, INTERPRETER_MIN_TRITON))
         return False, (
