@@ -46,7 +46,7 @@ def _triton_import_error(interpreter: bool = False) -> str | None:
         return f"triton failed to import: {exc}"
     except Exception as exc:  # a broken install must not break availability
         return f"triton failed to import: {type(exc).__name__}: {exc}"
-    return None
+    return _interpreter_version_error() if interpreter else None
 
 
 # Triton's interpreter before 3.3 takes a ``tl.constexpr`` parameter for a tensor when its
@@ -55,8 +55,8 @@ def _triton_import_error(interpreter: bool = False) -> str | None:
 INTERPRETER_MIN_TRITON = (3, 3)
 
 
-def _interpreter_version_error() -> tuple[bool, str] | None:
-    """``(False, why)`` when the installed Triton's interpreter cannot run flce's kernels."""
+def _interpreter_version_error() -> str | None:
+    """Why the installed Triton's interpreter cannot run flce's kernels, or None."""
     import triton
 
     try:
@@ -65,7 +65,7 @@ def _interpreter_version_error() -> tuple[bool, str] | None:
         return None  # a development build: let it try
     if version < INTERPRETER_MIN_TRITON:
         need = ".".join(map(str, INTERPRETER_MIN_TRITON))
-        return False, (
+        return (
             f"Triton's interpreter (TRITON_INTERPRET=1) runs flce's kernels from triton {need}; "
             f"triton {triton.__version__} is installed (pip install 'triton>={need}')"
         )
@@ -95,7 +95,7 @@ def availability(device: torch.device) -> tuple[bool, str]:
                 "triton kernels run on CPU tensors only through Triton's interpreter; "
                 "set TRITON_INTERPRET=1 before importing triton (slow, meant for tests)"
             )
-        return _interpreter_version_error() or (True, "")
+        return True, ""
     try:
         if not torch.cuda.is_available():
             return False, "CUDA is not available in this PyTorch build or on this machine"
