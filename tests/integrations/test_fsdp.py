@@ -3,7 +3,6 @@ gets FSDP's unsharded parameters and gives the gradients of the data-parallel me
 a sharded DTensor passed straight in is refused with a message that says what to do."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,13 +13,9 @@ pytest.importorskip("torch.distributed.fsdp")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
 
+from tests.gloo_ranks import free_port, gloo_rank
+
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Head(torch.nn.Module):
@@ -76,9 +71,7 @@ def _dtensor_refusals(mesh) -> dict[str, str]:
 
 
 def _worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_rank(rank, WORLD, port):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard, distribute_tensor
@@ -100,15 +93,10 @@ def _worker(rank, port, out_dir):
             {"loss": loss.detach(), "grads": grads, "refused": refused, "refused_each": _dtensor_refusals(mesh)},
             os.path.join(out_dir, f"{rank}.pt"),
         )
-        # Both ranks done with every collective before the group goes: destroyed while the
-        # peer still used it, gloo aborted a process now and then, after its results were saved.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp2_gradients_equal_the_data_parallel_mean(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(WORLD)]
 
     reference = Head()

@@ -15,7 +15,6 @@ import itertools
 import math
 import os
 import random
-import socket
 import time
 from dataclasses import dataclass, replace
 
@@ -27,15 +26,10 @@ import torch.multiprocessing as mp
 import flce
 from flce.parallel import VocabParallelFusedLinearCrossEntropyLoss, vocab_parallel_fused_linear_cross_entropy
 from flce.reference import fused_linear_cross_entropy_reference
+from tests.gloo_ranks import free_port, gloo_rank
 
 SPAWN_TIMEOUT_S = 240
 FIXED_SPLITS = {2: (10, 27), 4: (5, 9, 11, 12)}  # V = 37
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- cases
@@ -567,26 +561,17 @@ def _sequence_parallel_case(rank: int, world: int) -> dict:
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
+    with gloo_rank(rank, world, port):
         results = {"cases": {spec.name: _run_case(spec, rank) for spec in make_specs(world)}}
         results["errors"] = _error_cases(rank, world)
         results["dtensor"] = _dtensor_case(rank, world)
         results["nan_argmax"] = _nan_argmax_case(rank, world)
         results["sequence_parallel"] = _sequence_parallel_case(rank, world)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world: int, out_dir) -> list[dict]:
-    context = mp.spawn(_worker, args=(world, _free_port(), str(out_dir)), nprocs=world, join=False)
+    context = mp.spawn(_worker, args=(world, free_port(), str(out_dir)), nprocs=world, join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not context.join(timeout=2):
         if time.monotonic() > deadline:
@@ -832,7 +817,7 @@ def single_group():
         return
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{_free_port()}",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
         rank=0,
         world_size=1,
         timeout=datetime.timedelta(seconds=30),
