@@ -157,9 +157,13 @@ def test_autocast_with_fp32_parameters(backend, autocast_dtype):
     expected = flce.fused_linear_cross_entropy(x_low, w_low, t, backend=backend, label_smoothing=0.1)
     expected.backward()
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
-    # dX leaves the GEMM in the autocast dtype either way; dW is accumulated in fp32 and
-    # rounded to the autocast dtype only on the cast-input path.
-    torch.testing.assert_close(x.grad, x_low.grad.float(), rtol=0, atol=0)
+    # dX leaves the GEMM in the autocast dtype either way: bit for bit that of cast inputs
+    # whose weight is frozen. (An fp16 weight's requested gradient turns the fp16 mean's
+    # prescale off, flce.driver.scaling.forward_gradient_prescale; fp32 parameters keep it.)
+    x_only = x.detach().to(autocast_dtype).requires_grad_()
+    flce.fused_linear_cross_entropy(x_only, w_low.detach(), t, backend=backend, label_smoothing=0.1).backward()
+    torch.testing.assert_close(x.grad, x_only.grad.float(), rtol=0, atol=0)
+    # dW is accumulated in fp32 and rounded to the autocast dtype only on the cast-input path.
     torch.testing.assert_close(w.grad, w_low.grad.float(), rtol=torch.finfo(autocast_dtype).eps, atol=1e-6)
 
 
@@ -1015,9 +1019,8 @@ def test_a_default_dtype_changes_no_bit(backend, default_dtype, entry):
 
 
 def test_fp16_under_a_loss_scaler_is_exact_through_reduction_none():
-    """The README's fp16 rule: with mean/sum the forward computes the gradients at an upstream
-    of 1, so a scaler's factor arrives after (p - y)/N has left fp16's normal range; with
-    reduction="none" the backward folds it into each row in fp32, as eager PyTorch does."""
+    """With reduction="none" the backward folds a scaler's factor into each row in fp32, as
+    eager PyTorch does (the mean's forward gradients: tests/test_fp16_loss_scaler.py)."""
     torch.manual_seed(0)
     n, vocab, hidden, scale = 4096, 2000, 64, 65536.0
     x0, w0 = torch.randn(n, hidden) * 0.5, torch.randn(vocab, hidden) * 0.05

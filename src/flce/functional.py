@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from flce.driver.scaling import requested_sums_in_fp16
 from flce.heads.distillation import DistillationOperands, make_distillation_plan
 from flce.heads.logprobs import LogprobsOperands, backward_request, make_logprobs_plan
 from flce.options import (
@@ -68,7 +69,11 @@ def fused_linear_cross_entropy_with_options(
         outputs = ops.compiled_loss(operands, options, compute_dtype)
     else:
         refuse_function_transforms(operands.entry, operands.tensors())
-        plan = make_plan(options, input.device, operands.target, operands.ce_weight, vocab, compute_dtype)
+        fp16_sums = compute_dtype == torch.float16 and requested_sums_in_fp16(weight, bias)
+        target_rows, class_weights = operands.target, operands.ce_weight
+        plan = make_plan(
+            options, input.device, target_rows, class_weights, vocab, compute_dtype, fp16_row_sums=fp16_sums
+        )
         outputs = run_loss(plan, operands)
     return package_result(options, tuple(target.shape), *outputs)
 
@@ -378,6 +383,7 @@ def fused_linear_distillation_with_options(
             student_weight.shape[0],
             compute_dtype,
             teacher_dtype,
+            fp16_row_sums=requested_sums_in_fp16(student_weight, student_bias),
         )
         (loss,) = run_loss(plan, operands)
     return loss.view(student_input.shape[:-1]) if options.reduction == "none" else loss

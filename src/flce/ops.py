@@ -8,7 +8,8 @@ implementation giving output shapes, and registered autograd; all of them run
 schema derived from the head's options dataclass (``flce.options.options_schema``).
 
 The forward op returns the gradients it computed as extra outputs (empty when not
-requested or deferred); backward scales them out of place (an op must not modify its
+requested or deferred), at the upstream gradient ``flce.driver.scaling.forward_gradient_prescale``
+gives (1 but for an fp16 mean); backward scales them out of place (an op must not modify its
 saved outputs), so a repeated backward never compounds. ``reduction="none"`` (and the
 logprobs head, always) recomputes in a backward op with the per-token upstream
 gradients; the logprobs forward op returns the float64 lse the backward op needs. So
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest
-from flce.driver.scaling import scaled_gradients
+from flce.driver.scaling import forward_gradient_prescale, scaled_gradients, sums_rows_in_fp16
 from flce.heads.distillation import DistillationOperands, make_distillation_plan
 from flce.heads.logprobs import LogprobsOperands, make_logprobs_plan
 from flce.options import (
@@ -68,6 +69,7 @@ def _save_for_backward(
     gradients: tuple,
     computed: tuple[bool, ...],
     wanted: tuple[bool, ...],
+    gradient_prescale: float,
     backward_takes_flags: bool = True,
 ) -> None:
     """What a loss op's backward needs: with ``reduction="none"`` (upstream gradients per
@@ -81,8 +83,11 @@ def _save_for_backward(
     with autograd: a gradient wanted but not computed is recomputed by the backward op,
     as for ``reduction="none"``, rather than silently missing. (Under ``torch.compile``
     the flags are guarded: they always agree.) The backward op is asked for the wanted
-    gradients (its trailing flags, ``backward_takes_flags``)."""
+    gradients (its trailing flags, ``backward_takes_flags``). ``gradient_prescale``: the
+    upstream gradient the forward op computed its gradients at
+    (``flce.driver.scaling.forward_gradient_prescale``, as the plan's)."""
     ctx.wanted = wanted
+    ctx.gradient_prescale = gradient_prescale
     ctx.deferred = options.reduction == "none" or any(w and not c for w, c in zip(wanted, computed, strict=True))
     ctx.arguments = arguments + (wanted if backward_takes_flags else ())
     ctx.n_arguments = len(arguments) + len(computed)  # the op's non-tensor arguments, flags included
@@ -97,6 +102,8 @@ def _backward_gradients(ctx, grad_loss: Tensor, backward_op) -> tuple:
         if not isinstance(gradients, tuple):
             gradients = (gradients,)  # an op of one output returns it bare
     else:
+        if ctx.gradient_prescale != 1.0:
+            grad_loss = grad_loss.float() * (1.0 / ctx.gradient_prescale)  # exact: a power of two
         gradients = scaled_gradients(ctx.saved_tensors, grad_loss)
     return tuple(g if wanted else None for g, wanted in zip(gradients, ctx.wanted, strict=True))
 
@@ -133,11 +140,17 @@ def _fake_reduced(options: LossOptions, n_rows: int, like: Tensor) -> tuple[Tens
     )
 
 
-def _plan_for(operands: Operands, options: LossOptions, compute_dtype: torch.dtype):
-    vocab = operands.logits.shape[1] if isinstance(operands, LogitsOperands) else operands.weight.shape[0]
-    device = operands.tensors()[0].device
+def _plan_for(operands: Operands, options: LossOptions, compute_dtype: torch.dtype, request: GradRequest | None = None):
+    """The call's plan; ``request``: the forward op's (its gradients' prescale depends on
+    it, ``sums_rows_in_fp16``), None for a backward op (which folds the upstream gradient
+    in: no prescale)."""
+    o = operands
+    logits = isinstance(o, LogitsOperands)
+    vocab = o.logits.shape[1] if logits else o.weight.shape[0]
+    device = o.tensors()[0].device
+    fp16_sums = not logits and request is not None and sums_rows_in_fp16(o.weight, o.bias, request.weight, request.bias)
     return make_plan(
-        options, device, operands.target, operands.ce_weight, vocab, compute_dtype, operands.class_weight_name
+        options, device, o.target, o.ce_weight, vocab, compute_dtype, o.class_weight_name, fp16_row_sums=fp16_sums
     )
 
 
@@ -175,7 +188,7 @@ def _linear_forward(*args):
     (input, weight, target, bias, ce_weight), options, (compute_dtype, *flags) = _split(args, 5)
     operands = LinearOperands(input, weight, bias, target, ce_weight)
     request = GradRequest(flags[0], flags[1], flags[2] and bias is not None)
-    result = op_forward(_plan_for(operands, options, compute_dtype), operands, request)
+    result = op_forward(_plan_for(operands, options, compute_dtype, request), operands, request)
     grads = result.gradients or Gradients(None, None, None)
     return _reduced_outputs(result.outputs, input) + _gradient_outputs(grads, input, weight)
 
@@ -221,11 +234,14 @@ fused_linear_cross_entropy_bwd = _define(
 
 
 def _linear_setup_context(ctx, inputs, output):
-    tensors, options, (_, *computed) = _split(inputs, 5)
+    tensors, options, (compute_dtype, *computed) = _split(inputs, 5)
     needs = ctx.needs_input_grad
     ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient, as in eager
     wanted = (needs[0], needs[1], needs[3])  # input, weight, bias
-    _save_for_backward(ctx, inputs[5:-3], options, tensors, output[4:], tuple(computed), wanted)
+    input, weight, _, bias, _ = tensors
+    fp16_sums = sums_rows_in_fp16(weight, bias, computed[1], computed[2])  # as the forward op's plan
+    prescale = forward_gradient_prescale(options.reduction, compute_dtype, input.shape[0], fp16_sums)
+    _save_for_backward(ctx, inputs[5:-3], options, tensors, output[4:], tuple(computed), wanted, prescale)
 
 
 def _linear_backward_autograd(ctx, grad_loss, _z, _acc, _pred, _dx, _dw, _db):
@@ -291,8 +307,10 @@ def _logits_setup_context(ctx, inputs, output):
     tensors, options, (grad_logits,) = _split(inputs, 3)
     ctx.mark_non_differentiable(*output[1:])  # only the loss has a gradient, as in eager
     wanted = ctx.needs_input_grad[:1]  # the logits
+    logits = tensors[0]
+    prescale = forward_gradient_prescale(options.reduction, logits.dtype, logits.shape[0])
     _save_for_backward(
-        ctx, inputs[3:-1], options, tensors, (output[4],), (grad_logits,), wanted, backward_takes_flags=False
+        ctx, inputs[3:-1], options, tensors, (output[4],), (grad_logits,), wanted, prescale, backward_takes_flags=False
     )
 
 
@@ -417,10 +435,14 @@ _DISTILLATION_REST = (
 )
 
 
-def _distillation_plan(operands: DistillationOperands, options: DistillationOptions, compute_dtype, teacher_dtype):
+def _distillation_plan(
+    operands: DistillationOperands, options: DistillationOptions, compute_dtype, teacher_dtype, request=None
+):
+    """As ``_plan_for``: ``request`` of a forward op, None for a backward op."""
     o = operands
+    fp16_sums = request is not None and sums_rows_in_fp16(o.weight, o.bias, request.weight, request.bias)
     return make_distillation_plan(
-        options, o.input.device, o.target, o.n_rows, o.weight.shape[0], compute_dtype, teacher_dtype
+        options, o.input.device, o.target, o.n_rows, o.weight.shape[0], compute_dtype, teacher_dtype, fp16_sums
     )
 
 
@@ -430,7 +452,7 @@ def _distillation_forward(*args):
     tensors, options, (compute_dtype, teacher_dtype, *flags) = _split(args, 7, DistillationOptions)
     operands = DistillationOperands(*tensors)
     request = GradRequest(flags[0], flags[1], flags[2] and operands.bias is not None)
-    result = op_forward(_distillation_plan(operands, options, compute_dtype, teacher_dtype), operands, request)
+    result = op_forward(_distillation_plan(operands, options, compute_dtype, teacher_dtype, request), operands, request)
     grads = result.gradients or Gradients(None, None, None)
     return result.outputs.as_tuple() + _gradient_outputs(grads, operands.input, operands.weight)
 
@@ -478,9 +500,12 @@ fused_linear_distillation_bwd = _define(
 
 
 def _distillation_setup_context(ctx, inputs, output):
-    tensors, options, (_, _, *computed) = _split(inputs, 7, DistillationOptions)
+    tensors, options, (compute_dtype, _, *computed) = _split(inputs, 7, DistillationOptions)
     wanted = ctx.needs_input_grad[:3]  # the student's input, weight, bias
-    _save_for_backward(ctx, inputs[7:-3], options, tensors, output[1:], tuple(computed), wanted)
+    input, weight, bias = tensors[:3]
+    fp16_sums = sums_rows_in_fp16(weight, bias, computed[1], computed[2])  # as the forward op's plan
+    prescale = forward_gradient_prescale(options.reduction, compute_dtype, input.shape[0], fp16_sums)
+    _save_for_backward(ctx, inputs[7:-3], options, tensors, output[1:], tuple(computed), wanted, prescale)
 
 
 def _distillation_backward_autograd(ctx, grad_loss, _dx, _dw, _db):

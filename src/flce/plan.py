@@ -35,7 +35,10 @@ host sync); the custom op, which must not modify its saved outputs, scales out o
 A repeated backward (``retain_graph=True``) and ``reduction="none"`` recompute the
 gradients with the upstream gradient folded into each row, so scaling never compounds;
 so does every backward of a plan whose gradients depend on per-token upstream gradients
-(``defers_gradients``: the logprobs head).
+(``defers_gradients``: the logprobs head). In fp16 the forward computes the mean's
+gradients at an upstream gradient of ``gradient_prescale`` (a power of two,
+``flce.driver.scaling.forward_gradient_prescale``), which keeps the logits' gradient in
+fp16's normal range, and the backward scales them by ``grad_loss / gradient_prescale``.
 
 A small fused call whose layout repeats replays its forward from a CUDA graph of its own
 (``graphed_forward``, ``flce.driver.graphs``): the outputs are copied out of the graph;
@@ -73,7 +76,7 @@ from flce.driver.graphs import (
     graph_applies,
     tensor_key,
 )
-from flce.driver.scaling import scale_gradients_, scaled_gradients
+from flce.driver.scaling import forward_gradient_prescale, scale_gradients_, scaled_gradients, sums_rows_in_fp16
 from flce.driver.schemes import (
     Scheme,
     budget_environment,
@@ -173,13 +176,19 @@ class LossPlan(Protocol):
 
     ``defers_gradients``: whether the gradients wait for the upstream gradients of the
     outputs (``reduction="none"``, the logprobs) instead of being computed in the
-    forward and scaled by the upstream scalar. ``upstream`` turns the outputs' upstream
-    gradients and the forward's ``residuals`` into what ``run`` folds into each row (the
-    CE's per-row upstream gradient); None when no gradient flows.
+    forward and scaled by the upstream scalar. ``gradient_prescale``: the upstream
+    gradient (a power of two, 1 but for an fp16 mean) at which the forward computes
+    them; the backward scales them by ``grad_loss / gradient_prescale``. ``upstream``
+    turns the outputs' upstream gradients and the forward's ``residuals`` into what
+    ``run`` folds into each row (the CE's per-row upstream gradient); None when no
+    gradient flows.
     """
 
     @property
     def defers_gradients(self) -> bool: ...
+
+    @property
+    def gradient_prescale(self) -> float: ...
 
     def run(self, operands, request: GradRequest, upstream=None) -> tuple[object, Gradients]: ...
 
@@ -206,6 +215,13 @@ class CrossEntropyPlan:
 
     def prepare_backward(self, operands, request: GradRequest) -> None:
         """Nothing to decide ahead (``Plan`` overrides it)."""
+
+    def prescaled_rows(self, operands: Operands) -> torch.Tensor:
+        """(N,) fp32 ``gradient_prescale`` in every row: ``run``'s per-row upstream gradient
+        (the kernels' per-row scale, which every scheme takes) for the forward's gradients
+        of an fp16 mean. (The caller tests whether it applies: host time on every call.)"""
+        rows, device = operands.n_rows, operands.target.device
+        return torch.full((rows,), self.gradient_prescale, dtype=torch.float32, device=device)
 
     def reduce(self, rows: RowOutputs) -> Reduced:
         self.stats.ensure_computed()  # a call's checks run even where no kernel needed its statistics
@@ -238,12 +254,15 @@ class Plan(CrossEntropyPlan):
     # For the logits this plan's GEMMs compute (LinearOperands): the scalars, with the
     # softcap's approximate tanh where softcap_tanh_is_approximate allows it.
     product_scalars: ChunkScalars
+    gradient_prescale: float = 1.0  # flce.driver.scaling.forward_gradient_prescale
 
     def run(
         self, operands: Operands, request: GradRequest, row_grad_scale: torch.Tensor | None = None
     ) -> tuple[RowOutputs, Gradients]:
         """The scheme for these operands (module docstring) -> (RowOutputs, Gradients)."""
         o = operands
+        if row_grad_scale is None and self.gradient_prescale != 1.0 and request.any:
+            row_grad_scale = self.prescaled_rows(o)
         if isinstance(o, LogitsOperands):
             return run_logits_chunks(
                 o.logits, o.target, o.ce_weight, self.options, self.backend, self.scalars, request, row_grad_scale
@@ -430,6 +449,7 @@ def make_plan(
     vocab: int,
     compute_dtype: torch.dtype,
     class_weight_name: str = "ce_weight",  # the caller's argument, in the deferred checks' errors
+    fp16_row_sums: bool = False,  # flce.driver.scaling.sums_rows_in_fp16 of the call's request
 ) -> Plan:
     """Backend (and its split-row kernels, for vocabulary blocks), the batch statistics
     (launched on first use with asynchronous validation: ``BatchStatistics``) and the
@@ -440,9 +460,13 @@ def make_plan(
     split_kernels = split_kernels_for(options, backend)
     stats = batch_statistics(target, ce_weight, vocab, options.ignore_index, class_weight_name)
     scalars = chunk_scalars(options, stats)
+    fp16 = compute_dtype == torch.float16
     approximate = options.softcap is not None and softcap_tanh_is_approximate(compute_dtype, device)
     product_scalars = chunk_scalars(options, stats, approximate_tanh=True) if approximate else scalars
-    return Plan(options, backend, split_kernels, compute_dtype, stats, scalars, product_scalars)
+    # (The rule's first test inline: no call on the host path of every bf16/fp32 call.)
+    rows = target.numel()
+    prescale = forward_gradient_prescale(options.reduction, compute_dtype, rows, fp16_row_sums) if fp16 else 1.0
+    return Plan(options, backend, split_kernels, compute_dtype, stats, scalars, product_scalars, prescale)
 
 
 # ------------------------------------------------------- forward / backward
@@ -531,7 +555,10 @@ def graphed_forward(plan: LossPlan, operands, request: GradRequest) -> Replay | 
 
     def run(copied: tuple) -> ForwardResult:
         input, target, ce_weight = copied
-        captured = make_plan(plan.options, device, target, ce_weight, vocab, plan.compute_dtype)
+        fp16_sums = sums_rows_in_fp16(o.weight, o.bias, request.weight, request.bias)
+        captured = make_plan(
+            plan.options, device, target, ce_weight, vocab, plan.compute_dtype, fp16_row_sums=fp16_sums
+        )
         return launched_forward(captured, LinearOperands(input, o.weight, o.bias, target, ce_weight), request)
 
     return GRAPHED_CALLS.forward(key, (o.input, o.target, o.ce_weight), run, held_bytes)
@@ -602,6 +629,8 @@ def backward(
         grad_loss = grad_outputs[0]  # () the loss's: gradients are computed in the forward of scalar losses only
         if grad_loss is None:
             return None
+        if plan.gradient_prescale != 1.0:
+            grad_loss = grad_loss.float() * (1.0 / plan.gradient_prescale)  # exact: a power of two
         if owned:
             scale_gradients_((saved.input, saved.weight, saved.bias), grad_loss)
             grads = saved

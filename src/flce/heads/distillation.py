@@ -40,6 +40,7 @@ from flce.backends.base import BackendSpec
 from flce.dispatch import resolve_backend
 from flce.driver.chunks import Gradients, GradRequest, LinearHead, row_range, run_token_chunks
 from flce.driver.gemm import fp32_output_gemm_supported
+from flce.driver.scaling import forward_gradient_prescale
 from flce.driver.statistics import BatchStatistics, batch_statistics
 from flce.options import DistillationOptions
 
@@ -124,6 +125,7 @@ class DistillationPlan:
     device: torch.device
     n_rows: int
     stats: BatchStatistics | None  # the target check, computed on first use; None without a target
+    fp16_row_sums: bool = False  # flce.driver.scaling.sums_rows_in_fp16 of the call's request
 
     @functools.cached_property
     def row_scale(self) -> torch.Tensor:
@@ -142,6 +144,19 @@ class DistillationPlan:
     @property
     def defers_gradients(self) -> bool:
         return self.options.reduction == "none"
+
+    @functools.cached_property
+    def gradient_prescale(self) -> float:
+        """The upstream gradient of the forward's gradients (``forward_gradient_prescale``:
+        an fp16 mean's keeps dX, rounded to fp16, in fp16's normal range)."""
+        return forward_gradient_prescale(self.options.reduction, self.compute_dtype, self.n_rows, self.fp16_row_sums)
+
+    @functools.cached_property
+    def forward_row_scale(self) -> torch.Tensor:
+        """() fp32: each row's factor of the forward's gradients, ``row_scale`` times
+        ``gradient_prescale`` (exact: a power of two)."""
+        prescale = self.gradient_prescale
+        return self.row_scale if prescale == 1.0 else self.row_scale * prescale
 
     def run(
         self, operands: DistillationOperands, request: GradRequest, upstream: torch.Tensor | None = None
@@ -166,7 +181,9 @@ class DistillationPlan:
                 inv_temperature=options.inv_temperature,
                 ignore_index=options.ignore_index,
                 loss_out=row_range(losses, start, end),
-                row_grad_scale=row_range(self.row_scale.expand(o.n_rows) if upstream is None else upstream, start, end),
+                row_grad_scale=row_range(
+                    self.forward_row_scale.expand(o.n_rows) if upstream is None else upstream, start, end
+                ),
                 compute_grad=compute_grad,
             )
 
@@ -217,10 +234,11 @@ def make_distillation_plan(
     vocab: int,
     compute_dtype: torch.dtype,
     teacher_dtype: torch.dtype,
+    fp16_row_sums: bool = False,
 ) -> DistillationPlan:
     """The backend (the best one with a distillation kernel, or the requested one) and
     the target check (on the device, computed on first use, with the reduction's per-row
     scale: ``DistillationPlan.row_scale``)."""
     backend = resolve_backend(options.backend, device, needs="distillation")
     stats = None if target is None else batch_statistics(target, None, vocab, options.ignore_index)
-    return DistillationPlan(options, backend, compute_dtype, teacher_dtype, device, n_rows, stats)
+    return DistillationPlan(options, backend, compute_dtype, teacher_dtype, device, n_rows, stats, fp16_row_sums)

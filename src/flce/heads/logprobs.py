@@ -236,6 +236,10 @@ class LogprobsPlan:
     def defers_gradients(self) -> bool:
         return True  # per-token upstream gradients: known only in backward
 
+    @property
+    def gradient_prescale(self) -> float:
+        return 1.0  # no gradient is computed in the forward
+
     def run(
         self, operands: LogprobsOperands, request: GradRequest, upstream: LogprobsUpstream | None = None
     ) -> tuple[LogprobsRows | None, Gradients]:

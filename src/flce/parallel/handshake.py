@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from flce.dispatch import BACKEND_NAMES
+from flce.driver.scaling import requested_sums_in_fp16
 from flce.driver.sizing import CHUNK_BUDGET_ENV_VAR, chunk_budget_bytes
 from flce.driver.validation import take_pending_error
 from flce.options import FLOAT_DTYPES, OPTION_FIELDS, LossOptions, row_count
@@ -40,6 +41,7 @@ _FIELDS = (
     "chunk_budget",  # the budget that sizes the chunks when chunk_size is None (else 0)
     "compute_dtype",
     "input_dtype",  # the dtype of dX, all-reduced in backward
+    "row_sums_in_fp16",  # dW/db requested of an fp16 shard: sets dX's prescale (flce.driver.scaling)
     "target",  # checksum of the target
 )
 _MUST_AGREE = {
@@ -57,6 +59,8 @@ _MUST_AGREE = {
     "chunk_budget": f"the chunk budget in bytes ({CHUNK_BUDGET_ENV_VAR}, read when chunk_size is None)",
     "compute_dtype": "the compute dtype (input/weight dtype or autocast dtype)",
     "input_dtype": "the input dtype (dX, all-reduced in backward, has it)",
+    "row_sums_in_fp16": "whether a gradient of an fp16 weight_shard or bias_shard is requested "
+    "(the scale of the forward's dX, all-reduced in backward, depends on it)",
     "target": "the target (every rank must pass the same full target; shown: its checksums)",
 }
 
@@ -161,6 +165,7 @@ def _record(
         chunk_budget=chunk_budget_bytes() if options.chunk_size is None else 0,
         compute_dtype=FLOAT_DTYPES.index(compute_dtype),
         input_dtype=FLOAT_DTYPES.index(input.dtype),
+        row_sums_in_fp16=int(requested_sums_in_fp16(weight, bias)),
         target=0,
     )
     for name in OPTION_FIELDS:

@@ -59,6 +59,7 @@ from torch import nn
 from flce.backends.base import BackendSpec, SplitRowKernels, softcap_tanh_is_approximate
 from flce.dispatch import split_row_kernels
 from flce.driver.chunks import Gradients, GradRequest, run_chunks
+from flce.driver.scaling import forward_gradient_prescale, requested_sums_in_fp16
 from flce.driver.sizing import default_chunk_size
 from flce.driver.statistics import BatchStatistics, batch_statistics, chunk_scalars
 from flce.options import (
@@ -116,6 +117,7 @@ class ParallelPlan(CrossEntropyPlan):
     stats: BatchStatistics
     scalars: ChunkScalars
     local_kernels: SplitRowKernels
+    gradient_prescale: float = 1.0  # flce.driver.scaling.forward_gradient_prescale
 
     def run(
         self, operands: Operands, request: GradRequest, row_grad_scale: torch.Tensor | None = None
@@ -125,6 +127,8 @@ class ParallelPlan(CrossEntropyPlan):
         outputs (replicated) and the local gradients (dX partial, not yet all-reduced;
         dW_r; db_r)."""
         o = operands
+        if row_grad_scale is None and self.gradient_prescale != 1.0 and request.any:
+            row_grad_scale = self.prescaled_rows(o)
         v0 = self.vocab_start
         ce_local = None if o.ce_weight is None else o.ce_weight[v0 : v0 + o.weight.shape[0]]
 
@@ -241,6 +245,9 @@ def _plan(
             options, stats, approximate_tanh=softcap_tanh_is_approximate(compute_dtype, input.device)
         ),
         local_kernels=kernels,
+        gradient_prescale=forward_gradient_prescale(
+            options.reduction, compute_dtype, n_rows, requested_sums_in_fp16(weight, bias)
+        ),
     )
     return plan, ce_full, target_1d
 
