@@ -70,10 +70,8 @@ def fused_linear_cross_entropy_with_options(
     else:
         refuse_function_transforms(operands.entry, operands.tensors())
         fp16_sums = compute_dtype == torch.float16 and requested_sums_in_fp16(weight, bias)
-        target_rows, class_weights = operands.target, operands.ce_weight
-        plan = make_plan(
-            options, input.device, target_rows, class_weights, vocab, compute_dtype, fp16_row_sums=fp16_sums
-        )
+        o = operands
+        plan = make_plan(options, input.device, o.target, o.ce_weight, vocab, compute_dtype, fp16_row_sums=fp16_sums)
         outputs = run_loss(plan, operands)
     return package_result(options, tuple(target.shape), *outputs)
 

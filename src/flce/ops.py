@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from flce.driver.chunks import NO_GRADIENTS, Gradients, GradRequest
-from flce.driver.scaling import forward_gradient_prescale, scaled_gradients, sums_rows_in_fp16
+from flce.driver.scaling import forward_gradient_prescale, prescaled_upstream, scaled_gradients, sums_rows_in_fp16
 from flce.heads.distillation import DistillationOperands, make_distillation_plan
 from flce.heads.logprobs import LogprobsOperands, make_logprobs_plan
 from flce.options import (
@@ -103,7 +103,7 @@ def _backward_gradients(ctx, grad_loss: Tensor, backward_op) -> tuple:
             gradients = (gradients,)  # an op of one output returns it bare
     else:
         if ctx.gradient_prescale != 1.0:
-            grad_loss = grad_loss.float() * (1.0 / ctx.gradient_prescale)  # exact: a power of two
+            grad_loss = prescaled_upstream(grad_loss, ctx.gradient_prescale)
         gradients = scaled_gradients(ctx.saved_tensors, grad_loss)
     return tuple(g if wanted else None for g, wanted in zip(gradients, ctx.wanted, strict=True))
 

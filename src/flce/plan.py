@@ -76,7 +76,13 @@ from flce.driver.graphs import (
     graph_applies,
     tensor_key,
 )
-from flce.driver.scaling import forward_gradient_prescale, scale_gradients_, scaled_gradients, sums_rows_in_fp16
+from flce.driver.scaling import (
+    forward_gradient_prescale,
+    prescaled_upstream,
+    scale_gradients_,
+    scaled_gradients,
+    sums_rows_in_fp16,
+)
 from flce.driver.schemes import (
     Scheme,
     budget_environment,
@@ -630,7 +636,7 @@ def backward(
         if grad_loss is None:
             return None
         if plan.gradient_prescale != 1.0:
-            grad_loss = grad_loss.float() * (1.0 / plan.gradient_prescale)  # exact: a power of two
+            grad_loss = prescaled_upstream(grad_loss, plan.gradient_prescale)
         if owned:
             scale_gradients_((saved.input, saved.weight, saved.bias), grad_loss)
             grads = saved

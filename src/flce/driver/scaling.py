@@ -68,6 +68,13 @@ def forward_gradient_prescale(
     return float(2 ** math.floor(math.log2(n_rows)))
 
 
+def prescaled_upstream(grad_loss: torch.Tensor, prescale: float) -> torch.Tensor:
+    """The factor taking gradients computed at the upstream gradient ``prescale``
+    (``forward_gradient_prescale``) to ``grad_loss``'s: ``grad_loss / prescale`` in fp32,
+    exact (a power of two). Callers skip it at a prescale of 1 (the backward's hot path)."""
+    return grad_loss.float() * (1.0 / prescale)
+
+
 def scale_gradients_(gradients: Sequence[torch.Tensor | None], grad_loss: torch.Tensor) -> None:
     """Multiplies each gradient by the 0-dim upstream gradient in place.
 
