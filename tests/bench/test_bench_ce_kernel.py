@@ -38,7 +38,7 @@ def _by_method(rows: list[dict]) -> dict[str, dict]:
     return {row["method"]: row for row in rows}
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 def test_kernel_bench_writes_bandwidth_and_host_overhead(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -25,7 +25,7 @@ def _rows(payload: dict, method: str) -> list[dict]:
     return [r for r in payload["results"] if r["method"] == method]
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 def test_cpu_run_writes_json_csv_and_skips_missing_peer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = bench_parser().parse_args(
         [*TINY, "--tokens", "40,64", "--methods", "flce:torch,torch:eager,liger:triton", "--out", str(tmp_path)]
@@ -170,7 +170,7 @@ def _readme_script():
     return load_benchmark_script("make_readme_perf")
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 def test_readme_script_renders_and_replaces_block(
     tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -420,7 +420,7 @@ def test_torch_lce_without_linear_bias_is_skipped_for_bias(monkeypatch: pytest.M
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 @pytest.mark.parametrize("feature", NEW_FEATURES)
 def test_cli_runs_each_new_feature_and_skips_peers_that_lack_it(tmp_path: Path, feature: str) -> None:
     payload = _run(tmp_path, "--features", feature, "--methods", PEERS)
@@ -446,7 +446,7 @@ def test_cli_runs_each_new_feature_and_skips_peers_that_lack_it(tmp_path: Path, 
     )
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 @pytest.mark.parametrize("mode", ["full", "fwd", "bwd"])
 def test_cli_runs_all_features_together(tmp_path: Path, mode: str) -> None:
     payload = _run(
@@ -496,7 +496,7 @@ def test_installed_peers_without_a_feature_give_it_as_the_reason(monkeypatch: py
 # ----------------------------------------------------------------------------- --kernel ce
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 def test_kernel_bench_takes_the_per_token_features_but_no_bias(tmp_path: Path, capsys) -> None:
     base = [
         "bench",

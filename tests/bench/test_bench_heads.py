@@ -18,7 +18,7 @@ from flce.bench.heads import DistillShape, head_methods
 TINY = ["--device", "cpu", "--tokens", "24", "--vocab", "301", "--hidden", "40", "--rounds", "1", "--warmup", "0"]
 
 
-@pytest.mark.usefixtures("no_liger")
+@pytest.mark.usefixtures("no_peers")
 @pytest.mark.parametrize("loss", ["logprobs", "distill"])
 def test_cpu_run_writes_json_and_matches_eager(loss, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     methods = "flce:torch,flce:cutedsl,torch:eager" + (",liger:jsd" if loss == "distill" else "")

@@ -29,7 +29,7 @@ def test_every_results_folder_has_a_readme_and_data_only() -> None:
     for folder in folders:
         assert (folder / "README.md").is_file(), folder.name
         # Named after the topic and the machine, not after a round of work.
-        assert re.fullmatch(r"[a-z0-9-]+-(\d+x)?h200", folder.name), folder.name
+        assert re.fullmatch(r"[a-z0-9-]+-(\d+x)?h[12]00", folder.name), folder.name
         files = [p for p in folder.rglob("*") if p.is_file()]
         assert any(p.suffix in (".json", ".csv") for p in files), f"{folder.name} has no data"
         for path in files:
