@@ -572,3 +572,18 @@ def test_full_precision_reductions_hold_while_any_thread_is_inside(reductions_al
         thread.join(5)
     assert seen_by_b == [(False, False)]
     assert _reduction_flags() == (True, True)
+
+
+# a row per slab, 3 rows, 200 rows (taken down to 128: two slabs of 128 and one of 44), every row
+@pytest.mark.parametrize("slab_bytes", [1, 3 * 13 * 8, 200 * 13 * 8, 2**20])
+def test_biased_logits_in_row_slabs_fill_padded_rows(slab_bytes):
+    """The path of a biased product into padded rows on CUDA (``_biased_logits``: cuBLAS
+    adds a bias before its one rounding only into a contiguous output), its slabs checked
+    here in float64."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 8, generator=gen, dtype=torch.float64)
+    w, b = torch.randn(13, 8, generator=gen, dtype=torch.float64), torch.randn(13, generator=gen, dtype=torch.float64)
+    padded = torch.full((300, 16), float("nan"), dtype=torch.float64)
+    gemm._biased_logits_in_row_slabs(padded[:, :13], x, w.t(), b, slab_bytes)
+    torch.testing.assert_close(padded[:, :13], x @ w.t() + b, rtol=1e-12, atol=1e-12)
+    assert padded[:, 13:].isnan().all()  # the padding is left alone

@@ -166,7 +166,7 @@ def logits_product(
     main = vocabulary_main_extent(vocab, x.dtype)
     same_dtype = out.dtype == x.dtype
     if same_dtype and main == vocab:  # the common case, without a call more (host time per call)
-        return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
+        return torch.mm(x, w_t, out=out) if b is None else _biased_logits(out, x, w_t, b)
     product = _logits if same_dtype else _fp32_logits
     if main == vocab:
         return product(out, x, w_t, b)
@@ -176,7 +176,53 @@ def logits_product(
 
 
 def _logits(out: torch.Tensor, x: torch.Tensor, w_t: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    return torch.mm(x, w_t, out=out) if b is None else torch.addmm(b, x, w_t, out=out)
+    return torch.mm(x, w_t, out=out) if b is None else _biased_logits(out, x, w_t, b)
+
+
+# A biased product into padded rows is written through contiguous row slabs of at most
+# this many bytes (``_biased_logits``): a small bounded temporary, outside the budgets.
+BIASED_SLAB_BYTES = 32 * 2**20
+# Slabs of more rows than this take a multiple of it: the GEMMs' row tiles (128 on Hopper)
+# then have no partial tile in any slab but the last.
+BIASED_SLAB_ROW_MULTIPLE = 128
+
+
+def _biased_logits(
+    out: torch.Tensor,  # (C, V) x's dtype, unit stride along V; rows maybe padded (logits_row_stride)
+    x: torch.Tensor,  # (C, H)
+    w_t: torch.Tensor,  # (H, V)
+    b: torch.Tensor,  # (V,) x's dtype
+) -> torch.Tensor:
+    """``out = x @ w_t + b`` rounded once, as ``F.linear`` rounds it. cuBLAS adds a bias
+    before its one rounding only in the epilogue of a GEMM writing a contiguous output;
+    into any other (rows padded to ``LOGITS_ROW_ALIGNMENT``, a column range) CUDA's addmm
+    copies the bias into ``out`` and runs the GEMM with beta = 1, which rounds the product
+    to fp16/bf16 before adding it, with or without reduced-precision reductions. Measured
+    on an H100 (N = 4096, H = 16, a bias of scale 4, against float64): the logits' error
+    2.67e-4 against F.linear's 2.07e-4 in fp16 (2.14e-3 against 1.66e-3 in bf16) at
+    V = 1000, and equal at V = 32000 (rows unpadded); under fp16 autocast with label
+    smoothing, dX, dW and db had 1.2x, 1.7x and 1.8x eager's error. Such an ``out`` is
+    written from contiguous row slabs (``_biased_logits_in_row_slabs``)."""
+    if out.is_cuda and not out.is_contiguous():
+        return _biased_logits_in_row_slabs(out, x, w_t, b)
+    return torch.addmm(b, x, w_t, out=out)
+
+
+def _biased_logits_in_row_slabs(
+    out: torch.Tensor,  # (C, V)
+    x: torch.Tensor,  # (C, H)
+    w_t: torch.Tensor,  # (H, V)
+    b: torch.Tensor,  # (V,)
+    slab_bytes: int = BIASED_SLAB_BYTES,
+) -> torch.Tensor:
+    """``out = x @ w_t + b``, each slab of rows computed into a new contiguous tensor (the
+    GEMM's bias epilogue) and copied into ``out``: one more pass over the logits."""
+    rows = max(1, slab_bytes // max(1, out.shape[1] * out.element_size()))
+    if rows > BIASED_SLAB_ROW_MULTIPLE:
+        rows -= rows % BIASED_SLAB_ROW_MULTIPLE
+    for start in range(0, out.shape[0], rows):
+        out[start : start + rows].copy_(torch.addmm(b, x[start : start + rows], w_t))
+    return out
 
 
 def _fp32_logits(
