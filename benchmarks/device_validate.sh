@@ -30,7 +30,8 @@
 #                  (SHAPE_FEATURES: which, to split it over two calls)    -> features-shapes/
 #   kernel         the CE kernel alone and the host overhead per call     -> ce-kernel/
 #   fused-forward  the fused forward GEMM alone against torch.mm          -> fused-forward.log
-#   autocast       fp32 weights under bf16 autocast against eager          -> autocast.log
+#   autocast       fp32 weights under bf16 autocast against eager, then fp16 under a
+#                  loss scaler with and without the prescale              -> autocast.log, autocast-fp16.log
 #   tp             vocab-parallel over 2, 4, 8 GPUs (those present) + tests -> vocab-parallel/
 #   heads          the logprobs and distillation heads: GPU tests, then
 #                  `flce bench --loss logprobs|distill` at V=128256, 151936 -> heads-tests.log, heads/
@@ -244,6 +245,9 @@ step_fused_forward() {
 
 step_autocast() {
   run autocast 120 "$python" benchmarks/autocast_check.py --rounds 3
+  # fp16 under a loss scaler's 2^16: the forward gradient prescale against none, with errors
+  run autocast-fp16 120 "$python" benchmarks/autocast_check.py --dtype fp16 --upstream 65536 --prescale-ab \
+    --shapes 8192,128256,4096 --rounds 5
 }
 
 step_tp() {
