@@ -30,6 +30,7 @@ import flce
 import flce.plan
 from flce.bench.timing import Heater, Workload, interleaved_times
 from flce.driver import schemes
+from flce.testing import relative_error
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,10 +39,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def without_prescale():
     """The plan's fp16 forward gradient prescale forced to 1 for the calls inside."""
     return mock.patch.object(flce.plan, "forward_gradient_prescale", lambda *args, **kwargs: 1.0)
-
-
-def relative_error(got: torch.Tensor, truth: torch.Tensor) -> float:
-    return ((got.double() - truth).norm() / truth.norm()).item()
 
 
 def run_shape(n: int, v: int, h: int, args: argparse.Namespace, heater: Heater, chosen: list) -> None:
@@ -89,8 +86,9 @@ def run_shape(n: int, v: int, h: int, args: argparse.Namespace, heater: Heater, 
     for name, f in methods.items():
         chosen.clear()
         loss = f().item()
-        # The chooser is cached per call shape: a call like the last one records nothing.
-        scheme = (chosen[0] if chosen else scheme) if name != "torch:eager" else None
+        # The chooser is cached per call shape: a call like the last one records nothing
+        # (eager, first, records nothing either and keeps None).
+        scheme = chosen[0] if chosen else scheme
         checks[name] = dict(
             scheme=scheme,
             loss_abs_error=abs(loss - truth[0]),

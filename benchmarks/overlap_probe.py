@@ -51,6 +51,7 @@ from flce.bench import report  # noqa: E402
 from flce.bench.timing import Heater, Workload, interleaved_times  # noqa: E402
 from flce.dispatch import split_row_kernels  # noqa: E402
 from flce.rows.cross_entropy import BlockStatistics, ChunkScalars, combine_blocks  # noqa: E402
+from flce.testing import relative_error  # noqa: E402
 
 BLOCK_ALIGNMENT = 256  # columns: cuBLAS runs unaligned leading dimensions on slow kernels
 
@@ -134,11 +135,6 @@ def mean_scalars(n: int, vocab: int, device: torch.device) -> ChunkScalars:
     return ChunkScalars.from_numbers(
         weight_sum=float(vocab), ce_grad_scale=1.0 / n, z_grad_scale=1.0 / n, device=device
     )
-
-
-def relative_error(value: torch.Tensor, truth: torch.Tensor) -> float:
-    truth = truth.detach()
-    return float((value.detach().double() - truth).norm() / truth.norm().clamp_min(1e-30))
 
 
 def check(backend: str, device: torch.device, dtype: torch.dtype) -> int:

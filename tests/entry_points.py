@@ -31,7 +31,7 @@ from flce.options import LossOptions
 from flce.output import CrossEntropyOutput
 from flce.parallel import VocabParallelFusedLinearCrossEntropyLoss, vocab_parallel_fused_linear_cross_entropy
 from flce.reference import cross_entropy_reference, fused_linear_cross_entropy_reference
-from flce.testing import EPS, TOLERANCE_FACTOR
+from flce.testing import EPS, TOLERANCE_FACTOR, relative_error
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 BACKENDS = [name for name in BACKEND_NAMES if availability(name, DEVICE)[0]]
@@ -308,15 +308,6 @@ def reference(entry_kind: str, problem: Problem, math_dtype=torch.float64, logit
 
 
 # ------------------------------------------------------------------------------ judge
-
-
-def relative_error(value: torch.Tensor, truth: torch.Tensor) -> float:
-    value, truth = value.detach().double().cpu().reshape(-1), truth.detach().double().cpu().reshape(-1)
-    if not torch.isfinite(value).all():
-        return float("inf")
-    scale = truth.norm().item()
-    diff = (value - truth).norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 def assert_close_to_reference(name: str, ours, truth, eager, floor: float) -> None:

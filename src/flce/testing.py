@@ -132,10 +132,13 @@ def _options(case: Case) -> dict:
     return dict(opts, reduction=case.reduction, ignore_index=case.ignore_index)
 
 
-def _rel_err(value: torch.Tensor | None, truth: torch.Tensor | None) -> float:
+def relative_error(value: torch.Tensor | None, truth: torch.Tensor | None) -> float:
+    """``|value - truth| / |truth|`` (Frobenius norms, in float64): absolute where the truth
+    is 0, infinite where ``value`` is not finite, 0 where either is missing. The error
+    measure of every tolerance here, of the test suite's and of the benchmarks' checks."""
     if value is None or truth is None:
         return 0.0
-    value, truth = value.double().cpu(), truth.double().cpu()
+    value, truth = value.detach().double().cpu().reshape(-1), truth.detach().double().cpu().reshape(-1)
     if not torch.isfinite(value).all():
         return float("inf")
     scale = truth.norm().item()
@@ -211,7 +214,7 @@ def run_case(case: Case, backend: str | None, device: torch.device) -> Outcome:
     conditioning = _gradient_conditioning(t, case, grad_names, truth_grads)
 
     def judge(name, ours, ref, torch_same_dtype, conditioning=1.0):
-        err_ours, err_torch = _rel_err(ours, ref), _rel_err(torch_same_dtype, ref)
+        err_ours, err_torch = relative_error(ours, ref), relative_error(torch_same_dtype, ref)
         outcome.errors[name] = (err_ours, err_torch)
         floor = eps * max(1.0, conditioning)
         outcome.allowed[name] = TOLERANCE_FACTOR * err_torch + floor

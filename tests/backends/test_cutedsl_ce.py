@@ -18,6 +18,7 @@ from flce.backends.base import ChunkScalars
 from flce.backends.torch.ce import cross_entropy_chunk as torch_chunk
 from flce.driver.sizing import logits_row_stride
 from flce.reference import cross_entropy_reference
+from flce.testing import relative_error
 from tests.backends.cutedsl_gpu import DEVICE, DTYPES, EPS_FP32, EPS_GRAD, K, skip_module_without_cutedsl
 
 skip_module_without_cutedsl("cutedsl kernel tests")
@@ -95,15 +96,6 @@ PADDING = 1000.0
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of a float tensor (NaN payloads included), to compare exactly."""
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def rel_err(value: torch.Tensor, truth: torch.Tensor) -> float:
-    value, truth = value.double(), truth.double()
-    if not torch.isfinite(value).all():
-        return math.inf
-    scale = truth.norm().item()
-    diff = (value - truth).norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 def run_kernel(fn, logits, target, weight, scalars, opts, row_scale):
@@ -237,7 +229,7 @@ def check(
     failures = []
 
     def judge(name, eps):
-        e_ours, e_twin = rel_err(ours[name], truth[name]), rel_err(twin[name], truth[name])
+        e_ours, e_twin = relative_error(ours[name], truth[name]), relative_error(twin[name], truth[name])
         if not e_ours <= K * e_twin + eps:
             failures.append(f"{name}: err {e_ours:.3g} > {K:g} x torch {e_twin:.3g} + {eps:g}")
 

@@ -21,6 +21,7 @@ import torch
 
 from flce.dispatch import get_backend, split_rows_of
 from flce.rows.cross_entropy import ChunkScalars, gradient_coefficients
+from flce.testing import relative_error
 from tests.backends.cutedsl_gpu import HAS_DSL, block_gradient_reference, needs_dsl, needs_sm90
 
 if HAS_DSL:
@@ -46,10 +47,6 @@ def test_every_feature_key_compiles(dtype, flags):
 def _plain_scalars(vocab: int, device: torch.device) -> ChunkScalars:
     """No feature, reduction "sum": the gradient is softmax minus one-hot."""
     return ChunkScalars.from_numbers(weight_sum=float(vocab), device=device)
-
-
-def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).norm() / want.norm().clamp_min(1e-30))
 
 
 CASES = [
@@ -123,7 +120,7 @@ def test_gpu_block_gradient_matches_float64(dtype, flags, shape):
     logits[y < 0] = 0.0  # the cuBLAS path's ignored rows, finite here: they are selected away
     split_rows_of(get_backend("torch")).gradient(logits, y, None, lse, inv_sum, w_y, lse, row_scale, scalars, eps)
     valid = y >= 0
-    ours, theirs = _relative_error(out[valid], want[valid]), _relative_error(logits[valid], want[valid])
+    ours, theirs = relative_error(out[valid], want[valid]), relative_error(logits[valid], want[valid])
     assert ours <= K * theirs + EPS, (ours, theirs)
 
 

@@ -10,7 +10,7 @@ import torch
 import flce
 from flce.compat import liger
 from flce.reference import distillation_reference
-from flce.testing import EPS, TOLERANCE_FACTOR
+from flce.testing import EPS, TOLERANCE_FACTOR, relative_error
 from tests.marks import triton_on_cpu
 
 _NO_DEFAULT = inspect.Parameter.empty
@@ -82,10 +82,6 @@ def _inputs(seed=0, n=10, h_s=12, h_t=7, v=53):
     return student_input, student_weight, teacher_input, teacher_weight, labels
 
 
-def _relative_error(value, truth):
-    return ((value.double() - truth).norm() / truth.norm()).item()
-
-
 @pytest.mark.parametrize("with_labels", [True, False], ids=["labels", "no-labels"])
 @pytest.mark.parametrize("jsd_beta", [0.0, 0.1, 1.0])
 def test_functional_matches_reference(jsd_beta, with_labels):
@@ -107,9 +103,9 @@ def test_functional_matches_reference(jsd_beta, with_labels):
     truth, truth_grads = reference(torch.float64, torch.float64)
     eager, eager_grads = reference(torch.float32, torch.float32)
     floor = EPS[torch.float32]
-    assert _relative_error(loss, truth) <= TOLERANCE_FACTOR * _relative_error(eager, truth) + floor
+    assert relative_error(loss, truth) <= TOLERANCE_FACTOR * relative_error(eager, truth) + floor
     for name, ours, exact, eager_grad in zip(("input", "weight"), leaves, truth_grads, eager_grads, strict=True):
-        err, err_eager = _relative_error(ours.grad, exact), _relative_error(eager_grad, exact)
+        err, err_eager = relative_error(ours.grad, exact), relative_error(eager_grad, exact)
         assert err <= TOLERANCE_FACTOR * err_eager + floor, f"grad_{name}: {err:.3g} vs eager {err_eager:.3g}"
 
 

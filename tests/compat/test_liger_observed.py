@@ -20,7 +20,7 @@ import torch
 
 import flce
 from flce.compat import liger
-from flce.testing import EPS, TOLERANCE_FACTOR
+from flce.testing import EPS, TOLERANCE_FACTOR, relative_error
 from tests.marks import triton_on_cpu
 
 N, H, V = 9, 8, 13
@@ -80,10 +80,6 @@ def _backward(loss, reduction, upstream):
     (loss * upstream).sum().backward() if reduction == "none" else (loss * 1.7).backward()
 
 
-def _relative_error(value, truth):
-    return ((value.double() - truth).norm() / truth.norm().clamp_min(1e-300)).item()
-
-
 def _model_run(dtype, x, w, b, t, class_weights, upstream, options):
     leaves = [tensor.to(dtype, copy=True).requires_grad_() for tensor in (x, w, b)]
     logits = leaves[0] @ leaves[1].T + leaves[2]
@@ -113,14 +109,14 @@ def test_fused_function_matches_liger_semantics(option_values):
     _backward(out[0], reduction, upstream)
     for name, ours, exact, eager_value in zip(("loss", "z_loss"), out, truth, eager, strict=False):
         assert ours.dtype == torch.float32 and ours.shape == exact.shape, name
-        err, err_eager = _relative_error(ours, exact), _relative_error(eager_value, exact)
+        err, err_eager = relative_error(ours, exact), relative_error(eager_value, exact)
         assert err <= TOLERANCE_FACTOR * err_eager + EPS[torch.float32], f"{name}: {err:.3g} vs eager {err_eager:.3g}"
     torch.testing.assert_close(out[2], truth[2].float(), rtol=0, atol=0)
     assert torch.equal(out[3], truth[3])
     for name, leaf, exact, eager_grad in zip(
         ("input", "weight", "bias"), leaves, truth_grads, eager_grads, strict=True
     ):
-        err, err_eager = _relative_error(leaf.grad, exact), _relative_error(eager_grad, exact)
+        err, err_eager = relative_error(leaf.grad, exact), relative_error(eager_grad, exact)
         assert err <= TOLERANCE_FACTOR * err_eager + EPS[torch.float32], f"grad_{name}: {err:.3g} vs {err_eager:.3g}"
 
 

@@ -63,7 +63,7 @@ def test_64bit_offsets_inside_one_chunk(backend):
     skip_unless_usable(backend)
     import flce
     from flce.reference import fused_linear_cross_entropy_reference
-    from flce.testing import EPS, TOLERANCE_FACTOR, _rel_err
+    from flce.testing import EPS, TOLERANCE_FACTOR, relative_error
 
     n, h, v = 16384, 64, 131104  # n * v = 2^31 + 2^19
     assert n * v >= 2**31
@@ -84,8 +84,8 @@ def test_64bit_offsets_inside_one_chunk(backend):
         results[name] = (ref.loss.detach(), xr.grad)
     for index, ours in ((0, loss.detach()[rows]), (1, x.grad[rows])):
         err, err_torch = (
-            _rel_err(ours, results["truth"][index]),
-            _rel_err(results["eager"][index], results["truth"][index]),
+            relative_error(ours, results["truth"][index]),
+            relative_error(results["eager"][index], results["truth"][index]),
         )
         assert err <= TOLERANCE_FACTOR * err_torch + EPS[torch.bfloat16], (index, err, err_torch)
 

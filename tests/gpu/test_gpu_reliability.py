@@ -11,6 +11,9 @@ if not torch.cuda.is_available():
     pytest.skip("GPU reliability tests: need a CUDA GPU", allow_module_level=True)
 
 from flce.dispatch import availability
+from flce.driver import gemm
+from flce.driver.sizing import logits_row_stride
+from flce.testing import relative_error
 from tests.entry_points import (
     ENTRIES,
     FUSED_ENTRIES,
@@ -287,9 +290,6 @@ def test_gpu_biased_logits_are_rounded_once_into_padded_rows(dtype, vocab):
     ``LOGITS_ROW_ALIGNMENT``) as accurate as ``F.linear``'s, which adds the bias before its
     one rounding; CUDA's addmm into padded rows rounds the product before adding the bias
     (1.2-1.8x eager's gradient error under fp16 autocast), which the driver avoids."""
-    from flce.driver import gemm
-    from flce.driver.sizing import logits_row_stride
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(512, 64, generator=gen, device="cuda").to(dtype)
     w = torch.randn(vocab, 64, generator=gen, device="cuda").to(dtype)
@@ -297,6 +297,5 @@ def test_gpu_biased_logits_are_rounded_once_into_padded_rows(dtype, vocab):
     exact = x.double() @ w.double().t() + b.double()
     out = torch.empty(512, logits_row_stride(vocab), device="cuda", dtype=dtype)[:, :vocab]
     gemm.logits_product(out, x, w.t(), b)
-    error = (out.double() - exact).norm() / exact.norm()
-    eager_error = (torch.nn.functional.linear(x, w, b).double() - exact).norm() / exact.norm()
+    error, eager_error = relative_error(out, exact), relative_error(torch.nn.functional.linear(x, w, b), exact)
     assert error <= 1.05 * eager_error, f"{error:.3g} against F.linear's {eager_error:.3g}"

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from flce.testing import EPS, TOLERANCE_FACTOR
+from flce.testing import EPS, TOLERANCE_FACTOR, relative_error
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -52,15 +52,6 @@ def kernels(head: str, backend: str):
 
 def floor(dtype: torch.dtype) -> float:
     return FP32_FLOOR if dtype == torch.float32 else EPS[dtype]
-
-
-def relative_error(value: torch.Tensor, truth: torch.Tensor) -> float:
-    value, truth = value.double().cpu(), truth.double().cpu()
-    if not torch.isfinite(value).all():
-        return float("inf")
-    scale = truth.norm().item()
-    diff = (value - truth).norm().item()
-    return diff / scale if scale > 0 else diff
 
 
 def assert_close_to_reference(name: str, ours, truth, eager, dtype: torch.dtype) -> None:
