@@ -399,6 +399,60 @@ def test_logits_rows_are_aligned_for_the_gemms(vocab, options):
     assert torch.allclose(w.grad.double(), wd.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("vocab", [17, 200, 1000], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"chunk_size": 8}, {"vocab_chunk_size": 128}, {"vocab_chunk_size": 96, "chunk_size": 8}],
+    ids=["one", "chunks", "blocks", "blocks-chunks"],
+)
+def test_biased_logits_rows_are_unpadded_where_the_vocabulary_allows(dtype, vocab, options):
+    """A biased logits GEMM writes contiguous rows wherever its columns are a multiple of
+    16 bytes (``logits_row_stride``'s ``biased_dtype``): cuBLAS adds the bias before its
+    one rounding only in the epilogue of a GEMM with a contiguous output, and padded rows
+    cost a pass through row slabs (on an H100, V = 50400 took 1.217x the floor with a bias
+    against 1.061x at 50432). Every token chunk and vocabulary block, the ragged last
+    block included; an unaligned extent keeps the aligned padded rows. The results equal
+    float64's."""
+    n, h = 20, 12
+    x, w, b, t = _inputs(n=n, h=h, v=vocab, dtype=dtype)
+    for p in (x, w, b):
+        p.requires_grad_()
+    result = {}
+
+    def call():
+        result["loss"] = flce.fused_linear_cross_entropy(x, w, t, bias=b, backend="torch", **options)
+        result["loss"].backward()
+
+    # The logits GEMMs, (rows, H) @ (H, columns). Every tile of V = 200 and 1000 (blocks of
+    # 128 or 96 and the last of 72, 104, 8 or 40) has aligned columns; V = 17 is split into
+    # two column ranges of padded rows.
+    written = [out for a, _, out in _gemms(call) if a.shape[-1] == h and out.shape[0] <= n]
+    assert written
+    for out in written:
+        if vocab % (16 // dtype.itemsize) == 0:
+            assert out.is_contiguous(), (out.shape, out.stride())
+        else:
+            assert out.stride(0) % sizing.LOGITS_ROW_ALIGNMENT == 0, (out.shape, out.stride())
+    xd, wd, bd = (p.detach().double().requires_grad_() for p in (x, w, b))
+    expected = fused_linear_cross_entropy_reference(xd, wd, t, bias=bd).loss
+    expected.backward()
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.allclose(result["loss"].double(), expected, **tol)
+    for got, want in ((x.grad, xd.grad), (w.grad, wd.grad), (b.grad, bd.grad)):
+        assert torch.allclose(got.double(), want, **tol)
+
+
+def test_biased_logits_row_stride():
+    """Unpadded for a bias only where the rows are a multiple of 16 bytes."""
+    assert sizing.logits_row_stride(50400) == 50432
+    assert sizing.logits_row_stride(50400, torch.bfloat16) == 50400
+    assert sizing.logits_row_stride(50400, torch.float32) == 50400
+    assert sizing.logits_row_stride(50257, torch.bfloat16) == 50304
+    assert sizing.logits_row_stride(1004, torch.bfloat16) == 1024  # 2008 bytes
+    assert sizing.logits_row_stride(1004, torch.float32) == 1004  # 4016 bytes
+
+
 def _aligned_or_tail(extent: int, dtype: torch.dtype) -> bool:
     unit = 16 // dtype.itemsize  # 16 bytes: VOCABULARY_EXTENT_ALIGNMENT_BYTES
     return extent % unit == 0 or extent < unit

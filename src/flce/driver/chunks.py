@@ -122,19 +122,23 @@ class TokenChunkKernel(Protocol):
     ) -> None: ...
 
 
-def logits_tile(flat: torch.Tensor, rows: int, vocab: int) -> torch.Tensor:
+def logits_tile(flat: torch.Tensor, rows: int, vocab: int, biased: bool = False) -> torch.Tensor:
     """The first ``rows * logits_row_stride(vocab)`` elements of ``flat`` as a ``(rows, vocab)``
     logits tile whose rows are ``logits_row_stride(vocab)`` elements apart: an aligned
     leading dimension for the GEMMs that write and read it (flce.driver.sizing), whatever
-    ``vocab``; the loss kernels take the row stride."""
-    stride = logits_row_stride(vocab)
+    ``vocab``; the loss kernels take the row stride. ``biased``: the tile of a product with
+    a bias, contiguous where ``vocab`` allows (``logits_row_stride``'s ``biased_dtype``)."""
+    stride = logits_row_stride(vocab, flat.dtype if biased else None)
     tile = flat[: rows * stride].view(rows, stride)
     return tile if stride == vocab else tile[:, :vocab]
 
 
-def logits_buffer(rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def logits_buffer(
+    rows: int, vocab: int, dtype: torch.dtype, device: torch.device, biased: bool = False
+) -> torch.Tensor:
     """An uninitialised ``logits_tile`` of its own."""
-    return logits_tile(torch.empty(rows * logits_row_stride(vocab), dtype=dtype, device=device), rows, vocab)
+    stride = logits_row_stride(vocab, dtype if biased else None)
+    return logits_tile(torch.empty(rows * stride, dtype=dtype, device=device), rows, vocab, biased)
 
 
 def _constant_heads_workspace(constant_heads: Sequence[LinearHead], vocab: int) -> tuple[list[torch.dtype], int, int]:
@@ -226,11 +230,18 @@ def run_token_chunks(
 
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
     # chunk of aligned rows in the operands' dtype otherwise: its GEMM allocates the logits
-    # (the same memory, one op fewer than a buffer).
+    # (the same memory, one op fewer than a buffer). A bias in the GEMM's own dtype is added
+    # in its epilogue only into contiguous rows (``logits_row_stride``'s ``biased_dtype``).
+    biased = b is not None and not wider_logits
+    row_stride = logits_row_stride(vocab, compute_dtype if biased else None)
     buffer = kept_logits
-    if buffer is None and (chunk < n_rows or logits_row_stride(vocab) != vocab or wider_logits):
-        buffer = logits_buffer(chunk, vocab, logits_dtype, device)
-    constant_buffers = [logits_buffer(chunk, vocab, dtype, device) for dtype in constant_logits_dtypes if n_rows]
+    if buffer is None and (chunk < n_rows or row_stride != vocab or wider_logits):
+        buffer = logits_buffer(chunk, vocab, logits_dtype, device, biased)
+    constant_buffers = [
+        logits_buffer(chunk, vocab, dtype, device, c.bias is not None and dtype == c.compute_dtype)
+        for dtype, c in zip(constant_logits_dtypes, constant_heads, strict=True)
+        if n_rows
+    ]
     # Wider logits: dL/dlogits cast back to the compute dtype, the dX and dW GEMMs' operand.
     grad_buffer = logits_buffer(chunk, vocab, compute_dtype, device) if wider_logits and request.any else None
 

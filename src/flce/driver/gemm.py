@@ -202,7 +202,10 @@ def _biased_logits(
     2.67e-4 against F.linear's 2.07e-4 in fp16 (2.14e-3 against 1.66e-3 in bf16) at
     V = 1000, and equal at V = 32000 (rows unpadded); under fp16 autocast with label
     smoothing, dX, dW and db had 1.2x, 1.7x and 1.8x eager's error. Such an ``out`` is
-    written from contiguous row slabs (``_biased_logits_in_row_slabs``)."""
+    written from contiguous row slabs (``_biased_logits_in_row_slabs``), which cost a pass
+    over the logits; the drivers' buffers of a biased product have unpadded rows wherever
+    V allows (``flce.driver.sizing.logits_row_stride``), so that this path is left to an
+    unaligned V (GPT-2's 50257) and a ragged last vocabulary block."""
     if out.is_cuda and not out.is_contiguous():
         return _biased_logits_in_row_slabs(out, x, w_t, b)
     return torch.addmm(b, x, w_t, out=out)
