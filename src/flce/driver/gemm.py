@@ -205,7 +205,7 @@ def _biased_logits(
     written from contiguous row slabs (``_biased_logits_in_row_slabs``), which cost a pass
     over the logits; the drivers' buffers of a biased product have unpadded rows wherever
     V allows (``flce.driver.sizing.logits_row_stride``), so that this path is left to an
-    unaligned V (GPT-2's 50257) and a ragged last vocabulary block."""
+    unaligned vocabulary or vocabulary block (GPT-2's 50257)."""
     if out.is_cuda and not out.is_contiguous():
         return _biased_logits_in_row_slabs(out, x, w_t, b)
     return torch.addmm(b, x, w_t, out=out)
