@@ -409,7 +409,7 @@ def test_logits_rows_are_aligned_for_the_gemms(vocab, options):
 )
 def test_biased_logits_rows_are_unpadded_where_the_vocabulary_allows(dtype, vocab, options):
     """A biased logits GEMM writes contiguous rows wherever its columns are a multiple of
-    16 bytes (``logits_row_stride``'s ``biased_dtype``): cuBLAS adds the bias before its
+    16 bytes (``logits_row_stride``'s ``bias``): cuBLAS adds the bias before its
     one rounding only in the epilogue of a GEMM with a contiguous output, and padded rows
     cost a pass through row slabs (on an H100, V = 50400 took 1.217x the floor with a bias
     against 1.061x at 50432). Every token chunk and vocabulary block, the ragged last
@@ -450,13 +450,20 @@ def test_biased_logits_rows_are_unpadded_where_the_vocabulary_allows(dtype, voca
 
 
 def test_biased_logits_row_stride():
-    """Unpadded for a bias only where the rows are a multiple of 16 bytes."""
+    """Unpadded for a bias only where the rows are a multiple of 16 bytes, and only for a
+    bias in the buffer's own dtype (the one the GEMM adds)."""
+
+    def biased(vocab: int, dtype: torch.dtype, bias_dtype: torch.dtype | None = None) -> int:
+        return sizing.logits_row_stride(vocab, dtype, torch.empty(0, dtype=bias_dtype or dtype))
+
     assert sizing.logits_row_stride(50400) == 50432
-    assert sizing.logits_row_stride(50400, torch.bfloat16) == 50400
-    assert sizing.logits_row_stride(50400, torch.float32) == 50400
-    assert sizing.logits_row_stride(50257, torch.bfloat16) == 50304
-    assert sizing.logits_row_stride(1004, torch.bfloat16) == 1024  # 2008 bytes
-    assert sizing.logits_row_stride(1004, torch.float32) == 1004  # 4016 bytes
+    assert sizing.logits_row_stride(50400, torch.bfloat16) == 50432
+    assert biased(50400, torch.bfloat16) == 50400
+    assert biased(50400, torch.float32) == 50400
+    assert biased(50257, torch.bfloat16) == 50304
+    assert biased(1004, torch.bfloat16) == 1024  # 2008 bytes
+    assert biased(1004, torch.float32) == 1004  # 4016 bytes
+    assert biased(50400, torch.float32, torch.bfloat16) == 50432  # fp32 logits: the bias added apart
 
 
 def _aligned_or_tail(extent: int, dtype: torch.dtype) -> bool:

@@ -122,23 +122,23 @@ class TokenChunkKernel(Protocol):
     ) -> None: ...
 
 
-def logits_tile(flat: torch.Tensor, rows: int, vocab: int, biased: bool = False) -> torch.Tensor:
+def logits_tile(flat: torch.Tensor, rows: int, vocab: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The first ``rows * logits_row_stride(vocab)`` elements of ``flat`` as a ``(rows, vocab)``
     logits tile whose rows are ``logits_row_stride(vocab)`` elements apart: an aligned
     leading dimension for the GEMMs that write and read it (flce.driver.sizing), whatever
-    ``vocab``; the loss kernels take the row stride. ``biased``: the tile of a product with
-    a bias, contiguous where ``vocab`` allows (``logits_row_stride``'s ``biased_dtype``)."""
-    stride = logits_row_stride(vocab, flat.dtype if biased else None)
+    ``vocab``; the loss kernels take the row stride. ``bias``: the product's, whose GEMM
+    adds it only into contiguous rows (``logits_row_stride``)."""
+    stride = logits_row_stride(vocab, flat.dtype, bias)
     tile = flat[: rows * stride].view(rows, stride)
     return tile if stride == vocab else tile[:, :vocab]
 
 
 def logits_buffer(
-    rows: int, vocab: int, dtype: torch.dtype, device: torch.device, biased: bool = False
+    rows: int, vocab: int, dtype: torch.dtype, device: torch.device, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """An uninitialised ``logits_tile`` of its own."""
-    stride = logits_row_stride(vocab, dtype if biased else None)
-    return logits_tile(torch.empty(rows * stride, dtype=dtype, device=device), rows, vocab, biased)
+    stride = logits_row_stride(vocab, dtype, bias)
+    return logits_tile(torch.empty(rows * stride, dtype=dtype, device=device), rows, vocab, bias)
 
 
 def _constant_heads_workspace(constant_heads: Sequence[LinearHead], vocab: int) -> tuple[list[torch.dtype], int, int]:
@@ -230,16 +230,14 @@ def run_token_chunks(
 
     # kept_logits: the (N, V) tensor the forward kept, the chunks' logits already in it. One
     # chunk of aligned rows in the operands' dtype otherwise: its GEMM allocates the logits
-    # (the same memory, one op fewer than a buffer). A bias in the GEMM's own dtype is added
-    # in its epilogue only into contiguous rows (``logits_row_stride``'s ``biased_dtype``).
-    biased = b is not None and not wider_logits
-    row_stride = logits_row_stride(vocab, compute_dtype if biased else None)
+    # (the same memory, one op fewer than a buffer). A biased GEMM's rows are unpadded
+    # where V allows (``logits_row_stride``).
     buffer = kept_logits
-    if buffer is None and (chunk < n_rows or row_stride != vocab or wider_logits):
-        buffer = logits_buffer(chunk, vocab, logits_dtype, device, biased)
+    if buffer is None and (chunk < n_rows or logits_row_stride(vocab, logits_dtype, b) != vocab or wider_logits):
+        buffer = logits_buffer(chunk, vocab, logits_dtype, device, b)
     constant_buffers = [
-        logits_buffer(chunk, vocab, dtype, device, c.bias is not None and dtype == c.compute_dtype)
-        for dtype, c in zip(constant_logits_dtypes, constant_heads, strict=True)
+        logits_buffer(chunk, vocab, dtype, device, c_b)
+        for dtype, (_, _, c_b) in zip(constant_logits_dtypes, constants, strict=True)
         if n_rows
     ]
     # Wider logits: dL/dlogits cast back to the compute dtype, the dX and dW GEMMs' operand.

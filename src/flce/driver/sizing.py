@@ -115,20 +115,22 @@ LOGITS_ROW_ALIGNMENT = 64
 WEIGHT_GRAD_SCRATCH_ALIGNMENT = 256
 
 
-def logits_row_stride(vocab: int, biased_dtype: torch.dtype | None = None) -> int:
+def logits_row_stride(vocab: int, dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> int:
     """Elements between rows of a logits buffer of ``vocab`` columns: ``vocab`` rounded up
     to a multiple of ``LOGITS_ROW_ALIGNMENT`` (an aligned leading dimension for the GEMMs
     that write and read it).
 
-    ``biased_dtype``: the buffer holds a product with a bias, in that dtype. Its rows are
-    then ``vocab`` apart wherever that is a multiple of 16 bytes (no column split,
-    ``vocabulary_main_extent``), still a leading dimension cuBLAS's fast kernels take:
+    ``bias``: the bias of the product the buffer of ``dtype`` holds. In that dtype it is added
+    in the GEMM (``flce.driver.gemm.logits_product``; an fp32 buffer of 16-bit operands gets
+    it added apart), and the rows are then ``vocab`` apart wherever that is a multiple of 16
+    bytes (no column split, ``vocabulary_main_extent``), still a leading dimension cuBLAS's
+    fast kernels take:
     cuBLAS adds a bias before its one rounding only in the epilogue of a GEMM writing a
     contiguous output, and into padded rows flce writes it through row slabs and a copy
     (``flce.driver.gemm._biased_logits``). Measured on an H100 (N = 8192, H = 4096, bf16,
     fwd+bwd, a bias; benchmarks/results/fp16-loss-scaler-h100/padded-bias.csv): the slabs
     took V = 50400 to 1.217x the three-GEMM floor (cutedsl) against 1.061x at V = 50432."""
-    if biased_dtype is not None and vocabulary_main_extent(vocab, biased_dtype) == vocab:
+    if bias is not None and bias.dtype == dtype and vocabulary_main_extent(vocab, dtype) == vocab:
         return vocab
     return -(-vocab // LOGITS_ROW_ALIGNMENT) * LOGITS_ROW_ALIGNMENT
 

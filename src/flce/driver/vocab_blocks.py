@@ -222,9 +222,8 @@ def run_vocab_blocks(
     # rows and columns (no view op per tile otherwise). With the fused first pass it waits
     # for pass 2 (a lower peak in pass 1).
     full_tile = None
-    biased = b is not None
     if fused_statistics is None and n_rows:
-        full_tile = logits_buffer(chunk, block, compute_dtype, device, biased)
+        full_tile = logits_buffer(chunk, block, compute_dtype, device, b)
 
     # Each block's slices of the weights, as views made once for both passes (one op per
     # tensor): the block's rows of W (dX), its columns of W^T (the logits GEMM), of the bias
@@ -246,10 +245,9 @@ def run_vocab_blocks(
         if (tile_rows, tile_cols) == (chunk, block):
             return full_tile
         if (
-            biased
-            and tile_cols < block
+            tile_cols < block
             and full_tile.is_contiguous()
-            and logits_row_stride(tile_cols, compute_dtype) == tile_cols
+            and logits_row_stride(tile_cols, compute_dtype, b) == tile_cols
         ):
             return full_tile.view(-1)[: tile_rows * tile_cols].view(tile_rows, tile_cols)
         return full_tile[:tile_rows, :tile_cols]
@@ -353,13 +351,13 @@ def run_vocab_blocks(
                 "weight) and dX of a bf16/fp16 input (flce.driver.sizing.weight_grad_tail_start)"
             )
         full_tile = None  # pass 1's, if any: freed before its place in dW is used
-        buffer_elements = chunk * logits_row_stride(block, compute_dtype if biased else None)
+        buffer_elements = chunk * logits_row_stride(block, compute_dtype, b)
         dx_acc, scratch = _weight_grad_scratch(dw, tail_start, (n_rows, hidden), buffer_elements)
-        full_tile = logits_tile(scratch, chunk, block, biased)
+        full_tile = logits_tile(scratch, chunk, block, b)
         dx_acc.zero_()
     else:
         if full_tile is None and n_rows:
-            full_tile = logits_buffer(chunk, block, compute_dtype, device, biased)
+            full_tile = logits_buffer(chunk, block, compute_dtype, device, b)
         dx_acc = torch.zeros(n_rows, hidden, **f32) if request.input else None
 
     def block_gradient(target_of_block: torch.Tensor, r0: int, r1: int, x, ce_block, w_block, w_t_block, b_block):
@@ -410,7 +408,7 @@ def run_vocab_blocks(
     dx_acc = None
     if tail_start < vocab:
         # The last blocks' rows of dW are free again: their gradient once more, then dW.
-        full_tile = logits_buffer(chunk, block, compute_dtype, device, biased) if n_rows else None
+        full_tile = logits_buffer(chunk, block, compute_dtype, device, b) if n_rows else None
         for index, (v0, v1, ce_block, w_block, w_t_block, b_block) in enumerate(blocks()):
             if v0 < tail_start:
                 continue
