@@ -42,13 +42,16 @@ from flce.bench.timing import Heater, Workload, interleaved_times  # noqa: E402
 
 DEFAULT_WIDTHS = "7936,8016,8192,8448,16032,16896"
 SINGLE_GEMMS = ("logits", "stats", "gradient", "dx", "dw")  # each one GEMM of 2 N V_b H flop
-TILE_M, TILE_N = 64, 256  # the fused kernels' default tile (fused_forward.DEFAULT_CONFIG)
 
 
-def tile_waves(tokens: int, width: int, ctas: int) -> tuple[int, float]:
-    """Tiles of the fused kernels over the block, and their waves over ``ctas`` CTAs."""
-    tiles = math.ceil(tokens / TILE_M) * math.ceil(width / TILE_N)
-    return tiles, tiles / ctas
+def tile_waves(tokens: int, width: int, device: torch.device) -> tuple[int, float]:
+    """Tiles of the fused kernels over the block at the device's launch shape
+    (``fused_forward.default_config``), and their waves over the GPU's SMs (one CTA each)."""
+    from flce.backends.cutedsl.fused_forward import default_config
+
+    config = default_config(device.index if device.index is not None else torch.cuda.current_device())
+    tiles = math.ceil(tokens / config.tile_m) * math.ceil(width / config.tile_n)
+    return tiles, tiles / torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def repeated(reps: int, launch) -> Workload:
@@ -118,7 +121,7 @@ def time_width(x: torch.Tensor, width: int, rounds: int, reps: int, heater: Heat
         {name: repeated(reps, launch) for name, launch in kernels.items()}, device, rounds, heater
     )
     ms = {name: statistics.median(t) / reps for name, t in times.items()}
-    tiles, waves = tile_waves(n, width, torch.cuda.get_device_properties(device).multi_processor_count)
+    tiles, waves = tile_waves(n, width, device)
     row = {
         "tokens": n,
         "hidden": h,

@@ -25,6 +25,7 @@ from flce.testing import relative_error
 from tests.backends.cutedsl_gpu import HAS_DSL, block_gradient_reference, needs_dsl, needs_sm90
 
 if HAS_DSL:
+    from flce.backends.cutedsl import fused_forward as ff
     from flce.backends.cutedsl import fused_gradient as fg
 
 K = 3.0
@@ -40,7 +41,14 @@ FLAGS = ("has_bias", "has_softcap", "has_smoothing", "has_z_grad")
 def test_every_feature_key_compiles(dtype, flags):
     # V_b = 8016: a block of V = 128256 in 16 (not a multiple of the 256-column tile).
     key = fg.FusedGradientKey(dtype, 8016, 4096, True, *(flag in flags for flag in FLAGS))
-    assert fg.compile_fused_gradient(key) is not None
+    assert fg.compile_fused_gradient(key, ff.PINGPONG_CONFIG) is not None
+
+
+@needs_dsl
+def test_the_cooperative_launch_shape_compiles():
+    # The shape default_config gives a GPU without HBM3e (an H100), with every feature.
+    key = fg.FusedGradientKey(torch.bfloat16, 8016, 4096, True, *(True for _ in FLAGS))
+    assert fg.compile_fused_gradient(key, ff.COOPERATIVE_CONFIG) is not None
 
 
 # ---------------------------------------------------------------------- GPU
@@ -64,6 +72,20 @@ CASES = [
 @pytest.mark.parametrize("flags", [(), FLAGS, ("has_softcap",), ("has_smoothing", "has_z_grad")], ids=str)
 @pytest.mark.parametrize("shape", CASES, ids=str)
 def test_gpu_block_gradient_matches_float64(dtype, flags, shape):
+    check_block_gradient(dtype, flags, shape)
+
+
+@needs_sm90
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["PINGPONG_CONFIG", "COOPERATIVE_CONFIG"])
+@pytest.mark.parametrize("shape", CASES[:2], ids=str)
+def test_gpu_block_gradient_of_each_launch_shape(config, shape):
+    """Both shipped launch shapes, whichever this GPU's default is (``default_config``)."""
+    check_block_gradient(torch.bfloat16, FLAGS, shape, getattr(ff, config))
+
+
+def check_block_gradient(dtype, flags, shape, config=None):
+    """One block's gradient at ``config`` (the device's default: None) against float64."""
     n, v_b, h = shape
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(n + v_b)
@@ -99,7 +121,7 @@ def test_gpu_block_gradient_matches_float64(dtype, flags, shape):
     out = buffer[:n, :v_b]
     out.fill_(float("nan"))
     coefs = gradient_coefficients(w_y, lse, row_scale, scalars, eps)
-    fg.fused_block_gradient(x, w, b, out, y, lse, inv_sum, *coefs, scalars.weight_sum, softcap)
+    fg.fused_block_gradient(x, w, b, out, y, lse, inv_sum, *coefs, scalars.weight_sum, softcap, config=config)
 
     want = block_gradient_reference(
         torch.where((y >= 0)[:, None], z64, 0.0),

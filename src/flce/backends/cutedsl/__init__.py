@@ -25,11 +25,12 @@ MIN_CAPABILITY = (9, 0)
 INSTALL_HINT = "pip install 'flce[cutedsl]'"
 FUSED_FORWARD_BLOCK_K = 64  # fused_forward.BLOCK_K, without importing cutlass
 FUSED_FORWARD_MAX_VOCAB = (2**31 - 1) // 2  # the kernel's int32 column indices
-# The fused kernel's default launch shape (fused_forward.DEFAULT_CONFIG: 64 x 256 tiles in
-# clusters of two along M) and the budget of its per-tile statistics (its
-# DEFAULT_WORKSPACE_BYTES), for the memory model without importing cutlass.
+# The fused kernel's launch shapes (fused_forward.default_config: 256-column tiles, in
+# clusters of two along M of 64-row ping-pong or 128-row cooperative tiles: 128 or 256 rows;
+# a launch covers a multiple of 256 rows on both) and the budget of its per-tile statistics
+# (its DEFAULT_WORKSPACE_BYTES), for the memory model without importing cutlass.
 FUSED_FORWARD_TILE_N = 256
-FUSED_FORWARD_CLUSTER_ROWS = 128
+FUSED_FORWARD_CLUSTER_ROWS = 256
 FUSED_FORWARD_WORKSPACE_BYTES = 48 * 1024 * 1024
 
 

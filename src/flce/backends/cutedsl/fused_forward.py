@@ -46,18 +46,23 @@ many rows as fit in ``workspace_bytes``, in whole cluster row blocks (48 MiB by 
 N = 8192 at V = 128256 in one launch), which bounds the peak extra memory by that budget
 plus the O(N) outputs.
 
-Default launch shape (``DEFAULT_CONFIG``): two MMA warpgroups on alternate 64 x 256 tiles
-(ping-pong: one runs its epilogue, an exp per logit, while the other multiplies), clusters
-of two CTAs along M that share each W tile through TMA multicast, so W is read from L2
-once per pair of row blocks; persistent. Measured on an H200 (bf16, H = 4096, N = 8192;
-CUDA events, each call after 100 ms of GEMMs, interleaved with ``torch.mm`` of the same
-logits, median of 12 rounds, 2026-12-02): 0.976x ``torch.mm`` at V = 32000, 1.010x at
-128256, 1.025x at 151936 and 0.998x at 262144, against 1.038x, 1.043x, 1.046x and 1.033x
-for the cooperative 128 x 256 tiles (both warpgroups on one tile, the epilogue stalling
-the tensor cores) that were the default before; with W multicast to 4 CTAs ping-pong took
-1.057x at V = 32000 (``benchmarks/results/fused-forward-gemm-h200/``). Earlier, cold or
-before the kernel's later changes, ping-pong had measured slower (1.068x at V = 128256
-with W multicast to 4 CTAs, against 1.021x for the cooperative tiles, 2026-11-30).
+Launch shape (``default_config``, per GPU): persistent clusters of two CTAs along M that
+share each W tile through TMA multicast, with one of two tilings, each the fastest measured
+on one GPU (bf16, H = 4096, N = 8192; CUDA events, each call after 100 ms of GEMMs,
+interleaved with ``torch.mm`` of the same logits):
+
+- ping-pong (``PINGPONG_CONFIG``): two MMA warpgroups on alternate 64 x 256 tiles, one's
+  epilogue (an exp per logit) under the other's main loop. On an H200, 0.976x ``torch.mm``
+  at V = 32000, 1.010x at 128256, 1.025x at 151936 and 0.998x at 262144, against 1.038x,
+  1.043x, 1.046x and 1.033x for the cooperative tiles (median of 12 rounds, 2026-12-02;
+  with W multicast to 4 CTAs ping-pong took 1.057x at V = 32000,
+  ``benchmarks/results/fused-forward-gemm-h200/``).
+- cooperative (``COOPERATIVE_CONFIG``): both MMA warpgroups on one 128 x 256 tile, the
+  epilogue stalling the tensor cores, but each W tile read once per 256 rows instead of
+  128: half the operand traffic per flop. On an H100 80GB HBM3, 1.037x ``torch.mm`` at
+  V = 32000 and 1.031x at 128256, where ping-pong took 1.286x and 1.299x (median of 6
+  rounds, 2026-12-05, ``benchmarks/results/fused-forward-gemm-h100/``): that GPU's
+  memory (3.35 TB/s against the H200's 4.8) does not feed ping-pong's traffic.
 """
 
 from __future__ import annotations
@@ -76,7 +81,11 @@ import torch
 from cutlass import Float32, Int32, Int64, const_expr
 
 from flce.backends.base import device_guard, softcap_tanh_is_approximate
-from flce.backends.cutedsl import FUSED_FORWARD_WORKSPACE_BYTES, fused_forward_rows_per_launch
+from flce.backends.cutedsl import (
+    FUSED_FORWARD_CLUSTER_ROWS,
+    FUSED_FORWARD_WORKSPACE_BYTES,
+    fused_forward_rows_per_launch,
+)
 from flce.backends.cutedsl.common import (
     LOG2_E,
     NEG_BIG,
@@ -134,7 +143,7 @@ class FusedForwardConfig:
     of the TMA ring (0: as many as fit in shared memory), a ``cluster_m x cluster_n``
     thread-block cluster (CTAs of one cluster column share the W tile through multicast,
     CTAs of one cluster row share the X tile) and whether CTAs are persistent. The field
-    defaults are the plain 1 x 1 cluster shape; ``DEFAULT_CONFIG`` is the measured-best one."""
+    defaults are the plain 1 x 1 cluster shape; ``default_config`` picks the shipped one per GPU."""
 
     tile_m: int = 128
     tile_n: int = 256
@@ -166,12 +175,35 @@ class FusedForwardConfig:
             raise ValueError(f"pingpong gives each warpgroup a whole tile: tile_m must be 64, got {self.tile_m}")
 
 
-# The fastest shape measured at every vocabulary (module docstring): two MMA warpgroups on
-# alternate 64 x 256 tiles, so one's epilogue (an exp per logit) runs under the other's
-# main loop instead of stalling the tensor cores; each W tile multicast to the two CTAs of
-# an M cluster, which halves the reads of W, the larger operand of the tile; persistent CTAs
-# load a tile's operands under the last one's epilogue.
-DEFAULT_CONFIG = FusedForwardConfig(tile_m=64, cluster_m=2, pingpong=True)
+# The two launch shapes of the module docstring. Ping-pong: two MMA warpgroups on alternate
+# 64 x 256 tiles, so one's epilogue (an exp per logit) runs under the other's main loop
+# instead of stalling the tensor cores; each W tile multicast to the two CTAs of an M
+# cluster, which halves the reads of W, the larger operand of the tile; persistent CTAs load
+# a tile's operands under the last one's epilogue.
+PINGPONG_CONFIG = FusedForwardConfig(tile_m=64, cluster_m=2, pingpong=True)
+# Cooperative: both MMA warpgroups on one 128 x 256 tile in the same clusters: the epilogue
+# stalls the tensor cores, but each W tile serves 256 rows, half ping-pong's reads per flop.
+COOPERATIVE_CONFIG = FusedForwardConfig(cluster_m=2)
+# Hopper GPUs with HBM3e (H200 141 GB, GH200 144 GB; 4.8-4.9 TB/s) have more memory than
+# this, those with HBM3 (H100 80 and 94 GB, H800, H20 and GH200 96 GB; at most 4 TB/s) less.
+HBM3E_MIN_MEMORY_BYTES = 120 * 2**30
+
+
+def launch_shape_for_memory(total_memory_bytes: int) -> FusedForwardConfig:
+    """Ping-pong on a GPU with HBM3e's bandwidth, cooperative otherwise (module docstring).
+
+    Ping-pong won by 2.0-6.4% on an H200 and lost by 24-26% on an H100 80GB, whose GEMMs are
+    as fast but whose memory is 30% slower: the cooperative shape costs little where
+    ping-pong wins and saves a quarter where it loses, so a GPU not known to have the
+    bandwidth gets it. The memory's size tells the two kinds of Hopper parts apart
+    (``HBM3E_MIN_MEMORY_BYTES``)."""
+    return PINGPONG_CONFIG if total_memory_bytes >= HBM3E_MIN_MEMORY_BYTES else COOPERATIVE_CONFIG
+
+
+@cache
+def default_config(device_index: int) -> FusedForwardConfig:
+    """The launch shape of the fused kernels (this one and ``fused_gradient``'s) on a CUDA device."""
+    return launch_shape_for_memory(torch.cuda.get_device_properties(device_index).total_memory)
 
 
 def _stage_bytes(config: FusedForwardConfig, esize: int) -> int:
@@ -756,7 +788,7 @@ class FusedForwardKernel:
 
 
 # ---------------------------------------------------------------------- host wrapper
-def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig = DEFAULT_CONFIG):
+def compile_fused_forward(key: FusedForwardKey, config: FusedForwardConfig):
     """The compiled kernel for ``key`` and ``config`` (cached); the row count is a runtime
     argument, so one compilation serves every N. Compiles for the current device, or for
     ``CUTE_DSL_ARCH`` (e.g. ``sm_90a``) where there is none."""
@@ -863,7 +895,9 @@ def rows_per_launch(
         vocab,
         with_logit_sum,
         tile_n=config.tile_n,
-        cluster_rows=config.tile_m * config.cluster_m,
+        # Whole cluster row blocks of this shape, and of FUSED_FORWARD_CLUSTER_ROWS, the
+        # memory model's granule (a multiple of both shipped shapes' blocks).
+        cluster_rows=math.lcm(config.tile_m * config.cluster_m, FUSED_FORWARD_CLUSTER_ROWS),
         workspace_bytes=workspace_bytes,
     )
 
@@ -930,8 +964,8 @@ def fused_forward_statistics(
     - ``predicted`` (N,) int64: argmax of z' (first index wins ties),
     - ``logit_sum`` (N,) fp32, only with ``with_logit_sum``: sum of z' over the vocabulary.
 
-    ``config`` defaults to ``DEFAULT_CONFIG`` (ping-pong warpgroups on 64 x 256 tiles,
-    ``cluster_m = 2``, persistent: the fastest measured, see the module docstring). Runs on
+    ``config`` defaults to the device's ``default_config`` (the fastest measured there, see
+    the module docstring). Runs on
     the current CUDA stream, with no host synchronisation. ``check=False`` skips the
     argument checks, for callers whose operands already passed them (the backend's
     ``loss_only`` slot, ``prechecked_fused_forward_statistics``: the driver's operands
@@ -947,13 +981,15 @@ def fused_forward_statistics(
         _validate(input, weight, target, bias, softcap)
     num_rows, hidden = input.shape
     vocab = weight.shape[0]
-    config = DEFAULT_CONFIG if config is None else config
     dev = input.device
     # The GEMM's epilogue writes each row's target logit (0 outside [0, V)): no fill needed.
     target_logit = torch.empty(num_rows, dtype=torch.float32, device=dev)
     if num_rows == 0:
-        config.validate()
+        if config is not None:
+            config.validate()
         return _combined_outputs(target_logit, with_logit_sum)
+    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    config = default_config(device_index) if config is None else config
     key = FusedForwardKey(
         dtype=input.dtype,
         vocab=vocab,
@@ -963,7 +999,6 @@ def fused_forward_statistics(
         has_softcap=softcap is not None,
         with_logit_sum=bool(with_logit_sum),
     )
-    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
     launch = fused_forward_launch(key, config, num_rows, workspace_bytes, device_index)
     bias32 = None if bias is None else bias.to(torch.float32).contiguous()
     target = target.contiguous()

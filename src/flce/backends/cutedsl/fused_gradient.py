@@ -1,7 +1,7 @@
 """A vocabulary block's gradient from one GEMM (Hopper, CuTe DSL): the fused forward GEMM's
-main loop (``fused_forward.FusedForwardKernel``: TMA ring, ping-pong WGMMA warpgroups,
-persistent clusters) with an epilogue that turns each logits tile into its gradient and
-writes that, instead of reducing it to statistics.
+main loop (``fused_forward.FusedForwardKernel``: TMA ring, WGMMA warpgroups, persistent
+clusters, the launch shape of ``fused_forward.default_config``) with an epilogue that turns
+each logits tile into its gradient and writes that, instead of reducing it to statistics.
 
 The vocabulary-block scheme's second pass (``flce.driver.vocab_blocks``) needs, per block
 ``[v0, v1)`` of the vocabulary, ``G = dL/dz`` over the block's columns for the dX and dW
@@ -64,12 +64,12 @@ from flce.backends.cutedsl.common import (
     softcapped,
 )
 from flce.backends.cutedsl.fused_forward import (
-    DEFAULT_CONFIG,
     WGMMA_DTYPES,
     FusedForwardConfig,
     FusedForwardKernel,
     acc_mn_view,
     clusters_to_launch,
+    default_config,
 )
 
 
@@ -210,7 +210,7 @@ class FusedGradientKernel(FusedForwardKernel):
                                 mOut[row, col - 1] = pair[0]
 
 
-def compile_fused_gradient(key: FusedGradientKey, config: FusedForwardConfig = DEFAULT_CONFIG):
+def compile_fused_gradient(key: FusedGradientKey, config: FusedForwardConfig):
     """The compiled kernel for ``key`` and ``config`` (cached; rows are dynamic)."""
     return compile_cached((FusedGradientKernel, key, config), lambda: _build(key, config))
 
@@ -277,7 +277,6 @@ def fused_block_gradient(
             "fused_block_gradient: out must have unit stride along the block, an even row stride and a "
             f"4-byte aligned start (the driver's block buffer has), got strides {tuple(out.stride())}"
         )
-    config = DEFAULT_CONFIG if config is None else config
     if not input.is_contiguous() or input.data_ptr() % 16:
         input = input.clone(memory_format=torch.contiguous_format)  # TMA needs it; small next to the block
     key = FusedGradientKey(
@@ -291,7 +290,9 @@ def fused_block_gradient(
         has_z_grad=z_coef is not None,
     )
     dev = input.device
-    launch, max_clusters = _launch_of(key, config, dev.index if dev.index is not None else torch.cuda.current_device())
+    device_index = dev.index if dev.index is not None else torch.cuda.current_device()
+    config = default_config(device_index) if config is None else config
+    launch, max_clusters = _launch_of(key, config, device_index)
     dtype = WGMMA_DTYPES[input.dtype]
     c = float(softcap) if softcap is not None else 1.0
     target_t = Int64 if key.target_int64 else Int32
