@@ -44,14 +44,11 @@ DEFAULT_WIDTHS = "7936,8016,8192,8448,16032,16896"
 SINGLE_GEMMS = ("logits", "stats", "gradient", "dx", "dw")  # each one GEMM of 2 N V_b H flop
 
 
-def tile_waves(tokens: int, width: int, device: torch.device) -> tuple[int, float]:
-    """Tiles of the fused kernels over the block at the device's launch shape
-    (``fused_forward.default_config``), and their waves over the GPU's SMs (one CTA each)."""
-    from flce.backends.cutedsl.fused_forward import default_config
-
-    config = default_config(device.index if device.index is not None else torch.cuda.current_device())
-    tiles = math.ceil(tokens / config.tile_m) * math.ceil(width / config.tile_n)
-    return tiles, tiles / torch.cuda.get_device_properties(device).multi_processor_count
+def tile_waves(tokens: int, width: int, ctas: int, tile_m: int = 64, tile_n: int = 256) -> tuple[int, float]:
+    """Tiles of the fused kernels over the block (``tile_m x tile_n``: the launch shape of
+    ``fused_forward.default_config`` on the GPU), and their waves over ``ctas`` CTAs."""
+    tiles = math.ceil(tokens / tile_m) * math.ceil(width / tile_n)
+    return tiles, tiles / ctas
 
 
 def repeated(reps: int, launch) -> Workload:
@@ -64,7 +61,7 @@ def repeated(reps: int, launch) -> Workload:
 
 def time_width(x: torch.Tensor, width: int, rounds: int, reps: int, heater: Heater, gen: torch.Generator) -> dict:
     """The kernels of one block of ``width`` columns (module docstring), timed interleaved."""
-    from flce.backends.cutedsl.fused_forward import fused_forward_statistics
+    from flce.backends.cutedsl.fused_forward import default_config, fused_forward_statistics
     from flce.backends.cutedsl.fused_gradient import fused_block_gradient
 
     device = x.device
@@ -121,7 +118,9 @@ def time_width(x: torch.Tensor, width: int, rounds: int, reps: int, heater: Heat
         {name: repeated(reps, launch) for name, launch in kernels.items()}, device, rounds, heater
     )
     ms = {name: statistics.median(t) / reps for name, t in times.items()}
-    tiles, waves = tile_waves(n, width, device)
+    config = default_config(device.index if device.index is not None else torch.cuda.current_device())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    tiles, waves = tile_waves(n, width, sms, config.tile_m, config.tile_n)
     row = {
         "tokens": n,
         "hidden": h,

@@ -48,12 +48,13 @@ def test_the_command_line_is_restored_after_a_compile_even_one_that_raises(monke
 def test_a_kernel_compiles_under_a_command_line_the_dsl_would_exit_on(monkeypatch):
     # A key no other test compiles, so that this compile really runs.
     assert HAS_DSL
+    from flce.backends.cutedsl import fused_forward as ff
     from flce.backends.cutedsl import fused_gradient as fg
 
     argv = ["train.py", "--h", "4096", "--he"]
     monkeypatch.setattr(sys, "argv", argv)
     key = fg.FusedGradientKey(torch.bfloat16, 520, 192, False, False, False, False, False)
-    assert fg.compile_fused_gradient(key) is not None  # before: the DSL's usage, then SystemExit
+    assert fg.compile_fused_gradient(key, ff.COOPERATIVE_CONFIG) is not None  # before: the DSL's usage, then SystemExit
     assert sys.argv is argv
 
 
