@@ -824,7 +824,7 @@ def test_gpu_the_workspace_formula_is_what_the_kernel_allocates(n, vocab, with_l
 
     for config in (fused_forward.PINGPONG_CONFIG, fused_forward.COOPERATIVE_CONFIG):
         assert config.tile_n == cutedsl.FUSED_FORWARD_TILE_N
-        assert cutedsl.FUSED_FORWARD_CLUSTER_ROWS % (config.tile_m * config.cluster_m) == 0
+        assert cutedsl.FUSED_FORWARD_LAUNCH_ROWS_MULTIPLE % (config.tile_m * config.cluster_m) == 0
     x = torch.randn(n, 128, device=CUDA, dtype=BF16)
     w = torch.randn(vocab, 128, device=CUDA, dtype=BF16)
     b = torch.randn(vocab, device=CUDA, dtype=BF16) if bias else None

@@ -30,7 +30,7 @@ FUSED_FORWARD_MAX_VOCAB = (2**31 - 1) // 2  # the kernel's int32 column indices
 # a launch covers a multiple of 256 rows on both) and the budget of its per-tile statistics
 # (its DEFAULT_WORKSPACE_BYTES), for the memory model without importing cutlass.
 FUSED_FORWARD_TILE_N = 256
-FUSED_FORWARD_CLUSTER_ROWS = 256
+FUSED_FORWARD_LAUNCH_ROWS_MULTIPLE = 256
 FUSED_FORWARD_WORKSPACE_BYTES = 48 * 1024 * 1024
 
 
@@ -78,14 +78,14 @@ def fused_forward_rows_per_launch(
     with_logit_sum: bool,
     *,
     tile_n: int = FUSED_FORWARD_TILE_N,
-    cluster_rows: int = FUSED_FORWARD_CLUSTER_ROWS,
+    rows_multiple: int = FUSED_FORWARD_LAUNCH_ROWS_MULTIPLE,
     workspace_bytes: int = FUSED_FORWARD_WORKSPACE_BYTES,
 ) -> int:
     """Rows one launch of the fused kernel covers: as many as keep its (T, rows) tile
-    statistics (T = ceil(V / tile_n)) within ``workspace_bytes``, in whole cluster row
-    blocks, at least one block."""
+    statistics (T = ceil(V / tile_n)) within ``workspace_bytes``, a multiple of
+    ``rows_multiple`` (whole cluster row blocks), at least one multiple."""
     per_row = -(-vocab // tile_n) * _tile_statistics_bytes(with_logit_sum)
-    rows = max(cluster_rows, workspace_bytes // per_row // cluster_rows * cluster_rows)
+    rows = max(rows_multiple, workspace_bytes // per_row // rows_multiple * rows_multiple)
     return min(rows, num_rows)
 
 

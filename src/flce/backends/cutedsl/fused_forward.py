@@ -82,7 +82,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 
 from flce.backends.base import device_guard, softcap_tanh_is_approximate
 from flce.backends.cutedsl import (
-    FUSED_FORWARD_CLUSTER_ROWS,
+    FUSED_FORWARD_LAUNCH_ROWS_MULTIPLE,
     FUSED_FORWARD_WORKSPACE_BYTES,
     fused_forward_rows_per_launch,
 )
@@ -895,9 +895,9 @@ def rows_per_launch(
         vocab,
         with_logit_sum,
         tile_n=config.tile_n,
-        # Whole cluster row blocks of this shape, and of FUSED_FORWARD_CLUSTER_ROWS, the
-        # memory model's granule (a multiple of both shipped shapes' blocks).
-        cluster_rows=math.lcm(config.tile_m * config.cluster_m, FUSED_FORWARD_CLUSTER_ROWS),
+        # Whole cluster row blocks of this shape, in the memory model's multiple (one of
+        # both shipped shapes' blocks).
+        rows_multiple=math.lcm(config.tile_m * config.cluster_m, FUSED_FORWARD_LAUNCH_ROWS_MULTIPLE),
         workspace_bytes=workspace_bytes,
     )
 
